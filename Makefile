@@ -1,0 +1,33 @@
+# Two commands on a fresh machine with Python 3.11 and a C compiler:
+#   make demo   -- set everything up and run the demo job end to end
+#   make test   -- set everything up and run the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.overlord-installed
+# CPU machines take the CPU wheel; set TORCH_SPEC= to keep an existing (CUDA) torch.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test install clean bench
+
+$(STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringmodule.c
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=23" setuptools wheel
+	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
+	$(BIN)/python -m pip install -q -e '.[torch,test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/overlord demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	$(BIN)/python bench/ring.py --json
+	$(BIN)/python bench/memory.py --sources 300 --ranks 8 --workers 4 --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info demo-data

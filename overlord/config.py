@@ -1,0 +1,307 @@
+"""Typed job configuration: `Job`, `Source`, `Mesh`, `BatchSpec`.
+
+A job is declared in Python (the trainer) or YAML/JSON (the sidecar) and validated on
+construction, so a bad field fails at start with a message that names the field and says
+what to change. Configs cross process boundaries as JSON (`Job.to_dict` /
+`Job.from_dict`), never as pickles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from overlord.errors import ConfigError
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
+FORMATS = ("parquet",)
+ON_ERROR = ("raise", "skip")
+
+
+def _check_name(kind: str, value: str) -> None:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ConfigError(
+            f"{kind} {value!r} is not a valid name; use 1-48 characters from "
+            "letters, digits, '_' and '-' (it appears in Redis keys and shm names)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Source:
+    """One data source: a set of files read by its Source Loader(s).
+
+    Attributes:
+        name: unique name; appears in sample keys, Redis keys, logs and metrics.
+        paths: files or glob patterns (expanded and sorted at load time).
+        format: file format; only "parquet" today.
+        transform: sample transform as "module:callable" (see overlord.transforms).
+        weight: mixing weight (relative; weights of a job need not sum to 1).
+        columns: columns to read; None reads every column.
+        shuffle_window: rows shuffled together inside the source's order (bounded memory).
+        partitions: how many Source Loaders split this source's row groups.
+        on_error: "raise" stops the job on a bad row; "skip" drops it and counts it.
+    """
+
+    name: str
+    paths: tuple[str, ...]
+    format: str = "parquet"
+    transform: str = "overlord.transforms:text"
+    weight: float = 1.0
+    columns: tuple[str, ...] | None = None
+    shuffle_window: int = 256
+    partitions: int = 1
+    on_error: str = "raise"
+
+    def __post_init__(self) -> None:
+        _check_name("Source.name", self.name)
+        where = f"source {self.name!r}"
+        if isinstance(self.paths, str):
+            object.__setattr__(self, "paths", (self.paths,))
+        else:
+            object.__setattr__(self, "paths", tuple(str(p) for p in self.paths))
+        if not self.paths:
+            raise ConfigError(f"{where}: Source.paths is empty; give at least one file or glob")
+        if self.format not in FORMATS:
+            raise ConfigError(f"{where}: Source.format={self.format!r}; supported: {FORMATS}")
+        if not isinstance(self.transform, str) or ":" not in self.transform:
+            raise ConfigError(
+                f"{where}: Source.transform={self.transform!r} must be 'module:callable', "
+                "e.g. 'overlord.transforms:text'"
+            )
+        if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight) or self.weight < 0:
+            raise ConfigError(f"{where}: Source.weight={self.weight!r} must be a finite number >= 0")
+        if self.columns is not None:
+            object.__setattr__(self, "columns", tuple(self.columns))
+        if not isinstance(self.shuffle_window, int) or self.shuffle_window < 1:
+            raise ConfigError(f"{where}: Source.shuffle_window={self.shuffle_window!r} must be an int >= 1")
+        if not isinstance(self.partitions, int) or self.partitions < 1:
+            raise ConfigError(f"{where}: Source.partitions={self.partitions!r} must be an int >= 1")
+        if self.on_error not in ON_ERROR:
+            raise ConfigError(f"{where}: Source.on_error={self.on_error!r}; use one of {ON_ERROR}")
+
+    def files(self) -> list[str]:
+        """Expand `paths` (globs) into a sorted list of existing files.
+
+        Raises:
+            SourceReadError: a path or glob matches no file.
+        """
+        from overlord.errors import SourceReadError
+
+        out: list[str] = []
+        for pattern in self.paths:
+            hits = sorted(glob.glob(os.path.expanduser(pattern)))
+            if not hits:
+                raise SourceReadError(
+                    f"source {self.name!r}: path {pattern!r} matches no file; "
+                    "fix Source.paths or create the file"
+                )
+            out.extend(hits)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mesh:
+    """The trainer's device mesh. Rank order is dp-major, tp fastest (Megatron's)."""
+
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in ("dp", "pp", "cp", "tp"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Mesh.{axis}={value!r} must be an int >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank: {"dp", "pp", "cp", "tp"}."""
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is outside the mesh (world size {self.world_size})")
+        tp = rank % self.tp
+        cp = (rank // self.tp) % self.cp
+        pp = (rank // (self.tp * self.cp)) % self.pp
+        dp = rank // (self.tp * self.cp * self.pp)
+        return {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+
+    def ranks_of_dp(self, dp: int) -> list[int]:
+        """Global ranks that consume data-parallel group `dp`'s batches."""
+        per = self.pp * self.cp * self.tp
+        return list(range(dp * per, (dp + 1) * per))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchSpec:
+    """What one step delivers.
+
+    Attributes:
+        global_batch: samples per step across all data-parallel groups.
+        micro_batches: micro-batches per step per data-parallel group.
+        context_length: tokens per packed row (and the truncation length).
+        packing: pack several documents per row (cu_seqlens) instead of one padded row each.
+        ring_bytes: capacity of each client's shared-memory ring.
+        drop_last: drop a final partial step at the end of the last epoch.
+    """
+
+    global_batch: int = 32
+    micro_batches: int = 1
+    context_length: int = 2048
+    packing: bool = True
+    ring_bytes: int = 16 << 20
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batches", "context_length", "ring_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"BatchSpec.{name}={value!r} must be an int >= 1")
+        if self.ring_bytes < 1 << 16:
+            raise ConfigError(f"BatchSpec.ring_bytes={self.ring_bytes} is below 64 KiB; raise it")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """A training job's data: its sources, the trainer mesh, the batch and the runtime.
+
+    Attributes:
+        name: job name; the Redis key prefix and shm names carry it.
+        sources: the data sources (names unique).
+        mesh: trainer mesh; its world size must match the trainer's WORLD_SIZE.
+        batch: what each step delivers.
+        seed: job seed; with the step it fixes every batch's bytes.
+        epochs: stop after this many passes over every source; None runs forever.
+        redis_url: external Redis (redis://, rediss://, unix://); None starts an embedded one.
+        run_dir: where the sidecar keeps its socket, logs and embedded Redis data.
+        loader_processes: processes hosting Source Loaders (the CPU budget); None picks.
+        buffer_samples: bound of each Source Loader's read buffer, in samples.
+        sample_ring_bytes: capacity of each ring from a loader process to a Data Constructor.
+        plan_ahead: how many steps the Planner may run ahead of the slowest constructor.
+        timeout_s: longest wait anywhere before an error is raised.
+        node: this node's id (shm names, membership).
+    """
+
+    name: str
+    sources: tuple[Source, ...]
+    mesh: Mesh = field(default_factory=Mesh)
+    batch: BatchSpec = field(default_factory=BatchSpec)
+    seed: int = 0
+    epochs: int | None = None
+    redis_url: str | None = None
+    run_dir: str | None = None
+    loader_processes: int | None = None
+    buffer_samples: int = 512
+    sample_ring_bytes: int = 8 << 20
+    plan_ahead: int = 4
+    timeout_s: float = 60.0
+    node: str = "node0"
+
+    def __post_init__(self) -> None:
+        _check_name("Job.name", self.name)
+        _check_name("Job.node", self.node)
+        object.__setattr__(self, "sources", tuple(self.sources))
+        if not self.sources:
+            raise ConfigError("Job.sources is empty; declare at least one Source")
+        names = [s.name for s in self.sources]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"Job.sources has duplicate names {dupes}; source names must be unique")
+        if sum(s.weight for s in self.sources) <= 0:
+            raise ConfigError("Job.sources weights sum to 0; give at least one source a weight > 0")
+        if self.batch.global_batch % self.mesh.dp:
+            raise ConfigError(
+                f"BatchSpec.global_batch={self.batch.global_batch} is not divisible by "
+                f"Mesh.dp={self.mesh.dp}; make it a multiple of dp"
+            )
+        if self.epochs is not None and (not isinstance(self.epochs, int) or self.epochs < 1):
+            raise ConfigError(f"Job.epochs={self.epochs!r} must be None (forever) or an int >= 1")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(
+                f"Job.redis_url={self.redis_url!r} must start with redis://, rediss:// or unix://, "
+                "or be null to start an embedded redis-server"
+            )
+        if self.loader_processes is not None and self.loader_processes < 1:
+            raise ConfigError(f"Job.loader_processes={self.loader_processes!r} must be >= 1 or null")
+        if self.sample_ring_bytes < 1 << 16:
+            raise ConfigError(f"Job.sample_ring_bytes={self.sample_ring_bytes} is below 64 KiB; raise it")
+        if self.buffer_samples < 1 or self.plan_ahead < 1 or self.timeout_s <= 0:
+            raise ConfigError("Job.buffer_samples, Job.plan_ahead and Job.timeout_s must be positive")
+
+    # -- where things live -------------------------------------------------------------
+
+    @property
+    def run_path(self) -> Path:
+        """The job's run directory (socket, logs, embedded Redis data), private (0700)."""
+        if self.run_dir:
+            return Path(self.run_dir)
+        base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/overlord-{os.getuid()}"
+        return Path(base) / self.name
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse a trainer world that does not match the mesh."""
+        if world_size != self.mesh.world_size:
+            raise ConfigError(
+                f"trainer WORLD_SIZE={world_size} does not match the mesh "
+                f"dp*pp*cp*tp={self.mesh.dp}*{self.mesh.pp}*{self.mesh.cp}*{self.mesh.tp}"
+                f"={self.mesh.world_size}; fix Job.mesh"
+            )
+
+    # -- (de)serialisation -------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Job":
+        """Build a Job from plain data (YAML/JSON), refusing unknown keys by name."""
+        data = dict(_checked_keys(cls, data, "job"))
+        try:
+            data["sources"] = tuple(
+                Source(**_checked_keys(Source, s, f"sources[{i}]")) for i, s in enumerate(data.get("sources") or ())
+            )
+            if "mesh" in data:
+                data["mesh"] = Mesh(**_checked_keys(Mesh, data["mesh"] or {}, "mesh"))
+            if "batch" in data:
+                data["batch"] = BatchSpec(**_checked_keys(BatchSpec, data["batch"] or {}, "batch"))
+            return cls(**data)
+        except TypeError as exc:  # a missing required field
+            raise ConfigError(f"job config: {exc}") from None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Job":
+        """Load a job from a YAML or JSON file."""
+        import yaml
+
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML/JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping with 'name' and 'sources'")
+        if "job" in data and len(data) == 1:
+            data = data["job"]
+        return cls.from_dict(data)
+
+
+def _checked_keys(cls: type, data: Any, where: str) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown} for {cls.__name__}; known keys: {sorted(known)}")
+    return dict(data)
