@@ -1,0 +1,333 @@
+/*
+ * Overlord shared-memory ring: the protocol. See ring.h for the byte layout.
+ *
+ * Invariants kept here:
+ *   - tail <= head <= tail + capacity (counters only grow);
+ *   - [tail, head) holds whole records, each contiguous in the data area;
+ *   - only the producer stores head, only the consumer stores tail;
+ *   - a sleeper is always woken: publish, then bump seq, then check waiters.
+ */
+#define _GNU_SOURCE
+#include "ring.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+static inline uint64_t align8(uint64_t n) {
+    return (n + (OVL_RING_ALIGN - 1)) & ~(uint64_t)(OVL_RING_ALIGN - 1);
+}
+
+static inline uint64_t record_span(uint64_t len) { return align8(OVL_RING_RECORD_HEADER + len); }
+
+/* Sleep while *word == expected, at most timeout_ns (< 0: no limit). Not FUTEX_PRIVATE:
+ * the word lives in a MAP_SHARED mapping and the waker is another process. */
+static int futex_wait(_Atomic uint32_t *word, uint32_t expected, int64_t timeout_ns) {
+    struct timespec ts;
+    struct timespec *tsp = NULL;
+    if (timeout_ns >= 0) {
+        ts.tv_sec = (time_t)(timeout_ns / 1000000000);
+        ts.tv_nsec = (long)(timeout_ns % 1000000000);
+        tsp = &ts;
+    }
+    long rc = syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, expected, tsp, NULL, 0);
+    if (rc == -1 && errno == ETIMEDOUT) {
+        return OVL_ETIMEDOUT;
+    }
+    /* Woken, value already changed (EAGAIN) or a signal (EINTR): the caller re-checks. */
+    return OVL_OK;
+}
+
+static void futex_wake_all(_Atomic uint32_t *word) {
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Publish side of the wake-up handshake; the seq bump is unconditional so a waiter
+ * that snapshotted seq before our publish never sleeps past it. */
+static void notify(_Atomic uint32_t *seq, _Atomic uint32_t *waiters) {
+    atomic_fetch_add_explicit(seq, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(waiters, memory_order_seq_cst) != 0) {
+        futex_wake_all(seq);
+    }
+}
+
+uint64_t ovl_ring_segment_size(uint64_t capacity) { return OVL_RING_HEADER_SIZE + capacity; }
+
+uint64_t ovl_ring_round_capacity(uint64_t requested) {
+    if (requested > OVL_RING_MAX_CAPACITY) {
+        return 0;
+    }
+    uint64_t cap = OVL_RING_MIN_CAPACITY;
+    while (cap < requested) {
+        cap <<= 1;
+    }
+    return cap;
+}
+
+static int capacity_ok(uint64_t cap) {
+    return cap >= OVL_RING_MIN_CAPACITY && cap <= OVL_RING_MAX_CAPACITY && (cap & (cap - 1)) == 0;
+}
+
+int ovl_ring_init(void *base, uint64_t len, uint64_t capacity, int32_t creator_pid,
+                  uint64_t creator_pidns, uint64_t creator_start) {
+    if (!capacity_ok(capacity) || len < ovl_ring_segment_size(capacity)) {
+        return OVL_ESIZE;
+    }
+    ovl_ring_header *h = (ovl_ring_header *)base;
+    memset(h, 0, sizeof(*h));
+    h->version = OVL_RING_VERSION;
+    h->header_size = OVL_RING_HEADER_SIZE;
+    h->capacity = capacity;
+    h->creator_pid = creator_pid;
+    h->creator_pidns = creator_pidns;
+    h->creator_start = creator_start;
+    /* Last, with release: an attacher that sees the magic sees every field above. */
+    atomic_store_explicit(&h->magic, OVL_RING_MAGIC, memory_order_release);
+    return OVL_OK;
+}
+
+int ovl_ring_check(const void *base, uint64_t len) {
+    if (len < OVL_RING_HEADER_SIZE) {
+        return OVL_EUNINIT; /* the creator has not sized the segment yet */
+    }
+    ovl_ring_header *h = (ovl_ring_header *)base;
+    uint64_t magic = atomic_load_explicit(&h->magic, memory_order_acquire);
+    if (magic == 0) {
+        return OVL_EUNINIT;
+    }
+    if (magic != OVL_RING_MAGIC) {
+        return OVL_EMAGIC;
+    }
+    if (h->version != OVL_RING_VERSION || h->header_size != OVL_RING_HEADER_SIZE) {
+        return OVL_EVERSION;
+    }
+    if (!capacity_ok(h->capacity) || len < ovl_ring_segment_size(h->capacity)) {
+        return OVL_ESIZE;
+    }
+    return OVL_OK;
+}
+
+int ovl_ring_open(ovl_ring *r, void *base, uint64_t len) {
+    int rc = ovl_ring_check(base, len);
+    if (rc != OVL_OK) {
+        return rc;
+    }
+    memset(r, 0, sizeof(*r));
+    r->hdr = (ovl_ring_header *)base;
+    r->data = (uint8_t *)base + OVL_RING_HEADER_SIZE;
+    r->capacity = r->hdr->capacity;
+    r->mask = r->capacity - 1;
+    return OVL_OK;
+}
+
+uint64_t ovl_ring_max_record(const ovl_ring *r) {
+    uint64_t max = r->capacity - OVL_RING_RECORD_HEADER;
+    return max > UINT32_MAX ? UINT32_MAX : max;
+}
+
+/* ---------------------------------------------------------------- producer */
+
+/* Bytes the producer must see free before try_reserve can make progress: the record
+ * itself, or, if it would straddle the end, the padding up to the end. */
+static uint64_t space_needed(const ovl_ring *r, uint64_t head, uint64_t span) {
+    uint64_t contig = r->capacity - (head & r->mask);
+    return span <= contig ? span : contig;
+}
+
+int ovl_ring_try_reserve(ovl_ring *r, uint64_t len, uint64_t *offset) {
+    r->reserved = 0; /* an uncommitted reservation was never published: dropping it is safe */
+    if (len > ovl_ring_max_record(r)) {
+        return OVL_ETOOBIG;
+    }
+    if (atomic_load_explicit(&r->hdr->closed, memory_order_relaxed)) {
+        return OVL_ECLOSED;
+    }
+    uint64_t span = record_span(len);
+    uint64_t head = atomic_load_explicit(&r->hdr->head, memory_order_relaxed);
+    uint64_t tail = atomic_load_explicit(&r->hdr->tail, memory_order_acquire);
+    uint64_t pos = head & r->mask;
+    uint64_t contig = r->capacity - pos;
+    if (span > contig) {
+        if (head + contig - tail > r->capacity) {
+            return OVL_EAGAIN;
+        }
+        /* Pad to the end so the record starts at data offset 0 and stays contiguous. */
+        uint32_t wrap[2] = {(uint32_t)(contig - OVL_RING_RECORD_HEADER), OVL_RING_FLAG_WRAP};
+        memcpy(r->data + pos, wrap, sizeof(wrap));
+        head += contig;
+        atomic_store_explicit(&r->hdr->head, head, memory_order_release);
+        notify(&r->hdr->data_seq, &r->hdr->data_waiters);
+        pos = 0;
+    }
+    if (head + span - tail > r->capacity) {
+        return OVL_EAGAIN;
+    }
+    r->reserved = 1;
+    r->res_pos = head;
+    r->res_len = len;
+    *offset = OVL_RING_HEADER_SIZE + pos + OVL_RING_RECORD_HEADER;
+    return OVL_OK;
+}
+
+int ovl_ring_wait_space(ovl_ring *r, uint64_t len, int64_t timeout_ns) {
+    ovl_ring_header *h = r->hdr;
+    uint64_t span = record_span(len);
+    int rc = OVL_OK;
+    atomic_fetch_add_explicit(&h->space_waiters, 1, memory_order_seq_cst);
+    uint32_t seq = atomic_load_explicit(&h->space_seq, memory_order_seq_cst);
+    uint64_t head = atomic_load_explicit(&h->head, memory_order_relaxed);
+    uint64_t tail = atomic_load_explicit(&h->tail, memory_order_seq_cst);
+    if (r->capacity - (head - tail) < space_needed(r, head, span)) {
+        rc = futex_wait(&h->space_seq, seq, timeout_ns);
+    }
+    atomic_fetch_sub_explicit(&h->space_waiters, 1, memory_order_seq_cst);
+    return rc;
+}
+
+int ovl_ring_commit(ovl_ring *r) {
+    if (!r->reserved) {
+        return OVL_ESTATE;
+    }
+    uint32_t rec[2] = {(uint32_t)r->res_len, 0};
+    memcpy(r->data + (r->res_pos & r->mask), rec, sizeof(rec));
+    r->reserved = 0;
+    atomic_store_explicit(&r->hdr->head, r->res_pos + record_span(r->res_len), memory_order_release);
+    notify(&r->hdr->data_seq, &r->hdr->data_waiters);
+    return OVL_OK;
+}
+
+void ovl_ring_abort(ovl_ring *r) { r->reserved = 0; }
+
+void ovl_ring_close_writer(ovl_ring *r) {
+    atomic_store_explicit(&r->hdr->closed, 1, memory_order_release);
+    notify(&r->hdr->data_seq, &r->hdr->data_waiters);
+}
+
+/* ---------------------------------------------------------------- consumer */
+
+static void advance_tail(ovl_ring *r, uint64_t tail) {
+    atomic_store_explicit(&r->hdr->tail, tail, memory_order_release);
+    notify(&r->hdr->space_seq, &r->hdr->space_waiters);
+}
+
+int ovl_ring_release(ovl_ring *r) {
+    if (!r->reading) {
+        return OVL_ESTATE;
+    }
+    r->reading = 0;
+    advance_tail(r, r->read_pos + r->read_span);
+    return OVL_OK;
+}
+
+int ovl_ring_try_read(ovl_ring *r, uint64_t *offset, uint64_t *len) {
+    ovl_ring_header *h = r->hdr;
+    if (r->reading) {
+        ovl_ring_release(r);
+    }
+    for (;;) {
+        uint64_t tail = atomic_load_explicit(&h->tail, memory_order_relaxed);
+        uint64_t head = atomic_load_explicit(&h->head, memory_order_acquire);
+        if (head == tail) {
+            /* Error before closed: it says why the stream ended. Re-load head after the
+             * flag so a record committed just before close/error is still delivered. */
+            int err = atomic_load_explicit(&h->error_state, memory_order_acquire) == 2;
+            int closed = atomic_load_explicit(&h->closed, memory_order_acquire) != 0;
+            if (!err && !closed) {
+                return OVL_EAGAIN;
+            }
+            if (atomic_load_explicit(&h->head, memory_order_acquire) != tail) {
+                continue;
+            }
+            return err ? OVL_EERROR : OVL_ECLOSED;
+        }
+        if (head - tail > r->capacity || (tail & (OVL_RING_ALIGN - 1)) != 0) {
+            return OVL_ECORRUPT;
+        }
+        uint64_t pos = tail & r->mask;
+        uint64_t contig = r->capacity - pos;
+        uint32_t rec[2];
+        memcpy(rec, r->data + pos, sizeof(rec));
+        if (rec[1] == OVL_RING_FLAG_WRAP) {
+            if (rec[0] != contig - OVL_RING_RECORD_HEADER || head - tail < contig) {
+                return OVL_ECORRUPT;
+            }
+            advance_tail(r, tail + contig);
+            continue;
+        }
+        uint64_t span = record_span(rec[0]);
+        if (rec[1] != 0 || span > contig || span > head - tail) {
+            return OVL_ECORRUPT;
+        }
+        r->reading = 1;
+        r->read_pos = tail;
+        r->read_span = span;
+        *offset = OVL_RING_HEADER_SIZE + pos + OVL_RING_RECORD_HEADER;
+        *len = rec[0];
+        return OVL_OK;
+    }
+}
+
+int ovl_ring_wait_data(ovl_ring *r, int64_t timeout_ns) {
+    ovl_ring_header *h = r->hdr;
+    int rc = OVL_OK;
+    atomic_fetch_add_explicit(&h->data_waiters, 1, memory_order_seq_cst);
+    uint32_t seq = atomic_load_explicit(&h->data_seq, memory_order_seq_cst);
+    uint64_t tail = atomic_load_explicit(&h->tail, memory_order_relaxed);
+    int idle = atomic_load_explicit(&h->head, memory_order_seq_cst) == tail &&
+               atomic_load_explicit(&h->closed, memory_order_seq_cst) == 0 &&
+               atomic_load_explicit(&h->error_state, memory_order_seq_cst) != 2;
+    if (idle) {
+        rc = futex_wait(&h->data_seq, seq, timeout_ns);
+    }
+    atomic_fetch_sub_explicit(&h->data_waiters, 1, memory_order_seq_cst);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- anyone */
+
+int ovl_ring_set_error(ovl_ring *r, const char *msg, uint64_t len) {
+    ovl_ring_header *h = r->hdr;
+    uint32_t expected = 0;
+    /* First error wins: it is the root cause; later ones are usually its consequences. */
+    if (!atomic_compare_exchange_strong_explicit(&h->error_state, &expected, 1, memory_order_acq_rel,
+                                                 memory_order_acquire)) {
+        return OVL_EERROR;
+    }
+    if (len > OVL_RING_ERROR_BYTES - 1) {
+        len = OVL_RING_ERROR_BYTES - 1;
+    }
+    memcpy(h->error_msg, msg, (size_t)len);
+    h->error_msg[len] = '\0';
+    h->error_len = (uint32_t)len;
+    atomic_store_explicit(&h->error_state, 2, memory_order_release);
+    notify(&h->data_seq, &h->data_waiters);
+    notify(&h->space_seq, &h->space_waiters);
+    return OVL_OK;
+}
+
+int64_t ovl_ring_get_error(const ovl_ring *r, const char **msg) {
+    const ovl_ring_header *h = r->hdr;
+    if (atomic_load_explicit(&r->hdr->error_state, memory_order_acquire) != 2) {
+        return -1;
+    }
+    uint32_t len = h->error_len;
+    if (len > OVL_RING_ERROR_BYTES - 1) {
+        len = OVL_RING_ERROR_BYTES - 1; /* never trust shared memory with a length */
+    }
+    *msg = h->error_msg;
+    return len;
+}
+
+int ovl_ring_is_closed(const ovl_ring *r) {
+    return atomic_load_explicit(&r->hdr->closed, memory_order_acquire) != 0;
+}
+
+uint64_t ovl_ring_pending(const ovl_ring *r) {
+    uint64_t tail = atomic_load_explicit(&r->hdr->tail, memory_order_acquire);
+    uint64_t head = atomic_load_explicit(&r->hdr->head, memory_order_acquire);
+    return head - tail;
+}

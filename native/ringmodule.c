@@ -1,0 +1,413 @@
+/*
+ * overlord.shm._ring: thin CPython binding of ring.c.
+ *
+ * Python owns the mapping (an mmap object); a Handle holds one buffer export of it
+ * for as long as it is open, so the memory cannot be unmapped under a C call.
+ * Record payloads are returned as (offset, length) into that mapping; Python slices
+ * its own memoryview, so no record byte is copied here. Waits and large copies
+ * release the GIL. Status codes (ring.h) are returned, not raised, so the Python
+ * side words the errors with the ring's name and pids.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "ring.h"
+
+#include <string.h>
+
+/* Below this a copy is faster than the GIL round trip. */
+#define GIL_RELEASE_BYTES (64 * 1024)
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int open;
+    int busy; /* calls running without the GIL; close() must not unmap under them */
+    ovl_ring ring;
+} HandleObject;
+
+static int handle_ready(HandleObject *self) {
+    if (!self->open) {
+        PyErr_SetString(PyExc_ValueError, "ring handle is closed");
+        return 0;
+    }
+    return 1;
+}
+
+static int timeout_ns(PyObject *arg, int64_t *out) {
+    double s = PyFloat_AsDouble(arg);
+    if (s == -1.0 && PyErr_Occurred()) {
+        return 0;
+    }
+    if (s != s) {
+        PyErr_SetString(PyExc_ValueError, "timeout is NaN");
+        return 0;
+    }
+    /* Negative or infinite: wait without limit (the Python side slices waits anyway). */
+    *out = (s < 0 || s > 1e9) ? -1 : (int64_t)(s * 1e9);
+    return 1;
+}
+
+static int Handle_init(HandleObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"buffer", NULL};
+    PyObject *obj;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:Handle", kwlist, &obj)) {
+        return -1;
+    }
+    if (self->open) {
+        PyErr_SetString(PyExc_ValueError, "Handle already initialised");
+        return -1;
+    }
+    if (PyObject_GetBuffer(obj, &self->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return -1;
+    }
+    int rc = ovl_ring_open(&self->ring, self->view.buf, (uint64_t)self->view.len);
+    if (rc != OVL_OK) {
+        PyBuffer_Release(&self->view);
+        PyErr_Format(PyExc_ValueError, "not a usable ring mapping (status %d)", rc);
+        return -1;
+    }
+    self->open = 1;
+    return 0;
+}
+
+static void Handle_dealloc(HandleObject *self) {
+    if (self->open) {
+        PyBuffer_Release(&self->view);
+        self->open = 0;
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Handle_close(HandleObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->busy) {
+        PyErr_SetString(PyExc_BufferError, "ring handle is in use by another thread");
+        return NULL;
+    }
+    if (self->open) {
+        PyBuffer_Release(&self->view);
+        self->open = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Handle_try_reserve(HandleObject *self, PyObject *arg) {
+    unsigned long long len = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred() || !handle_ready(self)) {
+        return NULL;
+    }
+    uint64_t off = 0;
+    int rc = ovl_ring_try_reserve(&self->ring, len, &off);
+    /* >= 0: payload offset; < 0: minus a status code. One int keeps the hot path cheap. */
+    return PyLong_FromLongLong(rc == OVL_OK ? (long long)off : -(long long)rc);
+}
+
+static PyObject *Handle_wait_space(HandleObject *self, PyObject *args) {
+    unsigned long long len;
+    PyObject *t;
+    int64_t ns;
+    if (!PyArg_ParseTuple(args, "KO:wait_space", &len, &t) || !timeout_ns(t, &ns) ||
+        !handle_ready(self)) {
+        return NULL;
+    }
+    int rc;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ovl_ring_wait_space(&self->ring, len, ns);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    return PyBool_FromLong(rc == OVL_OK);
+}
+
+static PyObject *Handle_commit(HandleObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!handle_ready(self)) {
+        return NULL;
+    }
+    return PyLong_FromLong(ovl_ring_commit(&self->ring));
+}
+
+static PyObject *Handle_abort(HandleObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!handle_ready(self)) {
+        return NULL;
+    }
+    ovl_ring_abort(&self->ring);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Handle_copy_into(HandleObject *self, PyObject *args) {
+    unsigned long long off;
+    Py_buffer src;
+    if (!PyArg_ParseTuple(args, "Ky*:copy_into", &off, &src)) {
+        return NULL;
+    }
+    if (!handle_ready(self)) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (off > (unsigned long long)self->view.len || (unsigned long long)src.len > self->view.len - off) {
+        PyBuffer_Release(&src);
+        PyErr_SetString(PyExc_IndexError, "copy_into: range outside the ring mapping");
+        return NULL;
+    }
+    char *dst = (char *)self->view.buf + off;
+    if (src.len >= GIL_RELEASE_BYTES) {
+        self->busy++;
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst, src.buf, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+        self->busy--;
+    } else {
+        memcpy(dst, src.buf, (size_t)src.len);
+    }
+    PyBuffer_Release(&src);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Handle_close_writer(HandleObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!handle_ready(self)) {
+        return NULL;
+    }
+    ovl_ring_close_writer(&self->ring);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Handle_try_read(HandleObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!handle_ready(self)) {
+        return NULL;
+    }
+    uint64_t off = 0, len = 0;
+    int rc = ovl_ring_try_read(&self->ring, &off, &len);
+    return Py_BuildValue("(iKK)", rc, (unsigned long long)off, (unsigned long long)len);
+}
+
+static PyObject *Handle_wait_data(HandleObject *self, PyObject *arg) {
+    int64_t ns;
+    if (!timeout_ns(arg, &ns) || !handle_ready(self)) {
+        return NULL;
+    }
+    int rc;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ovl_ring_wait_data(&self->ring, ns);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    return PyBool_FromLong(rc == OVL_OK);
+}
+
+static PyObject *Handle_release(HandleObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!handle_ready(self)) {
+        return NULL;
+    }
+    return PyBool_FromLong(ovl_ring_release(&self->ring) == OVL_OK);
+}
+
+static PyObject *Handle_set_error(HandleObject *self, PyObject *arg) {
+    Py_buffer msg;
+    if (PyObject_GetBuffer(arg, &msg, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    if (!handle_ready(self)) {
+        PyBuffer_Release(&msg);
+        return NULL;
+    }
+    int rc = ovl_ring_set_error(&self->ring, (const char *)msg.buf, (uint64_t)msg.len);
+    PyBuffer_Release(&msg);
+    return PyBool_FromLong(rc == OVL_OK);
+}
+
+static PyObject *Handle_set_pid(HandleObject *self, PyObject *args) {
+    int consumer;
+    int pid;
+    unsigned long long pidns;
+    if (!PyArg_ParseTuple(args, "piK:set_pid", &consumer, &pid, &pidns) || !handle_ready(self)) {
+        return NULL;
+    }
+    ovl_ring_header *h = self->ring.hdr;
+    /* Namespace first: a peer that sees the pid must also see where it is valid. */
+    atomic_store_explicit(consumer ? &h->consumer_pidns : &h->producer_pidns, pidns, memory_order_release);
+    atomic_store_explicit(consumer ? &h->consumer_pid : &h->producer_pid, pid, memory_order_release);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Handle_get_error(HandleObject *self, void *Py_UNUSED(closure)) {
+    if (!handle_ready(self)) {
+        return NULL;
+    }
+    const char *msg = NULL;
+    int64_t len = ovl_ring_get_error(&self->ring, &msg);
+    if (len < 0) {
+        Py_RETURN_NONE;
+    }
+    return PyBytes_FromStringAndSize(msg, (Py_ssize_t)len);
+}
+
+/* Integer header fields, selected by closure so one getter serves them all. */
+enum {
+    F_CAPACITY, F_MAX_RECORD, F_CREATOR, F_PRODUCER, F_CONSUMER,
+    F_CLOSED, F_PENDING, F_PRODUCER_NS, F_CONSUMER_NS,
+};
+
+static PyObject *Handle_get_int(HandleObject *self, void *closure) {
+    if (!handle_ready(self)) {
+        return NULL;
+    }
+    ovl_ring *r = &self->ring;
+    ovl_ring_header *h = r->hdr;
+    switch ((int)(intptr_t)closure) {
+    case F_CAPACITY:
+        return PyLong_FromUnsignedLongLong(r->capacity);
+    case F_MAX_RECORD:
+        return PyLong_FromUnsignedLongLong(ovl_ring_max_record(r));
+    case F_CREATOR:
+        return PyLong_FromLong(h->creator_pid);
+    case F_PRODUCER:
+        return PyLong_FromLong(atomic_load_explicit(&h->producer_pid, memory_order_acquire));
+    case F_CONSUMER:
+        return PyLong_FromLong(atomic_load_explicit(&h->consumer_pid, memory_order_acquire));
+    case F_CLOSED:
+        return PyBool_FromLong(ovl_ring_is_closed(r));
+    case F_PRODUCER_NS:
+        return PyLong_FromUnsignedLongLong(atomic_load_explicit(&h->producer_pidns, memory_order_acquire));
+    case F_CONSUMER_NS:
+        return PyLong_FromUnsignedLongLong(atomic_load_explicit(&h->consumer_pidns, memory_order_acquire));
+    default:
+        return PyLong_FromUnsignedLongLong(ovl_ring_pending(r));
+    }
+}
+
+static PyMethodDef Handle_methods[] = {
+    {"close", (PyCFunction)Handle_close, METH_NOARGS, "Release the buffer export."},
+    {"try_reserve", (PyCFunction)Handle_try_reserve, METH_O, "Reserve a record: offset, or -status."},
+    {"wait_space", (PyCFunction)Handle_wait_space, METH_VARARGS, "Sleep until space may be free."},
+    {"commit", (PyCFunction)Handle_commit, METH_NOARGS, "Publish the reserved record: status."},
+    {"abort", (PyCFunction)Handle_abort, METH_NOARGS, "Drop the reservation."},
+    {"copy_into", (PyCFunction)Handle_copy_into, METH_VARARGS, "memcpy a buffer to an offset."},
+    {"close_writer", (PyCFunction)Handle_close_writer, METH_NOARGS, "Mark end of stream."},
+    {"try_read", (PyCFunction)Handle_try_read, METH_NOARGS, "(status, offset, length)."},
+    {"wait_data", (PyCFunction)Handle_wait_data, METH_O, "Sleep until data may be ready."},
+    {"release", (PyCFunction)Handle_release, METH_NOARGS, "Release the current record."},
+    {"set_error", (PyCFunction)Handle_set_error, METH_O, "Set the error slot (first wins)."},
+    {"set_pid", (PyCFunction)Handle_set_pid, METH_VARARGS, "Record a claimant's pid and pid namespace."},
+    {NULL, NULL, 0, NULL},
+};
+
+#define INT_GETTER(name, field) {name, (getter)Handle_get_int, NULL, NULL, (void *)(intptr_t)(field)}
+static PyGetSetDef Handle_getset[] = {
+    INT_GETTER("capacity", F_CAPACITY),
+    INT_GETTER("max_record", F_MAX_RECORD),
+    INT_GETTER("creator_pid", F_CREATOR),
+    INT_GETTER("producer_pid", F_PRODUCER),
+    INT_GETTER("consumer_pid", F_CONSUMER),
+    INT_GETTER("closed", F_CLOSED),
+    INT_GETTER("pending", F_PENDING),
+    INT_GETTER("producer_pidns", F_PRODUCER_NS),
+    INT_GETTER("consumer_pidns", F_CONSUMER_NS),
+    {"error", (getter)Handle_get_error, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject HandleType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "overlord.shm._ring.Handle",
+    .tp_basicsize = sizeof(HandleObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Process-local handle on a mapped ring (one producer or consumer side).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Handle_init,
+    .tp_dealloc = (destructor)Handle_dealloc,
+    .tp_methods = Handle_methods,
+    .tp_getset = Handle_getset,
+};
+
+static PyObject *mod_init_segment(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *obj;
+    unsigned long long cap, pidns, start;
+    int pid;
+    if (!PyArg_ParseTuple(args, "OKiKK:init_segment", &obj, &cap, &pid, &pidns, &start)) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    int rc = ovl_ring_init(view.buf, (uint64_t)view.len, cap, pid, pidns, start);
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *mod_check(PyObject *Py_UNUSED(m), PyObject *obj) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) {
+        return NULL;
+    }
+    int rc = ovl_ring_check(view.buf, (uint64_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *mod_round_capacity(PyObject *Py_UNUSED(m), PyObject *arg) {
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(ovl_ring_round_capacity(n));
+}
+
+static PyObject *mod_segment_size(PyObject *Py_UNUSED(m), PyObject *arg) {
+    unsigned long long n = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(ovl_ring_segment_size(n));
+}
+
+static PyMethodDef module_methods[] = {
+    {"init_segment", mod_init_segment, METH_VARARGS, "Initialise a zeroed mapping: status."},
+    {"check", mod_check, METH_O, "Check a mapping's header: status."},
+    {"round_capacity", mod_round_capacity, METH_O, "Capacity rounded to a power of two (0: too big)."},
+    {"segment_size", mod_segment_size, METH_O, "Segment bytes for a capacity."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef ringmodule = {
+    PyModuleDef_HEAD_INIT, .m_name = "overlord.shm._ring",
+    .m_doc = "Native protocol of the Overlord shared-memory ring (see native/ring.h).",
+    .m_size = -1, .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC PyInit__ring(void) {
+    if (PyType_Ready(&HandleType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&ringmodule);
+    if (m == NULL) {
+        return NULL;
+    }
+    struct { const char *name; long long value; } consts[] = {
+        {"OK", OVL_OK}, {"EAGAIN", OVL_EAGAIN}, {"ETIMEDOUT", OVL_ETIMEDOUT},
+        {"ECLOSED", OVL_ECLOSED}, {"EERROR", OVL_EERROR}, {"ETOOBIG", OVL_ETOOBIG},
+        {"ECORRUPT", OVL_ECORRUPT}, {"EUNINIT", OVL_EUNINIT}, {"EMAGIC", OVL_EMAGIC},
+        {"EVERSION", OVL_EVERSION}, {"ESIZE", OVL_ESIZE}, {"ESTATE", OVL_ESTATE},
+        {"HEADER_SIZE", OVL_RING_HEADER_SIZE}, {"RECORD_HEADER", OVL_RING_RECORD_HEADER},
+        {"VERSION", OVL_RING_VERSION}, {"ERROR_BYTES", OVL_RING_ERROR_BYTES},
+        {"MIN_CAPACITY", (long long)OVL_RING_MIN_CAPACITY},
+        {"MAX_CAPACITY", (long long)OVL_RING_MAX_CAPACITY},
+    };
+    for (size_t i = 0; i < sizeof(consts) / sizeof(consts[0]); i++) {
+        if (PyModule_AddIntConstant(m, consts[i].name, (long)consts[i].value) < 0) {
+            goto fail;
+        }
+    }
+    PyObject *magic = PyLong_FromUnsignedLongLong(OVL_RING_MAGIC);
+    int added = magic != NULL && PyModule_AddObjectRef(m, "MAGIC", magic) == 0;
+    Py_XDECREF(magic);
+    if (!added) {
+        goto fail;
+    }
+    if (PyModule_AddObjectRef(m, "Handle", (PyObject *)&HandleType) < 0) {
+        goto fail;
+    }
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

@@ -1,0 +1,277 @@
+"""The batch wire format: named numpy arrays plus a JSON meta dict in one ring record.
+
+No pickle, ever: a record is a fixed little-endian header, a tensor table and the raw
+array bytes, so a reader can decode it from any process (or language) without running
+code the writer chose. Decoding returns zero-copy numpy views into the record and is
+bounds-checked everywhere; any inconsistency raises `BatchFormatError`, never reads
+outside the record.
+
+Byte layout (little-endian; offsets from the start of the record)::
+
+    0    +---------+---------+-----------+-------------+-------------+
+         | magic   | version | ntensors  | meta_nbytes | table_end   |
+         | "OVLB"  | u16 = 1 | u16       | u32         | u32         |
+    16   +---------+---------+-----------+-------------+-------------+
+         | meta: UTF-8 JSON object, meta_nbytes bytes                |
+         +---- pad to 8 ---------------------------------------------+
+         | tensor entry 0:                                           |
+         |   +0 name_nbytes u16 | +2 dtype u8 | +3 ndim u8 | +4 0 u32 |
+         |   +8 name (UTF-8), pad to 8                               |
+         |   shape: ndim x i64 | data offset u64 | data nbytes u64    |
+         | tensor entry 1 ... (ntensors entries)                     |
+    table_end ---- pad to 64 ---------------------------------------+
+         | tensor 0 data (C order), at a multiple of 64               |
+         +---- pad to 64 --------------------------------------------+
+         | tensor 1 data ...                                         |
+         +-----------------------------------------------------------+
+
+    dtype codes: 1 bool, 2 int8, 3 uint8, 4 int16, 5 uint16, 6 int32, 7 uint32,
+                 8 int64, 9 uint64, 10 float16, 11 float32, 12 float64
+
+Invariants checked on decode: offset + nbytes within the record, offset >= table_end and
+a multiple of 64, nbytes == prod(shape) * itemsize, known dtype code, ndim <= 8, names
+valid UTF-8 and unique, the table ends exactly at table_end, meta is a JSON object.
+
+Alignment: data offsets are 64-byte aligned within the record; a ring record payload
+starts 8-byte aligned, so arrays read from a ring are at least 8-byte aligned (enough
+for every dtype above).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from overlord.errors import BatchFormatError
+
+MAGIC = b"OVLB"
+VERSION = 1
+MAX_NDIM = 8
+DATA_ALIGN = 64
+
+_HEADER = struct.Struct("<4sHHII")  # magic, version, ntensors, meta_nbytes, table_end
+_ENTRY = struct.Struct("<HBBI")  # name_nbytes, dtype code, ndim, reserved
+_TAIL = struct.Struct("<QQ")  # data offset, data nbytes
+
+_CODES: dict[str, int] = {
+    "|b1": 1, "|i1": 2, "|u1": 3, "<i2": 4, "<u2": 5, "<i4": 6,
+    "<u4": 7, "<i8": 8, "<u8": 9, "<f2": 10, "<f4": 11, "<f8": 12,
+}  # fmt: skip
+_DTYPES: dict[int, np.dtype] = {code: np.dtype(s) for s, code in _CODES.items()}
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) & ~(a - 1)
+
+
+class _Plan:
+    """Where each part of one batch goes; computed once, used to size and to write."""
+
+    __slots__ = ("meta", "tensors", "table_end", "offsets", "nbytes")
+
+    def __init__(self, tensors: Mapping[str, Any], meta: dict | None) -> None:
+        if meta is None:
+            meta = {}
+        if not isinstance(meta, dict):
+            raise TypeError(f"batch meta must be a dict, not {type(meta).__name__}")
+        try:
+            self.meta = json.dumps(meta, separators=(",", ":"), sort_keys=True, ensure_ascii=False).encode()
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"batch meta must be JSON-serialisable ({e}); pass arrays as tensors") from None
+        if len(tensors) > 0xFFFF:
+            raise ValueError(f"a batch holds at most 65535 tensors, got {len(tensors)}")
+        self.tensors: list[tuple[bytes, np.ndarray, int]] = []
+        pos = _align(_HEADER.size + len(self.meta), 8)
+        for name, value in tensors.items():
+            if not isinstance(name, str):
+                raise TypeError(f"tensor names must be str, got {name!r}")
+            raw_name = name.encode()
+            arr = np.asarray(value)
+            # Big-endian input is encoded little-endian (copyto swaps on the way in).
+            dt = arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype
+            code = _CODES.get(dt.str)
+            if code is None:
+                raise TypeError(
+                    f"tensor {name!r} has dtype {arr.dtype}, not one of the batch format's: "
+                    "bool, int8..int64, uint8..uint64, float16, float32, float64"
+                )
+            if arr.ndim > MAX_NDIM or len(raw_name) > 0xFFFF:
+                raise ValueError(f"tensor {name!r}: ndim {arr.ndim} > {MAX_NDIM} or name too long")
+            self.tensors.append((raw_name, arr, code))
+            pos += _align(_ENTRY.size + len(raw_name), 8) + 8 * arr.ndim + _TAIL.size
+        self.table_end = pos
+        self.offsets: list[int] = []
+        pos = _align(pos, DATA_ALIGN)
+        end = self.table_end
+        for _, arr, _ in self.tensors:
+            self.offsets.append(pos)
+            end = pos + arr.nbytes
+            pos = _align(end, DATA_ALIGN)
+        self.nbytes = end
+
+    def encode(self, buf: Any) -> int:
+        mv = memoryview(buf)
+        if mv.readonly:
+            raise TypeError("encode_batch_into needs a writable buffer")
+        if mv.nbytes < self.nbytes:
+            raise ValueError(f"buffer of {mv.nbytes} B is smaller than the batch ({self.nbytes} B)")
+        mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        _HEADER.pack_into(mv, 0, MAGIC, VERSION, len(self.tensors), len(self.meta), self.table_end)
+        mv[_HEADER.size : _HEADER.size + len(self.meta)] = self.meta
+        pos = _align(_HEADER.size + len(self.meta), 8)
+        for (raw_name, arr, code), off in zip(self.tensors, self.offsets, strict=True):
+            _ENTRY.pack_into(mv, pos, len(raw_name), code, arr.ndim, 0)
+            mv[pos + _ENTRY.size : pos + _ENTRY.size + len(raw_name)] = raw_name
+            pos += _align(_ENTRY.size + len(raw_name), 8)
+            struct.pack_into(f"<{arr.ndim}q", mv, pos, *arr.shape)
+            pos += 8 * arr.ndim
+            _TAIL.pack_into(mv, pos, off, arr.nbytes)
+            pos += _TAIL.size
+            if arr.size:
+                dst = np.frombuffer(mv, dtype=_DTYPES[code], count=arr.size, offset=off).reshape(arr.shape)
+                # Strided or byte-swapped sources become contiguous little-endian in one pass.
+                np.copyto(dst, arr, casting="equiv")
+        return self.nbytes
+
+
+def batch_nbytes(tensors: Mapping[str, Any], meta: dict | None = None) -> int:
+    """Bytes one batch takes in the wire format (the ring record's payload).
+
+    Args:
+        tensors: Name -> array (numpy, or anything `np.asarray` accepts).
+        meta: JSON-serialisable dict, or None.
+
+    Returns:
+        The encoded size in bytes.
+
+    Raises:
+        TypeError: A dtype outside the format, a non-str name, or meta not JSON.
+        ValueError: ndim > 8 or too many tensors.
+    """
+    return _Plan(tensors, meta).nbytes
+
+
+def encode_batch_into(buf: Any, tensors: Mapping[str, Any], meta: dict | None = None) -> int:
+    """Encode a batch into a writable buffer at offset 0.
+
+    Args:
+        buf: Writable bytes-like object of at least `batch_nbytes(tensors, meta)` bytes.
+        tensors: Name -> array; non-contiguous arrays are copied in C order.
+        meta: JSON-serialisable dict, or None.
+
+    Returns:
+        The number of bytes written.
+
+    Raises:
+        TypeError, ValueError: As `batch_nbytes`; also if `buf` is read-only or too small.
+    """
+    return _Plan(tensors, meta).encode(buf)
+
+
+def write_batch(ring: Any, tensors: Mapping[str, Any], meta: dict | None = None, *, timeout: float) -> None:
+    """Encode a batch straight into a ring record (one copy per array, no temporaries).
+
+    Args:
+        ring: A `Ring` this process produces into.
+        tensors: Name -> array.
+        meta: JSON-serialisable dict, or None.
+        timeout: Seconds to wait for space.
+
+    Raises:
+        RingFullError: The batch can never fit the ring.
+        RingTimeout, PeerDied, RingClosed: As `Ring.reserve`.
+        TypeError, ValueError: As `batch_nbytes`.
+    """
+    plan = _Plan(tensors, meta)
+    view = ring.reserve(plan.nbytes, timeout)
+    try:
+        plan.encode(view)
+    except BaseException:
+        ring.abort()
+        raise
+    ring.commit()
+
+
+def decode_batch(view: Any) -> tuple[dict[str, np.ndarray], dict]:
+    """Decode one record into zero-copy numpy views and the meta dict.
+
+    The arrays alias `view`: they are valid as long as it is (for a ring record,
+    until the next read/release). Copy what must outlive it.
+
+    Args:
+        view: The record (memoryview from `Ring.read`, bytes, bytearray, ...).
+
+    Returns:
+        (name -> array in table order, meta dict).
+
+    Raises:
+        BatchFormatError: The record is truncated or inconsistent; the message says what.
+    """
+    mv = memoryview(view)
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    size = mv.nbytes
+    if size < _HEADER.size:
+        raise BatchFormatError(f"batch record of {size} B is shorter than its {_HEADER.size} B header")
+    magic, version, ntensors, meta_nbytes, table_end = _HEADER.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise BatchFormatError(f"batch record has magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise BatchFormatError(f"batch format version {version}, this reader knows {VERSION}")
+    if not _HEADER.size + meta_nbytes <= table_end <= size:
+        raise BatchFormatError(f"batch header: meta {meta_nbytes} B / table end {table_end} outside {size} B")
+    try:
+        meta = json.loads(str(mv[_HEADER.size : _HEADER.size + meta_nbytes], "utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise BatchFormatError(f"batch meta is not valid UTF-8 JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise BatchFormatError(f"batch meta is a JSON {type(meta).__name__}, expected an object")
+    tensors: dict[str, np.ndarray] = {}
+    pos = _align(_HEADER.size + meta_nbytes, 8)
+    for i in range(ntensors):
+        if pos + _ENTRY.size > table_end:
+            raise BatchFormatError(f"tensor entry {i} of {ntensors} runs past the table end {table_end}")
+        name_nbytes, code, ndim, _ = _ENTRY.unpack_from(mv, pos)
+        name_end = pos + _ENTRY.size + name_nbytes
+        if name_end > table_end:
+            raise BatchFormatError(f"tensor entry {i}: name runs past the table end {table_end}")
+        try:
+            name = bytes(mv[name_end - name_nbytes : name_end]).decode()
+        except UnicodeDecodeError:
+            raise BatchFormatError(f"tensor entry {i}: name is not valid UTF-8") from None
+        if name in tensors:
+            raise BatchFormatError(f"tensor name {name!r} appears twice")
+        dtype = _DTYPES.get(code)
+        if dtype is None:
+            raise BatchFormatError(f"tensor {name!r}: unknown dtype code {code}")
+        if ndim > MAX_NDIM:
+            raise BatchFormatError(f"tensor {name!r}: ndim {ndim} > {MAX_NDIM}")
+        pos = _align(name_end, 8)
+        if pos + 8 * ndim + _TAIL.size > table_end:
+            raise BatchFormatError(f"tensor {name!r}: entry runs past the table end {table_end}")
+        shape = struct.unpack_from(f"<{ndim}q", mv, pos)
+        pos += 8 * ndim
+        off, nbytes = _TAIL.unpack_from(mv, pos)
+        pos += _TAIL.size
+        if any(d < 0 for d in shape):
+            raise BatchFormatError(f"tensor {name!r}: negative dimension in shape {shape}")
+        if math.prod(shape) * dtype.itemsize != nbytes:
+            raise BatchFormatError(f"tensor {name!r}: {nbytes} B does not match shape {shape} of {dtype}")
+        if off < table_end or off % DATA_ALIGN or off + nbytes > size:
+            raise BatchFormatError(
+                f"tensor {name!r}: data [{off}, {off + nbytes}) is not a 64-aligned range "
+                f"within [{table_end}, {size})"
+            )
+        try:
+            arr = np.frombuffer(mv, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(shape)
+        except ValueError as e:  # e.g. a 0-size shape whose other dims overflow numpy
+            raise BatchFormatError(f"tensor {name!r}: shape {shape} unusable: {e}") from None
+        tensors[name] = arr
+    if pos != table_end:
+        raise BatchFormatError(f"tensor table ends at {pos}, header says {table_end}")
+    return tensors, meta

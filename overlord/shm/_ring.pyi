@@ -1,0 +1,62 @@
+"""Type stub for the C extension `overlord.shm._ring` (native/ringmodule.c).
+
+Status codes are returned, not raised; `overlord.shm._pyring.Ring` turns them into errors.
+"""
+
+from typing_extensions import Buffer
+
+OK: int
+EAGAIN: int
+ETIMEDOUT: int
+ECLOSED: int
+EERROR: int
+ETOOBIG: int
+ECORRUPT: int
+EUNINIT: int
+EMAGIC: int
+EVERSION: int
+ESIZE: int
+ESTATE: int
+HEADER_SIZE: int
+RECORD_HEADER: int
+VERSION: int
+ERROR_BYTES: int
+MIN_CAPACITY: int
+MAX_CAPACITY: int
+MAGIC: int
+
+def init_segment(buffer: Buffer, capacity: int, creator_pid: int, creator_pidns: int, creator_start: int, /) -> int: ...
+def check(buffer: Buffer, /) -> int: ...
+def round_capacity(requested: int, /) -> int: ...
+def segment_size(capacity: int, /) -> int: ...
+
+class Handle:
+    """Process-local handle on a mapped ring; holds a buffer export until close()."""
+
+    capacity: int
+    max_record: int
+    creator_pid: int
+    producer_pid: int
+    consumer_pid: int
+    producer_pidns: int
+    consumer_pidns: int
+    closed: bool
+    pending: int
+    error: bytes | None
+    def __init__(self, buffer: Buffer) -> None: ...
+    def close(self) -> None: ...
+    def try_reserve(self, nbytes: int, /) -> int:
+        """Payload offset into the mapping, or minus a status code."""
+    def wait_space(self, nbytes: int, timeout: float, /) -> bool:
+        """False if the wait timed out (GIL released)."""
+    def commit(self) -> int: ...
+    def abort(self) -> None: ...
+    def copy_into(self, offset: int, data: Buffer, /) -> None: ...
+    def close_writer(self) -> None: ...
+    def try_read(self) -> tuple[int, int, int]:
+        """(status, payload offset, payload length); releases the previous record."""
+    def wait_data(self, timeout: float, /) -> bool:
+        """False if the wait timed out (GIL released)."""
+    def release(self) -> bool: ...
+    def set_error(self, message: bytes, /) -> bool: ...
+    def set_pid(self, consumer: bool, pid: int, pidns: int, /) -> None: ...

@@ -1,0 +1,106 @@
+"""POSIX shared-memory segments for rings: create (0600, exclusive), attach, unlink.
+
+The segment is ``/dev/shm/<name without '/'>``, sized ``4096 + capacity`` (header page
+plus data area, see native/ring.h). Creating is exclusive (O_CREAT | O_EXCL) so two
+roles never silently share a ring; the creator initialises the header and stores the
+magic last, so an attacher that sees the magic sees a complete header. Attaching polls
+because the attacher may start before the creator: the segment may not exist yet, may
+exist with size 0 (created, not yet sized), or be sized with its magic still 0.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import posix_ipc
+
+from overlord.errors import RingError, RingTimeout
+from overlord.shm import _ring as _native
+from overlord.shm._proc import self_identity
+
+ATTACH_POLL_S = 0.005  # creating a segment takes microseconds; polling is cheap
+
+_CHECK_WORDS = {
+    _native.EMAGIC: "bad magic",
+    _native.EVERSION: f"protocol version is not {_native.VERSION}",
+    _native.ESIZE: "capacity or size inconsistent",
+}
+
+
+def create_segment(name: str, capacity: int) -> mmap.mmap:
+    """Create, map and initialise a ring segment; returns the mapping.
+
+    Raises:
+        RingError: The segment already exists, or capacity exceeds the maximum.
+    """
+    cap = _native.round_capacity(max(int(capacity), 0))
+    if cap == 0:
+        raise RingError(f"ring {name!r}: capacity {capacity} B exceeds {_native.MAX_CAPACITY} B")
+    size = _native.segment_size(cap)
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+    except posix_ipc.ExistentialError:
+        raise RingError(
+            f"shared-memory segment {name!r} already exists; if its job is gone, "
+            "remove it with overlord.shm.cleanup_stale(job)"
+        ) from None
+    try:
+        mm = mmap.mmap(shm.fd, size)
+    except BaseException:
+        unlink_segment(name)
+        raise
+    finally:
+        shm.close_fd()
+    pid, ns, start = self_identity()
+    if _native.init_segment(mm, cap, pid, ns, start) != _native.OK:  # cannot happen: sized above
+        mm.close()
+        unlink_segment(name)
+        raise RingError(f"ring {name!r}: could not initialise a {size} B segment for capacity {cap}")
+    return mm
+
+
+def attach_segment(name: str, timeout: float) -> mmap.mmap:
+    """Map an existing ring segment once its header is initialised.
+
+    Raises:
+        RingTimeout: It did not appear (initialised) within `timeout` seconds.
+        RingError: It is not an Overlord ring, or of another protocol version.
+    """
+    deadline = time.monotonic() + timeout
+    state = "does not exist"
+    while True:
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            shm = None
+        if shm is not None:
+            try:
+                size = os.fstat(shm.fd).st_size
+                mm = mmap.mmap(shm.fd, size) if size >= _native.HEADER_SIZE else None
+            finally:
+                shm.close_fd()
+            status = _native.check(mm) if mm is not None else _native.EUNINIT
+            if status == _native.OK:
+                return mm
+            if mm is not None:
+                mm.close()
+            if status != _native.EUNINIT:
+                raise RingError(
+                    f"segment {name!r} is not a usable Overlord ring "
+                    f"({_CHECK_WORDS.get(status, status)}); was it made by another version?"
+                )
+            state = "exists but its header is not initialised"
+        if time.monotonic() >= deadline:
+            raise RingTimeout(f"ring {name!r} {state} after waiting {timeout:.3g} s for its creator")
+        time.sleep(ATTACH_POLL_S)
+
+
+def unlink_segment(name: str) -> bool:
+    """Remove a segment's name; False if it was already gone. Mappings stay valid."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True

@@ -1,0 +1,182 @@
+"""Batch wire format: exact round trips, zero-copy decode, and strict bounds checks."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from overlord.errors import BatchFormatError
+from overlord.shm import Ring, batch_nbytes, decode_batch, encode_batch_into, segment_name, write_batch
+
+DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+          "float16", "float32", "float64"]  # fmt: skip
+SHAPES = [(), (0,), (1,), (7,), (3, 0, 2), (2, 3), (2, 3, 4), (1,) * 8]
+
+
+def sample(dtype: str, shape: tuple, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 100, shape).astype(dtype)
+
+
+def encode(tensors, meta=None) -> bytearray:
+    buf = bytearray(batch_nbytes(tensors, meta))
+    assert encode_batch_into(buf, tensors, meta) == len(buf)
+    return buf
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for name, arr in want.items():
+        arr = np.asarray(arr)
+        assert got[name].dtype == arr.dtype.newbyteorder("="), name
+        assert got[name].shape == arr.shape, name
+        np.testing.assert_array_equal(got[name], arr)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_and_shape_round_trips(dtype):
+    tensors = {f"t{i}": sample(dtype, shape, i) for i, shape in enumerate(SHAPES)}
+    meta = {"step": 12, "sources": ["web", "code"], "nested": {"a": [1.5, None, True]}, "ü": "ß"}
+    got, got_meta = decode_batch(encode(tensors, meta))
+    assert_same(got, tensors)
+    assert got_meta == meta
+
+
+def test_non_contiguous_and_big_endian_inputs_are_normalised():
+    base = np.arange(60, dtype=np.int32).reshape(6, 10)
+    tensors = {
+        "transposed": base.T,
+        "strided": base[::2, 1::3],
+        "big_endian": np.arange(5, dtype=">f8"),
+        "from_list": [[1, 2], [3, 4]],
+    }
+    got, meta = decode_batch(encode(tensors))
+    assert meta == {}
+    assert_same(got, {k: np.asarray(v) for k, v in tensors.items()})
+    assert got["big_endian"].dtype == np.dtype("<f8")
+
+
+def test_decode_is_zero_copy_and_64_byte_aligned():
+    buf = encode({"a": np.arange(3, dtype=np.uint8), "b": np.arange(5, dtype=np.float32)})
+    got, _ = decode_batch(buf)
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    for arr in got.values():
+        assert (arr.ctypes.data - base) % 64 == 0
+    buf[got["a"].ctypes.data - base] = 42  # writing the record shows through the view
+    assert got["a"][0] == 42
+
+
+def test_empty_batch_and_meta_only():
+    assert decode_batch(encode({})) == ({}, {})
+    assert decode_batch(encode({}, {"eof": True}))[1] == {"eof": True}
+
+
+def test_write_batch_through_ring(job):
+    with Ring.create(segment_name(job, "n0", "b"), 1 << 16) as r:
+        r.unlink()
+        tensors = {"ids": np.arange(100, dtype=np.int64), "mask": np.ones((4, 4), bool)}
+        for step in range(10):
+            write_batch(r, tensors, {"step": step}, timeout=1)
+            got, meta = decode_batch(r.read(timeout=1))
+            assert meta == {"step": step}
+            assert_same(got, tensors)
+
+
+def test_encode_rejects_what_the_format_cannot_carry():
+    with pytest.raises(TypeError, match="dtype complex128"):
+        batch_nbytes({"c": np.zeros(2, complex)})
+    with pytest.raises(TypeError, match="dtype object"):
+        batch_nbytes({"o": np.array([object()])})
+    with pytest.raises(TypeError, match="JSON"):
+        batch_nbytes({}, {"arr": np.zeros(2)})
+    with pytest.raises(ValueError, match="ndim 9"):
+        batch_nbytes({"deep": np.zeros((1,) * 9)})
+    with pytest.raises(ValueError, match="smaller than the batch"):
+        encode_batch_into(bytearray(10), {"x": np.zeros(4)})
+    with pytest.raises(TypeError, match="writable"):
+        encode_batch_into(bytes(1000), {"x": np.zeros(4)})
+
+
+def valid_record() -> bytearray:
+    tensors = {"aa": np.arange(6, dtype=np.int32).reshape(2, 3), "ab": np.ones(3, np.float16)}
+    return encode(tensors, {"k": 1})
+
+
+def entry_pos(buf: bytearray, index: int) -> int:
+    """Byte offset of tensor entry `index` in the table (entries are 40 + 8 * ndim bytes here)."""
+    meta_nbytes = struct.unpack_from("<I", buf, 8)[0]
+    pos = (16 + meta_nbytes + 7) & ~7
+    for _ in range(index):
+        ndim = buf[pos + 3]
+        pos += 16 + 8 * ndim + 16
+    return pos
+
+
+def corrupt(offset_of, fmt: str, value) -> bytearray:
+    buf = valid_record()
+    struct.pack_into(fmt, buf, offset_of(buf), value)
+    return buf
+
+
+@pytest.mark.parametrize(
+    ("buf", "match"),
+    [
+        (corrupt(lambda b: 0, "<4s", b"XXXX"), "magic"),
+        (corrupt(lambda b: 4, "<H", 2), "version"),
+        (corrupt(lambda b: 6, "<H", 3), "entry 2 of 3 runs past the table end"),
+        (corrupt(lambda b: 8, "<I", 10**6), "meta"),
+        (corrupt(lambda b: 12, "<I", 10**9), "table end"),
+        (corrupt(lambda b: 16, "<1s", b"["), "meta is not valid"),
+        (corrupt(lambda b: entry_pos(b, 0) + 2, "<B", 99), "unknown dtype code 99"),
+        (corrupt(lambda b: entry_pos(b, 0) + 3, "<B", 9), "ndim 9"),
+        (corrupt(lambda b: entry_pos(b, 0) + 8, "<2s", b"\xff\xfe"), "UTF-8"),
+        (corrupt(lambda b: entry_pos(b, 1) + 9, "<1s", b"a"), "appears twice"),
+        (corrupt(lambda b: entry_pos(b, 0) + 16, "<q", -2), "negative dimension"),
+        (corrupt(lambda b: entry_pos(b, 0) + 16, "<q", 3), "does not match shape"),
+        (corrupt(lambda b: entry_pos(b, 0) + 32, "<Q", 8), "64-aligned range"),
+        (corrupt(lambda b: entry_pos(b, 0) + 32, "<Q", 1 << 40), "64-aligned range"),
+        (corrupt(lambda b: entry_pos(b, 0) + 40, "<Q", 1 << 62), "does not match shape"),
+    ],
+)
+def test_corrupted_headers_raise_batch_format_error(buf, match):
+    with pytest.raises(BatchFormatError, match=match):
+        decode_batch(buf)
+
+
+def test_every_truncation_raises():
+    buf = bytes(valid_record())
+    for n in range(len(buf)):
+        with pytest.raises(BatchFormatError):
+            decode_batch(buf[:n])
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=512))
+def test_random_bytes_never_crash(data):
+    """Garbage after a valid magic+version: only BatchFormatError, or a bounded decode."""
+    check_decode(b"OVLB\x01\x00" + data)
+
+
+@settings(max_examples=500, deadline=None)
+@given(edits=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=8))
+def test_mutated_records_never_crash(edits):
+    buf = valid_record()
+    for pos, value in edits:
+        buf[pos % len(buf)] = value
+    check_decode(buf)
+
+
+def check_decode(buf) -> None:
+    try:
+        tensors, meta = decode_batch(buf)
+    except BatchFormatError:
+        return
+    assert isinstance(meta, dict)
+    base = np.frombuffer(buf, np.uint8).ctypes.data if len(buf) else 0
+    for arr in tensors.values():
+        start = arr.ctypes.data - base
+        assert 0 <= start and start + arr.nbytes <= len(buf)
