@@ -1,0 +1,1 @@
+"""Demo job pieces: a synthetic multi-source corpus (`overlord.demo.corpus`)."""
