@@ -1,0 +1,6 @@
+"""Source Loaders: one owner of each source partition's file state."""
+
+from overlord.loader.order import EpochOrder, RowGroups
+from overlord.loader.source_loader import Prepared, SourceLoader, stream_name
+
+__all__ = sorted(["EpochOrder", "Prepared", "RowGroups", "SourceLoader", "stream_name"])

@@ -1,0 +1,107 @@
+"""A Source Loader process: hosts several Source Loaders (streams) and serves plans.
+
+Loop: serve every published plan in step order (pop the planned samples from the
+read buffers and write them to the rings of their Data Constructors), then top up
+each stream's bounded read buffer by one chunk and report its metadata; when neither
+has work, block on the plans stream. Serving comes first so trainers never wait on a
+buffer refill that is not needed yet.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from overlord.errors import PlanError, RingFullError
+from overlord.loader.source_loader import Prepared, SourceLoader
+from overlord.planner import meta
+from overlord.shm import Ring
+from overlord.sidecar.flow import Stopped, fetch_plan, push
+from overlord.sidecar.layout import sample_ring
+
+log = logging.getLogger("overlord.loader")
+
+CHUNK = 64  # samples prepared per stream between two looks at the plans
+
+
+def run_loader(ctx) -> None:
+    job, r, keys, layout = ctx.job, ctx.r, ctx.keys, ctx.layout
+    hosted = [i for i, owner in enumerate(layout.loader_of) if owner == ctx.index]
+    loaders: dict[int, SourceLoader] = {}
+    for i in hosted:
+        src = job.sources[layout.stream_source[i]]
+        partition = int(layout.streams[i].rsplit(".", 1)[1])
+        loaders[i] = SourceLoader(src, partition, seed=job.seed, epochs=job.epochs)
+    buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in hosted}
+    reported_final = {i: False for i in hosted}
+    rings = []
+    for dp in range(job.mesh.dp):
+        ring = Ring.attach(sample_ring(job, ctx.index, dp), timeout=job.timeout_s)
+        ring.claim_producer()
+        rings.append(ring)
+    log.info("hosting streams %s", [layout.streams[i] for i in hosted])
+
+    step = 0
+    try:
+        while not ctx.stop.is_set():
+            plan = fetch_plan(r, keys, step)
+            if plan is not None:
+                _serve(ctx, plan, buffers, rings)
+                step += 1
+                if plan.last:
+                    return
+                continue
+            filled = False
+            for i, loader in loaders.items():
+                room = job.buffer_samples - len(buffers[i])
+                if room <= 0 or reported_final[i]:
+                    continue
+                samples, ended = loader.prepare(min(CHUNK, room))
+                for s in samples:
+                    buffers[i][(s.epoch, s.seq)] = s
+                chunk = meta.MetaChunk(
+                    epoch=samples[0].epoch if samples else loader.epoch,
+                    seq=[s.seq for s in samples],
+                    tokens=[s.tokens for s in samples],
+                    patches=[s.patches for s in samples],
+                    nbytes=[s.nbytes for s in samples],
+                    ended=ended,
+                    final=loader.finished,
+                )
+                r.xadd(keys.meta(layout.streams[i]), meta.encode(chunk), maxlen=job.buffer_samples + 64, approximate=True)
+                reported_final[i] = loader.finished
+                if loader.skipped:
+                    r.hset(keys.counters, f"skipped:{loader.source.name}.{loader.partition}", loader.skipped)
+                filled = True
+            if not filled:
+                r.xread({keys.plans: f"{step}-0"}, block=200, count=1)
+    except Stopped:
+        return
+    finally:
+        for ring in rings:
+            ring.close()
+
+
+def _serve(ctx, plan, buffers, rings) -> None:
+    """Send this process's samples of `plan` to their Data Constructors, in plan order."""
+    for dp, group in enumerate(plan.dp):
+        for mb, items in enumerate(group):
+            for stream, epoch, seq in items:
+                buf = buffers.get(stream)
+                if buf is None:
+                    continue  # another loader process hosts it
+                sample = buf.pop((epoch, seq), None)
+                if sample is None:
+                    raise PlanError(
+                        f"plan {plan.step} asks stream {ctx.layout.streams[stream]!r} for epoch {epoch} seq {seq}, "
+                        "which is not in its read buffer (planner and loader disagree; this is a bug)"
+                    )
+                record_meta = {"s": stream, "e": epoch, "q": seq, "k": sample.key, "t": plan.step, "m": mb}
+                try:
+                    push(rings[dp], sample.arrays, record_meta, ctx.stop)
+                except RingFullError as exc:
+                    source = ctx.job.sources[ctx.layout.stream_source[stream]].name
+                    raise RingFullError(
+                        f"sample {sample.key} from source {source!r} is {sample.nbytes} B, larger than the "
+                        f"loader-to-constructor ring (Job.sample_ring_bytes={ctx.job.sample_ring_bytes}); "
+                        "raise Job.sample_ring_bytes"
+                    ) from exc

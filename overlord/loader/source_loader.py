@@ -1,0 +1,203 @@
+"""A Source Loader: the one owner of a source partition's file state.
+
+It reads Parquet row groups in the partition's deterministic order (see `order.py`),
+applies the source's sample transform, and hands out prepared samples with their
+metadata. File handles, footers and row-group buffers exist once here, never once per
+trainer rank or worker. Bad input raises `SourceReadError` naming source, file and row;
+with `on_error: skip` the row is dropped and counted instead.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from overlord.config import Source
+from overlord.errors import SchemaError, SourceReadError
+from overlord.loader.order import EpochOrder, RowGroups
+from overlord.sidecar.layout import stream_name
+from overlord.transforms import resolve, sample_metadata
+
+_OPEN_FILES = 2  # open Parquet files kept per Source Loader (an LRU)
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One transformed sample and what the Planner needs to know about it."""
+
+    epoch: int
+    seq: int
+    key: str
+    arrays: dict[str, np.ndarray]
+    tokens: int
+    patches: int
+    nbytes: int
+
+
+class SourceLoader:
+    """Reads one partition of one source, in order, through its transform.
+
+    Args:
+        source: the source's config.
+        partition: which partition of the source this loader owns.
+        seed: the job seed.
+        epochs: stop after this many epochs; None cycles forever.
+    """
+
+    def __init__(self, source: Source, partition: int, *, seed: int, epochs: int | None) -> None:
+        self.source = source
+        self.partition = partition
+        self.name = stream_name(source.name, partition)
+        self.seed = seed
+        self.epochs = epochs
+        self.paths = source.files()
+        self.transform: Callable = resolve(source.transform)
+        self._files: collections.OrderedDict[int, pq.ParquetFile] = collections.OrderedDict()
+        self._rows: dict[int, list[dict]] = {}  # row group -> decoded rows, for the current window
+        self.groups = RowGroups.from_counts([self._footer_counts(i) for i in range(len(self.paths))])
+        self.epoch = 0
+        self.seq = 0  # next seq to prepare in self.epoch
+        self.skipped = 0
+        self._delivered_in_epoch = 0  # samples prepared (not skipped) in self.epoch
+        self._order = self._make_order(0)
+
+    # -- files ---------------------------------------------------------------------------
+
+    def _where(self, file: int) -> str:
+        return f"source {self.source.name!r} file {self.paths[file]!r}"
+
+    def _open(self, file: int) -> pq.ParquetFile:
+        handle = self._files.get(file)
+        if handle is not None:
+            self._files.move_to_end(file)
+            return handle
+        try:
+            handle = pq.ParquetFile(self.paths[file], memory_map=False)
+        except FileNotFoundError:
+            raise SourceReadError(f"{self._where(file)} is missing; restore it or remove it from Source.paths") from None
+        except (pa.ArrowException, OSError) as exc:
+            raise SourceReadError(
+                f"{self._where(file)} is not a readable Parquet file ({exc}); "
+                "replace the file or remove it from Source.paths"
+            ) from None
+        if self.source.columns:
+            names = handle.schema_arrow.names
+            missing = [c for c in self.source.columns if c not in names]
+            if missing:
+                raise SchemaError(
+                    f"{self._where(file)} has no column(s) {missing}; it has {names}. "
+                    "Fix Source.columns or the file"
+                )
+        self._files[file] = handle
+        while len(self._files) > _OPEN_FILES:
+            self._files.popitem(last=False)
+        return handle
+
+    def _footer_counts(self, file: int) -> list[int]:
+        meta = self._open(file).metadata
+        return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+    def _read_group(self, rg: int) -> list[dict]:
+        rows = self._rows.get(rg)
+        if rows is not None:
+            return rows
+        file, group = int(self.groups.file[rg]), int(self.groups.group[rg])
+        try:
+            table = self._open(file).read_row_group(group, columns=list(self.source.columns) if self.source.columns else None)
+        except (pa.ArrowException, OSError) as exc:
+            raise SourceReadError(
+                f"{self._where(file)} row group {group} (rows from {int(self.groups.first_row[rg])}) "
+                f"cannot be read ({exc}); replace the file or remove it from Source.paths"
+            ) from None
+        rows = table.to_pylist()
+        self._rows[rg] = rows
+        return rows
+
+    # -- order ---------------------------------------------------------------------------
+
+    def _make_order(self, epoch: int) -> EpochOrder:
+        return EpochOrder(
+            self.groups,
+            seed=self.seed,
+            source=self.source.name,
+            epoch=epoch,
+            partition=self.partition,
+            partitions=self.source.partitions,
+            shuffle_window=self.source.shuffle_window,
+        )
+
+    @property
+    def epoch_length(self) -> int:
+        return len(self._order)
+
+    @property
+    def finished(self) -> bool:
+        """True when every configured epoch has been read."""
+        return self.epochs is not None and self.epoch >= self.epochs
+
+    def _advance_epoch(self) -> None:
+        self.epoch += 1
+        self.seq = 0
+        self._delivered_in_epoch = 0
+        self._rows.clear()
+        if not self.finished:
+            self._order = self._make_order(self.epoch)
+
+    # -- preparing samples ---------------------------------------------------------------
+
+    def prepare(self, limit: int) -> tuple[list[Prepared], list[tuple[int, int]]]:
+        """Prepare up to `limit` samples in order.
+
+        Returns:
+            (samples, ended): the prepared samples, all of one epoch, and (epoch,
+            prepared count) for each epoch that ended during this call.
+
+        Raises:
+            SourceReadError: a file or row is bad and the policy is "raise".
+        """
+        out: list[Prepared] = []
+        ended: list[tuple[int, int]] = []
+        while len(out) < limit and not self.finished:
+            if self.seq >= self.epoch_length:
+                ended.append((self.epoch, self._delivered_in_epoch))
+                self._advance_epoch()
+                if out:
+                    break  # one call never mixes epochs, so a metadata chunk has one epoch
+                continue
+            sample = self._prepare_one(self.seq)
+            self.seq += 1
+            if sample is not None:
+                self._delivered_in_epoch += 1
+                out.append(sample)
+        return out, ended
+
+    def _prepare_one(self, seq: int) -> Prepared | None:
+        order = self._order
+        if seq % order.window == 0:
+            # entering a new window: drop row groups the new window does not touch
+            keep = set(order.groups_for_window(seq // order.window))
+            for rg in [g for g in self._rows if g not in keep]:
+                del self._rows[rg]
+        where = order.locate(seq)
+        row = self._read_group(where.rg)[where.row_in_group]
+        key = f"{self.source.name}:{where.file}:{where.row_in_file}"
+        try:
+            arrays = self.transform(row)
+            if not isinstance(arrays, dict) or not all(isinstance(v, np.ndarray) for v in arrays.values()):
+                raise TypeError(f"returned {type(arrays).__name__}; a transform must return dict[str, numpy.ndarray]")
+        except Exception as exc:  # noqa: BLE001 - any user transform failure is reported the same way
+            if self.source.on_error == "skip":
+                self.skipped += 1
+                return None
+            raise SourceReadError(
+                f"{self._where(where.file)} row {where.row_in_file}: transform "
+                f"{self.source.transform} raised {type(exc).__name__}: {exc}. "
+                "Fix the data or the transform, or set on_error: skip on the source"
+            ) from exc
+        tokens, patches, nbytes = sample_metadata(arrays)
+        return Prepared(self.epoch, seq, key, arrays, tokens, patches, nbytes)
