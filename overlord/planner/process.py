@@ -1,0 +1,75 @@
+"""The Planner role: reads buffer metadata from Redis, publishes one plan per step.
+
+Per step it does O(1) Redis operations: one XREAD over every loader's metadata
+stream, one HGETALL of constructor progress, and one MULTI that writes the plan
+(`plan:<step>`, expiring), notifies (`plans` stream, entry id `<step+1>-0` so a
+reader waiting for step t asks for ids after `t-0` and cannot miss it) and saves the
+planner state (step, cursors, RNG) — so the state in Redis never refers to a plan
+that was not written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from overlord.errors import PlanError
+from overlord.planner import meta
+from overlord.planner.core import PlannerCore
+
+log = logging.getLogger("overlord.planner")
+
+PLAN_TTL_S = 3600
+WAIT_MS = 20
+
+
+def run_planner(ctx) -> None:
+    """Plan steps until the job's last epoch ends (or forever); see module doc."""
+    job, r, keys, layout = ctx.job, ctx.r, ctx.keys, ctx.layout
+    core = PlannerCore(
+        streams=layout.streams,
+        stream_source=layout.stream_source,
+        weights=[s.weight for s in job.sources],
+        seed=job.seed,
+        global_batch=job.batch.global_batch,
+        dp=job.mesh.dp,
+        micro_batches=job.batch.micro_batches,
+        finite=job.epochs is not None,
+        drop_last=job.batch.drop_last,
+    )
+    index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
+    last_ids = {keys.meta(name): "0-0" for name in layout.streams}
+    waiting_since = time.monotonic()
+    while not ctx.stop.is_set():
+        progress = r.hgetall(keys.progress)
+        slowest = min((int(progress.get(f"c{d}".encode(), -1)) for d in range(job.mesh.dp)), default=-1)
+        ahead = core.step - slowest > job.plan_ahead
+        if ahead:
+            waiting_since = time.monotonic()  # waiting on trainers is not a stall
+        plan = None if ahead else core.plan_step()
+        if plan is not None:
+            pipe = r.pipeline(transaction=True)
+            pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
+            pipe.xadd(keys.plans, {"step": plan.step, "last": int(plan.last)}, id=f"{plan.step + 1}-0", maxlen=1000, approximate=True)
+            pipe.hset(keys.planner, mapping={"step": plan.step, "state": json.dumps(core.state()), "updated": time.time()})
+            pipe.execute()
+            waiting_since = time.monotonic()
+            if plan.last:
+                log.info("planned the last step %d; planner done", plan.step)
+                return
+            continue
+        # nothing to plan yet: wait for metadata (this is also the back-off while ahead)
+        reply = r.xread(last_ids, block=WAIT_MS, count=64)
+        for stream_key, entries in reply or ():
+            for entry_id, fields in entries:
+                core.add(index[stream_key], meta.decode(fields))
+                last_ids[stream_key.decode()] = entry_id
+            waiting_since = time.monotonic()
+        if time.monotonic() - waiting_since > job.timeout_s:
+            starving = [s.name for s in core.streams if s.available() == 0 and not s.final]
+            raise PlanError(
+                f"step {core.step}: no Source Loader reported new samples for {job.timeout_s:.0f}s; "
+                f"streams with none buffered: {starving}. Check the loader logs in {ctx.run_dir}, "
+                "or raise Job.timeout_s for slow transforms"
+            )
