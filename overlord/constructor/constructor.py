@@ -1,0 +1,141 @@
+"""A Data Constructor: builds the micro-batches of one data-parallel group.
+
+Per step it reads the plan, collects exactly the planned samples from the rings of
+the loader processes (any ring that has data, so no ring's back-pressure can block
+another's), checks each is the one planned (stream, epoch, seq), applies the
+micro-batch transform (packing or padding) and writes every micro-batch into the ring
+of each trainer client of the group (its PP/CP/TP peers). Progress goes to Redis so
+the Planner stays at most `plan_ahead` steps ahead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from overlord.config import Job
+from overlord.constructor.packing import pack, pad
+from overlord.errors import PeerDied, PlanError
+from overlord.shm import Ring, decode_batch
+from overlord.sidecar.flow import push, wait_plan
+from overlord.sidecar.layout import Layout, client_ring, sample_ring
+
+log = logging.getLogger("overlord.constructor")
+
+_POLL_S = (0.0002, 0.005)  # back-off bounds while no loader ring has a record
+
+
+class DataConstructor:
+    """The constructor of DP group `dp`."""
+
+    def __init__(self, job: Job, layout: Layout, dp: int, r, keys, stop: threading.Event) -> None:
+        self.job, self.layout, self.dp = job, layout, dp
+        self.r, self.keys, self.stop = r, keys, stop
+        self.inputs: list[Ring] = []
+        for loader in range(layout.loaders):
+            ring = Ring.attach(sample_ring(job, loader, dp), timeout=job.timeout_s)
+            ring.claim_consumer()
+            self.inputs.append(ring)
+        self.outputs: list[Ring] = []
+        for rank in job.mesh.ranks_of_dp(dp):
+            ring = Ring.attach(client_ring(job, rank), timeout=job.timeout_s)
+            ring.claim_producer()
+            self.outputs.append(ring)
+        self.truncated = 0
+
+    def run(self) -> None:
+        step = 0
+        try:
+            while not self.stop.is_set():
+                plan = wait_plan(self.r, self.keys, step, self.stop, self.job.timeout_s)
+                group = plan.dp[self.dp]
+                samples = self._collect(plan.step, group)
+                for mb, items in enumerate(group):
+                    batch_samples = [samples[(s, e, q)] for s, e, q in items]
+                    arrays, truncated = (pack if self.job.batch.packing else pad)(
+                        [a for a, _ in batch_samples], self.job.batch.context_length
+                    )
+                    self.truncated += truncated
+                    meta = {
+                        "step": plan.step,
+                        "microbatch": mb,
+                        "dp": self.dp,
+                        "keys": [k for _, k in batch_samples],
+                        "last": plan.last and mb == len(group) - 1,
+                    }
+                    self._deliver(arrays, meta)
+                if not self.outputs:
+                    log.info("DataConstructor dp=%d: every client left; idle until the sidecar stops", self.dp)
+                    self.stop.wait()
+                    return
+                pipe = self.r.pipeline(transaction=False)
+                pipe.hset(self.keys.progress, f"c{self.dp}", plan.step)
+                if self.truncated:
+                    pipe.hset(self.keys.counters, f"truncated:c{self.dp}", self.truncated)
+                pipe.execute()
+                step += 1
+                if plan.last:
+                    for ring in self.outputs:
+                        ring.close_writer()
+                    return
+        finally:
+            for ring in self.inputs + self.outputs:
+                ring.close()
+
+    def _deliver(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
+        """Write one micro-batch to every client of the group; a client that exited is dropped."""
+        for ring in list(self.outputs):
+            try:
+                push(ring, arrays, meta, self.stop)
+            except PeerDied as exc:
+                log.warning("DataConstructor dp=%d: %s; no longer writing to it", self.dp, exc)
+                self.outputs.remove(ring)
+                ring.close()
+
+    def _collect(self, step: int, group) -> dict[tuple[int, int, int], tuple[dict[str, np.ndarray], str]]:
+        """Read this step's planned samples from the loader rings."""
+        wanted = {(s, e, q) for items in group for s, e, q in items}
+        owed = [0] * len(self.inputs)
+        for s, _, _ in wanted:
+            owed[self.layout.loader_of[s]] += 1
+        got: dict[tuple[int, int, int], tuple[dict[str, np.ndarray], str]] = {}
+        pause = _POLL_S[0]
+        deadline = time.monotonic() + self.job.timeout_s
+        while any(owed):
+            progressed = False
+            for k, ring in enumerate(self.inputs):
+                if not owed[k]:
+                    continue
+                view = ring.try_read()
+                if view is None:
+                    continue
+                arrays, meta = decode_batch(view)
+                ident = (meta["s"], meta["e"], meta["q"])
+                if meta["t"] != step or ident not in wanted or ident in got:
+                    raise PlanError(
+                        f"DataConstructor dp={self.dp} step {step}: loader process {k} sent "
+                        f"{meta['k']} (step {meta['t']}), which this step did not plan; this is a bug"
+                    )
+                # copy out: the view is released on the ring's next read
+                got[ident] = ({name: a.copy() for name, a in arrays.items()}, meta["k"])
+                ring.release()
+                owed[k] -= 1
+                progressed = True
+            if progressed:
+                pause = _POLL_S[0]
+                deadline = time.monotonic() + self.job.timeout_s
+                continue
+            if self.stop.is_set():
+                return got
+            if time.monotonic() > deadline:
+                waiting = [k for k, n in enumerate(owed) if n]
+                raise PlanError(
+                    f"DataConstructor dp={self.dp} waited {self.job.timeout_s:.0f}s for step {step} samples "
+                    f"from loader process(es) {waiting}; see their logs, or raise Job.timeout_s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_S[1])
+        return got

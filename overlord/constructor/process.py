@@ -1,0 +1,39 @@
+"""A Data Constructor host process: one thread per Data Constructor it hosts.
+
+Packing is numpy work that releases the GIL for its copies, so one process can host
+the constructors of several DP groups; the first failure stops the others and is
+raised with its DP group named.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from overlord.constructor.constructor import DataConstructor
+from overlord.errors import OverlordError
+from overlord.sidecar.flow import Stopped
+from overlord.store import connect
+
+
+def run_constructors(ctx) -> None:
+    hosted = [dp for dp, host in enumerate(ctx.layout.constructor_of) if host == ctx.index]
+    failures: list[tuple[int, BaseException]] = []
+
+    def one(dp: int) -> None:
+        try:
+            # a Redis client of its own: blocking reads of one must not delay another
+            DataConstructor(ctx.job, ctx.layout, dp, connect(ctx.redis_url), ctx.keys, ctx.stop).run()
+        except Stopped:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported below with its DP group
+            failures.append((dp, exc))
+            ctx.stop.set()
+
+    threads = [threading.Thread(target=one, args=(dp,), name=f"constructor-{dp}", daemon=True) for dp in hosted]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        dp, exc = failures[0]
+        raise OverlordError(f"DataConstructor dp={dp}: {type(exc).__name__}: {exc}") from exc
