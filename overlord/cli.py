@@ -1,0 +1,64 @@
+"""The `overlord` command: `sidecar`, `demo`, `status`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from overlord.errors import OverlordError
+
+
+def _sidecar(args: argparse.Namespace) -> int:
+    from overlord.config import Job
+    from overlord.sidecar.sidecar import Sidecar
+
+    job = Job.from_file(args.config)
+    return Sidecar(job, exit_when_idle=args.exit_when_idle).run()
+
+
+def _status(args: argparse.Namespace) -> int:
+    from overlord.config import Job
+    from overlord.status import collect, render
+
+    status = collect(Job.from_file(args.config))
+    print(json.dumps(status, indent=2) if args.json else render(status))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from overlord.demo.run import run_demo
+
+    return run_demo(out_dir=args.out, ranks=args.ranks, steps=args.steps, progress=not args.no_progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="overlord", description="Overlord data loader")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("sidecar", help="run the node's sidecar for a job")
+    p.add_argument("--config", required=True, help="job YAML/JSON")
+    p.add_argument("--exit-when-idle", action="store_true", help="exit once the job's trainers are gone")
+    p.set_defaults(fn=_sidecar)
+    p = sub.add_parser("status", help="show a running job's state from Redis")
+    p.add_argument("--config", required=True, help="job YAML/JSON")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_status)
+    p = sub.add_parser("demo", help="generate a demo corpus and run a 4-rank job end to end")
+    p.add_argument("--out", default="demo-data")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fn=_demo)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("OVERLORD_LOG", "INFO"), format="%(asctime)s %(name)s %(message)s")
+    try:
+        return args.fn(args)
+    except OverlordError as exc:
+        print(f"overlord {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The per-node sidecar: supervises the roles of a job on its node."""

@@ -1,0 +1,66 @@
+"""The job's layout on a node: which process hosts which Source Loader and Data Constructor.
+
+A Source Loader is a role, not a process: streams (source partitions) are spread over
+`loader_processes` processes, so the process count follows the CPU budget, not the
+number of sources. Ring names between roles are built here too, from the layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+from overlord.config import Job
+from overlord.shm.names import segment_name
+
+
+def stream_name(source: str, partition: int) -> str:
+    """A Source Loader's stream id: `<source>.<partition>`."""
+    return f"{source}.{partition}"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    streams: list[str]
+    stream_source: list[int]
+    loader_of: list[int]  # stream -> loader process index
+    loaders: int
+    constructor_hosts: int
+    constructor_of: list[int]  # dp group -> constructor host index
+
+    @classmethod
+    def plan(cls, job: Job) -> "Layout":
+        streams, stream_source = [], []
+        for i, src in enumerate(job.sources):
+            for p in range(src.partitions):
+                streams.append(stream_name(src.name, p))
+                stream_source.append(i)
+        cpus = len(os.sched_getaffinity(0))
+        loaders = job.loader_processes or max(1, min(len(streams), cpus // 2 or 1))
+        loaders = min(loaders, len(streams))
+        return cls(
+            streams=streams,
+            stream_source=stream_source,
+            loader_of=[i % loaders for i in range(len(streams))],
+            loaders=loaders,
+            constructor_hosts=1,
+            constructor_of=[0] * job.mesh.dp,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Layout":
+        return cls(**json.loads(text))
+
+
+def sample_ring(job: Job, loader: int, dp: int) -> str:
+    """Ring from loader process `loader` to the Data Constructor of DP group `dp`."""
+    return segment_name(job.name, job.node, f"l{loader}-c{dp}")
+
+
+def client_ring(job: Job, rank: int) -> str:
+    """Ring from a Data Constructor to the trainer client of global `rank`."""
+    return segment_name(job.name, job.node, f"client{rank}")

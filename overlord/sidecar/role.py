@@ -1,0 +1,128 @@
+"""Entry point and shared plumbing of every role process a sidecar starts.
+
+    python -m overlord.sidecar.role {planner|loader|constructor} --run-dir DIR --index N
+
+The job comes from DIR/job.json (JSON, never a pickle) and the Redis URL from the
+OVERLORD_REDIS_URL environment variable (so a password never shows in `ps`). A role
+that fails pushes one JSON error record (role, index, node, pid, message) to
+`overlord:{job}:errors` before exiting non-zero; the sidecar forwards it to the
+trainers. Each role keeps a heartbeat key with a TTL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from overlord.config import Job
+from overlord.sidecar.layout import Layout
+from overlord.store import Keys, connect
+
+log = logging.getLogger("overlord")
+
+HEARTBEAT_S = 1.0
+HEARTBEAT_TTL_S = 5
+ROLES = ("planner", "loader", "constructor")
+ROLE_TITLES = {"planner": "Planner", "loader": "SourceLoader process", "constructor": "DataConstructor host"}
+
+
+@dataclass
+class RoleContext:
+    """What every role needs: the job, the layout, Redis, and a stop flag."""
+
+    role: str
+    index: int
+    job: Job
+    redis_url: str
+    run_dir: Path
+    r: redis.Redis = field(init=False)
+    keys: Keys = field(init=False)
+    layout: Layout = field(init=False)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.r = connect(self.redis_url)
+        self.keys = Keys(self.job.name)
+        raw = self.r.get(self.keys.layout)
+        self.layout = Layout.from_json(raw) if raw else Layout.plan(self.job)
+
+    @property
+    def origin(self) -> str:
+        return f"{ROLE_TITLES[self.role]} {self.index} on node {self.job.node!r} (pid {os.getpid()})"
+
+    def heartbeat_forever(self) -> None:
+        key = self.keys.heartbeat(self.role, str(self.index))
+        while not self.stop.is_set():
+            try:
+                self.r.set(
+                    key,
+                    json.dumps({"pid": os.getpid(), "node": self.job.node, "time": time.time()}),
+                    ex=HEARTBEAT_TTL_S,
+                )
+            except redis.RedisError:
+                pass  # the control path may blip; data keeps flowing
+            self.stop.wait(HEARTBEAT_S)
+
+    def report_error(self, exc: BaseException) -> None:
+        record = {
+            "role": self.role,
+            "index": self.index,
+            "node": self.job.node,
+            "pid": os.getpid(),
+            "type": type(exc).__name__,
+            "message": f"{self.origin} failed: {type(exc).__name__}: {exc}",
+            "time": time.time(),
+        }
+        try:
+            self.r.rpush(self.keys.errors, json.dumps(record))
+        except redis.RedisError:
+            pass
+        sys.stderr.write(record["message"] + "\n" + traceback.format_exc())
+        sys.stderr.flush()
+
+
+def _run(ctx: RoleContext) -> None:
+    if ctx.role == "planner":
+        from overlord.planner.process import run_planner as main
+    elif ctx.role == "loader":
+        from overlord.loader.process import run_loader as main
+    else:
+        from overlord.constructor.process import run_constructors as main
+    main(ctx)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="overlord-role")
+    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--index", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("OVERLORD_LOG", "INFO"), format=f"%(asctime)s {args.role}{args.index} %(message)s")
+    run_dir = Path(args.run_dir)
+    job = Job.from_dict(json.loads((run_dir / "job.json").read_text()))
+    ctx = RoleContext(args.role, args.index, job, os.environ["OVERLORD_REDIS_URL"], run_dir)
+    signal.signal(signal.SIGTERM, lambda *_: ctx.stop.set())
+    threading.Thread(target=ctx.heartbeat_forever, daemon=True, name="heartbeat").start()
+    try:
+        _run(ctx)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported with its origin
+        ctx.report_error(exc)
+        return 1
+    finally:
+        ctx.stop.set()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

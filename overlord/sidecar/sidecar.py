@@ -1,0 +1,259 @@
+"""The sidecar: one per node; starts, watches and stops every role of the job there.
+
+Start-up: take the job's lock in its run directory (one sidecar per job and node),
+remove shared-memory segments left by dead owners, start the embedded redis-server
+(or connect to Job.redis_url), publish the job, its layout and this node, create every
+ring, then start the Planner, the Source Loader processes and the Data Constructor
+host as child processes that die with the sidecar (PR_SET_PDEATHSIG).
+
+While running it watches the children. A child that fails has pushed its error record
+to Redis; the sidecar copies that message into every trainer's ring, so the trainer
+raises it with its origin, then stops the job. On the way out every ring is unlinked
+and the embedded Redis is stopped.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from overlord.config import Job
+from overlord.errors import OverlordError
+from overlord.pids import alive as _alive
+from overlord.shm import Ring, cleanup_stale, unlink_all
+from overlord.sidecar.layout import Layout, client_ring, sample_ring
+from overlord.store import EmbeddedRedis, Keys, connect
+from overlord.store.server import die_with_parent
+
+log = logging.getLogger("overlord.sidecar")
+
+LOCK_NAME = "sidecar.lock"
+POLL_S = 0.1
+
+
+def lock_path(job: Job) -> Path:
+    return job.run_path / LOCK_NAME
+
+
+def sidecar_running(job: Job) -> bool:
+    """Whether some process holds this job's sidecar lock on this node."""
+    path = lock_path(job)
+    if not path.exists():
+        return False
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return False
+
+
+class Sidecar:
+    """Runs one job's roles on this node.
+
+    Args:
+        job: the job.
+        exit_when_idle: exit once every trainer that attached has gone (or none came
+            within the job timeout); used when a DataLoader spawned this sidecar.
+    """
+
+    def __init__(self, job: Job, *, exit_when_idle: bool = False) -> None:
+        self.job = job
+        self.exit_when_idle = exit_when_idle
+        self.keys = Keys(job.name)
+        self.run_dir = job.run_path
+        self.redis: EmbeddedRedis | None = None
+        self.children: dict[str, subprocess.Popen] = {}
+        self.rings: list[Ring] = []
+        self.client_rings: dict[int, Ring] = {}
+        self.stop = threading.Event()
+        self._lock_fh = None
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def _take_lock(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.run_dir, 0o700)
+        self._lock_fh = open(lock_path(self.job), "a+")
+        try:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OverlordError(
+                f"a sidecar for job {self.job.name!r} already runs on this node (lock {lock_path(self.job)}); "
+                "stop it first or use another Job.name"
+            ) from None
+        self._lock_fh.seek(0)
+        self._lock_fh.truncate()
+        self._lock_fh.write(str(os.getpid()))
+        self._lock_fh.flush()
+
+    def _start_store(self) -> str:
+        if self.job.redis_url:
+            return self.job.redis_url
+        self.redis = EmbeddedRedis(self.run_dir).start()
+        return self.redis.url
+
+    def _publish(self, r, layout: Layout) -> None:
+        # a fresh run of the job: forget the last run's plans, metadata and errors
+        stale = list(r.scan_iter(match=self.keys.pattern, count=1000))
+        if stale:
+            r.delete(*stale)
+        pipe = r.pipeline(transaction=True)
+        pipe.set(self.keys.job_config, self.job.to_json())
+        pipe.set(self.keys.layout, layout.to_json())
+        pipe.hset(
+            self.keys.nodes,
+            self.job.node,
+            json.dumps({"pid": os.getpid(), "ranks": list(range(self.job.mesh.world_size)), "started": time.time()}),
+        )
+        pipe.execute()
+
+    def _create_rings(self, layout: Layout) -> None:
+        for loader in range(layout.loaders):
+            for dp in range(self.job.mesh.dp):
+                self.rings.append(Ring.create(sample_ring(self.job, loader, dp), self.job.sample_ring_bytes))
+        for rank in range(self.job.mesh.world_size):
+            ring = Ring.create(client_ring(self.job, rank), self.job.batch.ring_bytes)
+            self.rings.append(ring)
+            self.client_rings[rank] = ring
+
+    def _spawn(self, role: str, index: int, url: str) -> None:
+        env = dict(os.environ, OVERLORD_REDIS_URL=url)
+        logfile = open(self.run_dir / f"{role}{index}.log", "ab")
+        self.children[f"{role}{index}"] = subprocess.Popen(
+            [sys.executable, "-m", "overlord.sidecar.role", role, "--run-dir", str(self.run_dir), "--index", str(index)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+        logfile.close()
+
+    def start(self) -> None:
+        self._take_lock()
+        removed = cleanup_stale(self.job.name)
+        if removed:
+            log.info("removed %d shared-memory segment(s) left by dead owners: %s", len(removed), removed)
+        url = self._start_store()
+        self.r = connect(url)
+        layout = Layout.plan(self.job)
+        (self.run_dir / "job.json").write_text(self.job.to_json())
+        self._publish(self.r, layout)
+        self._create_rings(layout)
+        self._spawn("planner", 0, url)
+        for i in range(layout.loaders):
+            self._spawn("loader", i, url)
+        for i in range(layout.constructor_hosts):
+            self._spawn("constructor", i, url)
+        log.info(
+            "sidecar for job %r on node %r: %d stream(s) in %d loader process(es), %d DP group(s), redis %s",
+            self.job.name, self.job.node, len(layout.streams), layout.loaders, self.job.mesh.dp,
+            "embedded" if self.redis else "external",
+        )
+
+    # -- watching ------------------------------------------------------------------------
+
+    def _failure_message(self, name: str, code: int) -> str:
+        try:
+            raw = self.r.lindex(self.keys.errors, 0)
+        except Exception:  # noqa: BLE001 - Redis itself may be the casualty
+            raw = None
+        if raw:
+            return json.loads(raw)["message"]
+        proc = self.children[name]
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return (
+            f"{name} (pid {proc.pid}) on node {self.job.node!r} {how} without reporting an error; "
+            f"see {self.run_dir / (name + '.log')}"
+        )
+
+    def _clients_gone(self) -> bool:
+        """True once every client that attached has exited (and at least one attached)."""
+        seen = [ring.consumer_pid for ring in self.client_rings.values() if ring.consumer_pid]
+        return bool(seen) and not any(_alive(pid) for pid in seen)
+
+    def _drained(self) -> bool:
+        """Every client ring is read to the end, or its trainer attached and exited."""
+        return all(
+            ring.pending() == 0 or (ring.consumer_pid and not _alive(ring.consumer_pid))
+            for ring in self.client_rings.values()
+        )
+
+    def watch(self) -> int:
+        """Supervise until the job ends, a role fails, or a stop is requested; 0 on success."""
+        started = time.monotonic()
+        finished: float | None = None
+        while not self.stop.wait(POLL_S):
+            codes = {name: proc.poll() for name, proc in self.children.items()}
+            failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]
+            if failed:
+                message = self._failure_message(*failed[0])
+                log.error("%s", message)
+                for ring in self.client_rings.values():
+                    ring.set_error(message)
+                self._grace_for_clients()
+                return 1
+            if all(c == 0 for c in codes.values()):
+                finished = finished or time.monotonic()
+                if self._drained() or time.monotonic() - finished > self.job.timeout_s:
+                    return 0
+            if self.exit_when_idle:
+                if self._clients_gone():
+                    return 0
+                attached = any(ring.consumer_pid for ring in self.client_rings.values())
+                if not attached and time.monotonic() - started > max(self.job.timeout_s, 30):
+                    log.info("no trainer attached within %.0fs; exiting", max(self.job.timeout_s, 30))
+                    return 0
+        return 0
+
+    def _grace_for_clients(self) -> None:
+        """Keep the rings (with the error set) until every trainer has attached and left,
+        or the job timeout passes, so a trainer that comes late still reads the error."""
+        deadline = time.monotonic() + self.job.timeout_s
+        while time.monotonic() < deadline and not self.stop.is_set():
+            pids = [ring.consumer_pid for ring in self.client_rings.values()]
+            if all(pids) and not any(_alive(pid) for pid in pids):
+                return
+            time.sleep(POLL_S)
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        for proc in self.children.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 5.0
+        for proc in self.children.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        for ring in self.rings:
+            ring.close()
+        unlink_all(self.job.name)
+        if self.redis is not None:
+            self.redis.stop()
+        if self._lock_fh is not None:
+            self._lock_fh.close()
+
+    def run(self) -> int:
+        """Start, watch, and always clean up. Returns the process exit status."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop.set())
+        try:
+            self.start()
+            return self.watch()
+        finally:
+            self.shutdown()
+

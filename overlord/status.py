@@ -1,0 +1,58 @@
+"""`overlord status`: what a job is doing, read from Redis (the same keys an operator
+would read with redis-cli)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from overlord.config import Job
+from overlord.store import Keys, connect
+from overlord.store.server import SOCKET_NAME
+
+
+def redis_url_of(job: Job) -> str:
+    return job.redis_url or f"unix://{job.run_path / SOCKET_NAME}"
+
+
+def collect(job: Job) -> dict[str, Any]:
+    """The job's status as plain data."""
+    r = connect(redis_url_of(job), timeout_s=5)
+    keys = Keys(job.name)
+    planner = {k.decode(): v.decode() for k, v in r.hgetall(keys.planner).items()}
+    state = json.loads(planner.get("state", "{}") or "{}")
+    now = time.time()
+    roles = {}
+    for key in sorted(r.scan_iter(match=keys.heartbeat_pattern, count=1000)):
+        raw = r.get(key)
+        if raw:
+            hb = json.loads(raw)
+            roles[key.decode().split(":hb:", 1)[1]] = {"pid": hb["pid"], "node": hb["node"], "age_s": round(now - hb["time"], 2)}
+    return {
+        "job": job.name,
+        "step": int(planner["step"]) if "step" in planner else None,
+        "cursors": state.get("cursors", {}),
+        "roles": roles,
+        "progress": {k.decode(): int(v) for k, v in r.hgetall(keys.progress).items()},
+        "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
+        "nodes": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.nodes).items()},
+        "errors": [json.loads(e)["message"] for e in r.lrange(keys.errors, 0, -1)],
+    }
+
+
+def render(status: dict[str, Any]) -> str:
+    lines = [f"job {status['job']}: planned step {status['step']}"]
+    lines.append("roles (heartbeat age):")
+    for name, hb in status["roles"].items():
+        lines.append(f"  {name:<16} pid {hb['pid']:<8} node {hb['node']:<10} {hb['age_s']:.1f}s ago")
+    if status["progress"]:
+        lines.append("constructors (last step written): " + ", ".join(f"{k}={v}" for k, v in sorted(status["progress"].items())))
+    lines.append("cursors (epoch, seq) per stream:")
+    for name, cur in sorted(status["cursors"].items()):
+        lines.append(f"  {name:<24} epoch {cur[0]} seq {cur[1]}")
+    for k, v in sorted(status["counters"].items()):
+        lines.append(f"counter {k} = {v}")
+    for e in status["errors"]:
+        lines.append(f"ERROR {e}")
+    return "\n".join(lines)

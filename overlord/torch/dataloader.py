@@ -1,0 +1,249 @@
+"""`overlord.torch.DataLoader`: the trainer-side client, a drop-in for torch's DataLoader.
+
+It reads finished micro-batches of its rank from a shared-memory ring that the node's
+sidecar fills, and yields dicts of torch tensors. Tensors are zero-copy views into the
+ring, valid until the next batch is requested; pass `copy=True` to own them (or
+`pin_memory=True` on a CUDA machine to get pinned copies).
+
+If no sidecar serves the job on this node, the first rank to look starts one (detached,
+exiting when its trainers are gone), so a single-machine job needs no setup. Every wait
+is bounded: a sidecar that dies or stalls surfaces here as `RemoteRoleError` naming the
+role, pid and cause.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from overlord.config import Job
+from overlord.errors import (
+    ConfigError,
+    OverlordError,
+    PeerDied,
+    RemoteRoleError,
+    RingClosed,
+    RingError,
+    RingTimeout,
+)
+from overlord.pids import alive
+from overlord.shm import Ring, decode_batch
+from overlord.sidecar.layout import client_ring
+from overlord.sidecar.sidecar import sidecar_running
+
+_SLICE_S = 0.5  # how often a waiting client checks that its sidecar still lives
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+class DataLoader:
+    """Iterate the micro-batches Overlord delivers to this rank.
+
+    Args:
+        job: the job, or a path to its YAML/JSON config.
+        rank: global rank; defaults to $RANK (torchrun), else 0.
+        world_size: defaults to $WORLD_SIZE, else the mesh's world size; must match the mesh.
+        timeout_s: longest wait for one batch; defaults to Job.timeout_s.
+        copy: yield tensors that own their memory instead of views into the ring.
+        pin_memory: yield pinned copies (CUDA machines only; ignored with a warning elsewhere).
+        spawn_sidecar: start a sidecar for the job if none runs on this node.
+
+    Each item is one micro-batch: a dict of tensors (see overlord.constructor.packing).
+    `last_meta` holds the current batch's step, micro-batch index and sample keys.
+    """
+
+    def __init__(
+        self,
+        job: Job | str | os.PathLike,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        timeout_s: float | None = None,
+        copy: bool = False,
+        pin_memory: bool = False,
+        spawn_sidecar: bool = True,
+    ) -> None:
+        self.config_path = None if isinstance(job, Job) else Path(job)
+        self.job = job if isinstance(job, Job) else Job.from_file(job)
+        self.rank = rank if rank is not None else _env_int("RANK", 0)
+        world = world_size if world_size is not None else _env_int("WORLD_SIZE", self.job.mesh.world_size)
+        self.job.check_world(world)
+        self.coords = self.job.mesh.coords(self.rank)
+        self.timeout_s = timeout_s or self.job.timeout_s
+        self.copy = copy
+        if pin_memory and not torch.cuda.is_available():
+            warnings.warn("pin_memory=True but CUDA is not available; batches are not pinned", stacklevel=2)
+            pin_memory = False
+        self.pin_memory = pin_memory
+        self.spawn_sidecar = spawn_sidecar
+        self.last_meta: dict[str, Any] = {}
+        self.batches = 0
+        self.sidecar_pid: int | None = None
+        self._ring: Ring | None = None
+        self._done = False
+
+    # -- connecting ----------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        """Start a detached sidecar unless one runs; one rank wins, the others wait."""
+        run_dir = self.job.run_path
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with open(run_dir / "spawn.lock", "a+") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            if sidecar_running(self.job):
+                return
+            config = run_dir / "spawned-job.json"
+            config.write_text(self.job.to_json())
+            with open(run_dir / "sidecar.log", "ab") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config), "--exit-when-idle"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # outlives this rank: the other ranks still need it
+                )
+            deadline = time.monotonic() + self.timeout_s
+            while not sidecar_running(self.job):
+                if proc.poll() is not None:
+                    raise RemoteRoleError(
+                        f"rank {self.rank}: the sidecar this rank started (pid {proc.pid}) exited with "
+                        f"{proc.returncode}; see {run_dir / 'sidecar.log'}"
+                    )
+                if time.monotonic() > deadline:
+                    raise RemoteRoleError(f"rank {self.rank}: the sidecar (pid {proc.pid}) did not start within {self.timeout_s:.0f}s")
+                time.sleep(0.05)
+
+    def _connect(self) -> Ring:
+        name = client_ring(self.job, self.rank)
+        if self.spawn_sidecar and not sidecar_running(self.job):
+            self._spawn()
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                ring = Ring.attach(name, timeout=min(_SLICE_S, max(0.01, deadline - time.monotonic())))
+            except RingTimeout:
+                ring = None
+            if ring is not None and alive(ring.creator_pid):
+                break
+            if ring is not None:
+                ring.close()  # left by a dead sidecar; the next one replaces it
+            if time.monotonic() > deadline:
+                raise RemoteRoleError(
+                    f"rank {self.rank}: no sidecar served job {self.job.name!r} on node {self.job.node!r} "
+                    f"within {self.timeout_s:.0f}s (ring {name}); start one with "
+                    "`overlord sidecar --config JOB.yaml` or pass spawn_sidecar=True"
+                )
+        ring.claim_consumer()
+        self.sidecar_pid = ring.creator_pid
+        return ring
+
+    # -- iterating -----------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self._ring is None and not self._done:
+            self._ring = self._connect()
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._done:
+            raise StopIteration
+        if self._ring is None:
+            self._ring = self._connect()
+        view = self._read()
+        if view is None:
+            self._finish()
+            raise StopIteration
+        arrays, meta = decode_batch(view)
+        self.last_meta = meta
+        self.batches += 1
+        batch = {name: torch.from_numpy(a) for name, a in arrays.items()}
+        if self.pin_memory:
+            return {k: v.pin_memory() for k, v in batch.items()}
+        if self.copy:
+            return {k: v.clone() for k, v in batch.items()}
+        return batch
+
+    def _read(self):
+        """The next record's view, or None at the end of the job."""
+        ring = self._ring
+        deadline = time.monotonic() + self.timeout_s
+        origin = f"rank {self.rank} (dp={self.coords['dp']}) of job {self.job.name!r}"
+        while True:
+            try:
+                return ring.read(timeout=min(_SLICE_S, max(0.001, deadline - time.monotonic())))
+            except RingClosed:
+                return None
+            except RingTimeout:
+                if ring.creator_pid and not alive(ring.creator_pid):
+                    raise RemoteRoleError(
+                        f"{origin}: the sidecar (pid {ring.creator_pid}) died; see {self.job.run_path}/sidecar.log "
+                        "and the role logs there"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise RemoteRoleError(
+                        f"{origin}: no batch within {self.timeout_s:.0f}s; the sidecar (pid {ring.creator_pid}) "
+                        "is alive but stalled: run `overlord status` and see its logs"
+                    ) from None
+            except PeerDied as exc:
+                detail = ring.error or str(exc)
+                raise RemoteRoleError(f"{origin}: the Data Constructor feeding this rank died: {detail}") from None
+            except RingError as exc:
+                raise RemoteRoleError(f"{origin}: {exc}") from None
+
+    def _finish(self) -> None:
+        self._done = True
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
+    def close(self) -> None:
+        """Detach from the ring (the sidecar keeps serving other ranks)."""
+        self._finish()
+
+    def __len__(self) -> int:
+        raise TypeError("overlord.torch.DataLoader has no length: sources are mixed by weight step by step")
+
+    # -- checkpointing -------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position this rank has consumed (step, micro-batch, batches)."""
+        return {
+            "job": self.job.name,
+            "rank": self.rank,
+            "batches": self.batches,
+            "step": self.last_meta.get("step", -1),
+            "microbatch": self.last_meta.get("microbatch", -1),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the batch after `state` (only a fresh position today)."""
+        if self._ring is not None:
+            raise OverlordError("load_state_dict() must be called before iterating the DataLoader")
+        if state.get("job") != self.job.name or state.get("rank") != self.rank:
+            raise ConfigError(
+                f"state is for job {state.get('job')!r} rank {state.get('rank')}, "
+                f"not job {self.job.name!r} rank {self.rank}"
+            )
+        if state.get("batches", 0):
+            raise OverlordError(
+                f"resuming rank {self.rank} at step {state.get('step')} is not supported yet: exact "
+                "resumption from planner checkpoints is the next piece of work; restart from step 0"
+            )
+
+    def __del__(self) -> None:
+        try:
+            self._finish()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+

@@ -1,0 +1,69 @@
+"""The `overlord` command line against a running job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from overlord import BatchSpec, Mesh
+from overlord.store import EmbeddedRedis
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def overlord(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "overlord.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_status_reads_a_running_job_and_external_redis_url_is_used(cluster, tmp_path):
+    server = EmbeddedRedis(tmp_path / "external").start()  # plays an operator-run Redis
+    try:
+        c = cluster(mesh=Mesh(dp=2), batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20),
+                    redis_url=server.url)
+        c.start_sidecar()
+        c.start_trainers(batches=6, timeout=30)
+        assert all(r["end"] == "limit" for r in c.results().values())
+        time.sleep(1.5)  # let heartbeats land
+        out = overlord("status", "--config", str(c.config), "--json")
+        assert out.returncode == 0, out.stderr
+        status = json.loads(out.stdout)
+        assert status["job"] == c.job.name and status["step"] >= 2
+        assert {"planner:0", "loader:0", "constructor:0"} <= set(status["roles"])
+        assert set(status["cursors"]) == {"web.0", "code.0", "books.0", "images.0"}
+        assert not (c.job.run_path / "redis.sock").exists(), "no embedded server with a configured URL"
+        text = overlord("status", "--config", str(c.config))
+        assert "planned step" in text.stdout and "web.0" in text.stdout
+        c.stop()
+    finally:
+        server.stop()
+
+
+def test_sidecar_refuses_a_bad_config(tmp_path):
+    bad = tmp_path / "job.yaml"
+    bad.write_text("name: j\nsources:\n  - {name: web, paths: [x], weight: -1}\n")
+    out = overlord("sidecar", "--config", str(bad))
+    assert out.returncode == 2 and "Source.weight=-1" in out.stderr
+
+
+def test_dataloader_spawns_a_sidecar_when_none_runs(cluster):
+    from overlord.torch import DataLoader
+
+    c = cluster(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=4, context_length=128, ring_bytes=1 << 20), epochs=1)
+    loader = DataLoader(c.config, rank=0, world_size=1, timeout_s=30)
+    keys = []
+    for batch in loader:
+        assert batch["input_ids"].shape[1] == 128
+        keys += loader.last_meta["keys"]
+    assert len(keys) == len(set(keys)) == 4 * 240
+    # the spawned sidecar exits once its only trainer is done, and cleans up after itself
+    deadline = time.monotonic() + 30
+    from overlord.shm import list_segments
+    from overlord.sidecar.sidecar import sidecar_running
+
+    while (sidecar_running(c.job) or list_segments(c.job.name)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not sidecar_running(c.job) and not list_segments(c.job.name)

@@ -1,0 +1,111 @@
+"""Failures reach the trainer as clear errors, never as hangs, and leave no segment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from overlord import BatchSpec, Mesh
+from overlord.pids import alive
+from overlord.shm import list_segments
+from overlord.store import redis_server_binary
+
+pytestmark = pytest.mark.timeout(180)
+
+SMALL = dict(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20))
+
+
+def _redis_pids(run_dir) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = open(f"/proc/{d}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"redis-server" in cmd and str(run_dir).encode() in cmd:
+                out.append(int(d))
+    return out
+
+
+def test_killed_sidecar_makes_trainer_raise_and_restart_cleans_up(cluster):
+    c = cluster(**SMALL)
+    sidecar = c.start_sidecar()
+    c.start_trainers(sleep=0.02, timeout=30)
+    time.sleep(3)
+    assert c.trainers[0].poll() is None, "the trainer should still be consuming"
+    redis_pids = _redis_pids(c.job.run_path)
+    assert redis_pids
+    os.kill(sidecar.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    result = c.results(timeout=30)[0]
+    assert time.monotonic() - killed < 15
+    assert result["end"].startswith("RemoteRoleError") and "died" in result["end"], result["end"]
+    assert result["digests"], "batches flowed before the kill"
+    # the embedded redis-server and every role died with the sidecar (PR_SET_PDEATHSIG)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in redis_pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in redis_pids)
+    assert list_segments(c.job.name), "a kill -9 leaves the dead sidecar's segments"
+    # a new sidecar removes them at start; stopping it leaves nothing (checked by the fixture)
+    c.start_sidecar()
+    assert c.stop() == 0
+
+
+def test_transform_failure_reaches_trainer_with_origin(cluster, corpus):
+    from overlord import Source
+
+    bad = Source(name="web", paths=tuple(corpus["web"]), transform="overlord.transforms:image_text")
+    c = cluster(sources=(bad,), **SMALL)
+    c.start_sidecar()
+    c.start_trainers(timeout=30)
+    end = c.results(timeout=60)[0]["end"]
+    assert end.startswith("RemoteRoleError"), end
+    for words in ("SourceLoader process 0", "pid", "source 'web' file", "row", "on_error: skip"):
+        assert words in end, (words, end)
+    assert c.stop() == 1
+
+
+def test_missing_source_file_reaches_trainer(cluster, tmp_path):
+    from overlord import Source
+
+    gone = Source(name="web", paths=(str(tmp_path / "no-such-dir" / "*.parquet"),))
+    c = cluster(sources=(gone,), **SMALL)
+    c.start_sidecar()
+    c.start_trainers(timeout=30)
+    end = c.results(timeout=60)[0]["end"]
+    assert "RemoteRoleError" in end and "no-such-dir" in end and "matches no file" in end, end
+    c.stop()
+
+
+def test_batch_larger_than_ring_names_the_setting(cluster):
+    c = cluster(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, context_length=8192, ring_bytes=1 << 16))
+    c.start_sidecar()
+    c.start_trainers(timeout=30)
+    end = c.results(timeout=60)[0]["end"]
+    assert "RemoteRoleError" in end and "BatchSpec.ring_bytes" in end, end
+    c.stop()
+
+
+def test_mesh_not_matching_world_size_is_refused(cluster):
+    from overlord.errors import ConfigError
+    from overlord.torch import DataLoader
+
+    c = cluster(**SMALL)
+    with pytest.raises(ConfigError, match="WORLD_SIZE=2 does not match"):
+        DataLoader(c.job, rank=0, world_size=2, spawn_sidecar=False)
+
+
+def test_no_sidecar_times_out_with_a_clear_error(cluster):
+    from overlord.errors import RemoteRoleError
+    from overlord.torch import DataLoader
+
+    c = cluster(**SMALL)
+    started = time.monotonic()
+    with pytest.raises(RemoteRoleError, match="no sidecar served job"):
+        next(iter(DataLoader(c.job, rank=0, world_size=1, spawn_sidecar=False, timeout_s=2)))
+    assert time.monotonic() - started < 10
