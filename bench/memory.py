@@ -1,0 +1,564 @@
+"""Memory benchmark: Overlord against the colocated DataLoader status quo.
+
+Usage::
+
+    python bench/memory.py --sources 300 --ranks 8 --workers 4 --json
+    python bench/memory.py --sources 300 --ranks 4 --workers 4 --baseline-only --json
+
+prints ONE JSON line (``overlord_pss_mb``, ``colocated_pss_mb``, ``ratio`` =
+colocated / overlord, ``overlord_samples_per_s``, ``colocated_samples_per_s``,
+``trainer_pss_mb``, ``sources``, ``ranks``, ``workers`` and details).
+
+The colocated baseline is what a torchrun job does today: one trainer process per rank
+(spawned here with subprocess), each with one ``torch.utils.data.DataLoader`` of
+``--workers`` forked workers over an ``IterableDataset`` in which EVERY worker opens
+EVERY source (one ``pyarrow.parquet.ParquetFile`` per file, kept open), reads whole row
+groups in a per-source shuffled order into a per-source shuffle buffer of
+``--shuffle-window`` rows, picks sources by weight with its own RNG and applies the
+same transforms as Overlord (``overlord.transforms``). Workers shard by (rank, worker):
+by row group when a source has at least as many row groups as there are shards, else
+by row (every worker reads each row group and keeps its rows; that is what streaming
+loaders do when shards do not divide, and the read cost is part of the status quo).
+
+Measurement: trainers consume until every worker has read every source at least once
+(steady state; each batch says how many sources its worker has touched), then pause;
+the harness samples PSS, starts a window of ``--samples`` samples per rank, samples PSS
+each second and reports the peak. Worker PSS is the sum over each trainer's descendant
+processes (`overlord.procmem.tree_pids` minus the trainer); trainer PSS is reported
+apart. Throughput is all samples of the window over the window's wall time. Every wait
+has a timeout and trainers (with their process groups) are killed on any error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # a script in a checkout: import the checkout's package
+
+from overlord.demo.corpus import generate_many, read_manifest  # noqa: E402
+from overlord.procmem import pss_bytes, pss_of, tree_pids  # noqa: E402
+
+OUT = REPO / "bench" / "out"
+MIB = 1 << 20
+
+
+def corpus_for(sources: int, *, rows_per_source: int, row_group_size: int, seed: int) -> Path:
+    """Generates (or reuses) the benchmark corpus under ``bench/out``; returns its root."""
+    root = OUT / f"corpus-s{sources}-r{rows_per_source}-g{row_group_size}-seed{seed}"
+    generate_many(
+        root, sources, rows_per_source, seed=seed, row_group_size=row_group_size
+    )
+    return root
+
+
+def _corpus_sources(root: Path) -> list[tuple[str, list[str], str]]:
+    """``[(source, files, transform spec)]`` in the corpus's source order."""
+    manifest = read_manifest(root)
+    if manifest is None:
+        raise FileNotFoundError(f"{root} has no corpus manifest; generate it with corpus_for()")
+    return [
+        (name, [str(root / rel) for rel in entry["files"]], entry["transform"])
+        for name, entry in manifest["sources"].items()
+    ]
+
+
+# Trainer side: runs in the spawned trainer processes and their DataLoader workers.
+
+
+class _SourceReader:
+    """One source as one worker sees it: every file open, a bounded shuffle buffer."""
+
+    def __init__(self, files, shard, n_shards, window, rng):
+        self._rng, self._window = rng, window
+        self._files = [pq.ParquetFile(f) for f in files]  # the per-worker file state
+        units, first = [], 0  # (file, row group, index of its first row in the source)
+        for fi, pf in enumerate(self._files):
+            for rg in range(pf.metadata.num_row_groups):
+                units.append((fi, rg, first))
+                first += pf.metadata.row_group(rg).num_rows
+        self._stride = None if len(units) >= n_shards else (shard, n_shards)
+        self._units = units if self._stride else units[shard::n_shards]
+        self.rows = max(0, -(-(first - shard) // n_shards)) if self._stride else sum(
+            self._files[fi].metadata.row_group(rg).num_rows for fi, rg, _ in self._units
+        )
+        self._order: list = []
+        self._buf: list = []
+
+    def _read(self, unit) -> None:
+        fi, rg, first = unit
+        table = self._files[fi].read_row_group(rg)
+        if self._stride:
+            shard, n = self._stride
+            table = table.take(np.arange((shard - first) % n, table.num_rows, n))
+        self._buf.extend(table.to_pylist())
+
+    def next_row(self) -> dict:
+        while len(self._buf) < self._window:
+            if not self._order:
+                if self._buf:
+                    break  # epoch's units all read: drain the buffer before the next one
+                self._order = [self._units[i] for i in self._rng.permutation(len(self._units))]
+            self._read(self._order.pop())
+        i = int(self._rng.integers(len(self._buf)))
+        self._buf[i], self._buf[-1] = self._buf[-1], self._buf[i]
+        return self._buf.pop()
+
+
+def _dataset(sources, *, rank: int, ranks: int, window: int, seed: int):
+    """The baseline IterableDataset (defined here so the harness never imports torch)."""
+    import torch.utils.data as tud
+
+    from overlord.transforms import resolve
+
+    transforms = [resolve(spec) for _, _, spec in sources]  # imported before the fork
+
+    class ColocatedDataset(tud.IterableDataset):
+        def __iter__(self):
+            info = tud.get_worker_info()
+            wid, workers = (info.id, info.num_workers) if info else (0, 1)
+            shard, n_shards = rank * workers + wid, ranks * workers
+            rng = np.random.default_rng([seed, shard])
+            readers = [_SourceReader(f, shard, n_shards, window, rng) for _, f, _ in sources]
+            weights = np.array([1.0 if r.rows else 0.0 for r in readers])
+            if not weights.any():
+                raise ValueError(f"shard {shard} of {n_shards} has no rows in any source")
+            weights /= weights.sum()
+            touched = weights == 0  # a source with no rows for this shard is done
+            while True:
+                for k in rng.choice(len(readers), size=1024, p=weights).tolist():
+                    sample = transforms[k](readers[k].next_row())
+                    touched[k] = True
+                    sample["_worker"], sample["_touched"] = wid, int(touched.sum())
+                    yield sample
+
+    return ColocatedDataset()
+
+
+def _collate(samples: list[dict]) -> dict:
+    """Pads input_ids to the longest in the batch; concatenates image patches."""
+    import torch
+
+    lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
+    ids = np.zeros((len(samples), int(lengths.max())), dtype=np.int32)
+    for row, s in enumerate(samples):
+        ids[row, : len(s["input_ids"])] = s["input_ids"]
+    batch = {"input_ids": torch.from_numpy(ids), "lengths": torch.from_numpy(lengths)}
+    images = [s for s in samples if "pixel_values" in s]
+    if images:
+        for key in ("pixel_values", "image_grid"):
+            batch[key] = torch.from_numpy(np.concatenate([s[key] for s in images]))
+    batch["_worker"] = samples[-1]["_worker"]
+    batch["_touched"] = max(s["_touched"] for s in samples)
+    return batch
+
+
+def _emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+
+_stdin_pending = b""
+
+
+def _command(timeout: float) -> str:
+    """Next line from the harness, read from fd 0 unbuffered so select() sees every line."""
+    global _stdin_pending
+    deadline = time.monotonic() + timeout
+    while b"\n" not in _stdin_pending:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([0], [], [], left)[0]:
+            raise TimeoutError(f"trainer waited {timeout:.0f} s for the harness")
+        data = os.read(0, 4096)
+        if not data:
+            raise SystemExit("harness closed stdin")
+        _stdin_pending += data
+    line, _stdin_pending = _stdin_pending.split(b"\n", 1)
+    return line.decode().strip()
+
+
+def _trainer_main(cfg: dict) -> None:
+    import warnings
+
+    import PIL.Image  # noqa: F401  (a training script imports its decoders up front)
+    import torch.utils.data as tud
+
+    # More workers than cores is the point of the benchmark, not a mistake to warn about.
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+
+    deadline = time.monotonic() + cfg["timeout_s"]
+    sources = _corpus_sources(Path(cfg["corpus"]))
+    dataset = _dataset(
+        sources, rank=cfg["rank"], ranks=cfg["ranks"], window=cfg["shuffle_window"],
+        seed=cfg["seed"],
+    )
+    loader = tud.DataLoader(
+        dataset, batch_size=cfg["batch_size"], num_workers=cfg["workers"],
+        collate_fn=_collate, multiprocessing_context="fork", timeout=cfg["timeout_s"],
+    )
+    batches = iter(loader)
+    touched = dict.fromkeys(range(cfg["workers"]), 0)
+    warm_samples = 0
+    while min(touched.values()) < len(sources):
+        batch = next(batches)
+        warm_samples += len(batch["lengths"])
+        touched[batch["_worker"]] = max(touched[batch["_worker"]], batch["_touched"])
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"workers did not touch every source in {cfg['timeout_s']} s")
+    _emit("warm", samples=warm_samples)
+    if _command(deadline - time.monotonic()) != "go":
+        raise SystemExit("expected 'go'")
+    n, t0 = 0, time.monotonic()
+    while n < cfg["samples"]:
+        n += len(next(batches)["lengths"])
+    _emit("done", samples=n, t0=t0, t1=time.monotonic())
+    _command(deadline - time.monotonic())  # "stop": stay alive until measured
+    del batches  # shuts the workers down
+
+
+# Harness side.
+
+
+class _Trainer:
+    """A spawned trainer process and the JSON events it prints."""
+
+    def __init__(self, rank: int, cfg: dict):
+        self.rank = rank
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--trainer", json.dumps({**cfg, "rank": rank})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+        )
+        self._pending = b""
+
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command.encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def events(self) -> list[dict]:
+        """Reads what is available (call when select says so); EOF is an error."""
+        data = os.read(self.proc.stdout.fileno(), 1 << 16)
+        if not data:
+            rc = self.proc.wait(timeout=10)
+            raise RuntimeError(f"trainer rank {self.rank} exited (rc={rc}); see its stderr above")
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        return [json.loads(line) for line in lines if line.startswith(b"{")]
+
+    def kill(self) -> None:
+        """SIGTERM then SIGKILL the trainer's process group (it and its workers)."""
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            if self.proc.poll() is not None:
+                break
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:  # a write to a dead trainer's stdin was still buffered
+                pass
+
+
+def _await(trainers, event: str, deadline: float, tick=None) -> dict[int, dict]:
+    """Waits until every trainer printed ``event``; calls ``tick()`` about once a second."""
+    got: dict[int, dict] = {}
+    by_fd = {t.proc.stdout.fileno(): t for t in trainers}
+    while len(got) < len(trainers):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            missing = sorted(t.rank for t in trainers if t.rank not in got)
+            raise TimeoutError(f"ranks {missing} did not report {event!r} in time")
+        ready, _, _ = select.select(list(by_fd), [], [], min(left, 1.0))
+        for fd in ready:
+            for ev in by_fd[fd].events():
+                if ev.get("event") == event:
+                    got[by_fd[fd].rank] = ev
+        if tick:
+            tick()
+    return got
+
+
+def _pss_snapshot(trainers) -> tuple[int, int, int]:
+    """``(worker PSS bytes, trainer PSS bytes, worker count)`` over all ranks."""
+    workers = trainer = count = 0
+    for t in trainers:
+        kids = tree_pids(t.proc.pid)[1:]
+        workers += pss_of(kids)
+        trainer += pss_bytes(t.proc.pid)
+        count += len(kids)
+    return workers, trainer, count
+
+
+def run_colocated(
+    corpus: Path, *, ranks: int, workers: int, samples: int, shuffle_window: int,
+    batch_size: int = 32, seed: int = 0, timeout_s: float = 600.0,
+) -> dict:
+    """Runs the colocated baseline and measures it.
+
+    Args:
+        corpus: Corpus root (from `corpus_for`).
+        ranks: Trainer processes.
+        workers: DataLoader workers per trainer.
+        samples: Samples each rank consumes in the measured window.
+        shuffle_window: Rows in each worker's per-source shuffle buffer.
+        batch_size: Samples per batch.
+        seed: RNG seed of source picks and shuffles.
+        timeout_s: Limit on the whole run; trainers are killed past it.
+
+    Returns:
+        ``colocated_pss_mb`` (peak summed worker PSS), ``colocated_samples_per_s``,
+        ``trainer_pss_mb`` (peak summed trainer PSS) and details.
+
+    Raises:
+        RuntimeError: A trainer exited early.
+        TimeoutError: A phase ran past ``timeout_s``.
+    """
+    cfg = dict(corpus=str(corpus), ranks=ranks, workers=workers, samples=samples,
+               shuffle_window=shuffle_window, batch_size=batch_size, seed=seed,
+               timeout_s=timeout_s)
+    start = time.monotonic()
+    deadline = start + timeout_s
+    trainers: list[_Trainer] = []
+    peak = {"workers": 0, "trainer": 0, "count": 0}
+
+    def sample_pss() -> None:
+        w, t, c = _pss_snapshot(trainers)
+        peak.update(workers=max(peak["workers"], w), trainer=max(peak["trainer"], t),
+                    count=max(peak["count"], c))
+
+    try:
+        trainers = [_Trainer(rank, cfg) for rank in range(ranks)]
+        warm = _await(trainers, "warm", deadline)
+        warm_s = time.monotonic() - start
+        sample_pss()
+        for t in trainers:
+            t.send("go")
+        done = _await(trainers, "done", deadline, tick=sample_pss)
+        sample_pss()
+        for t in trainers:
+            t.send("stop")
+        for t in trainers:
+            t.proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        for t in trainers:
+            t.kill()
+    total = sum(ev["samples"] for ev in done.values())
+    window = max(ev["t1"] for ev in done.values()) - min(ev["t0"] for ev in done.values())
+    return {
+        "colocated_pss_mb": round(peak["workers"] / MIB, 1),
+        "colocated_samples_per_s": round(total / window, 1),
+        "trainer_pss_mb": round(peak["trainer"] / MIB, 1),
+        "colocated_pss_mb_per_worker": round(peak["workers"] / MIB / max(peak["count"], 1), 1),
+        "colocated_worker_processes": peak["count"],
+        "colocated_warmup_samples": sum(ev["samples"] for ev in warm.values()),
+        "colocated_warmup_s": round(warm_s, 1),
+        "colocated_window_s": round(window, 2),
+    }
+
+
+def _overlord_trainer_main(cfg: dict) -> None:
+    """A trainer rank of the Overlord half: the same protocol as `_trainer_main`."""
+    from overlord.torch import DataLoader
+
+    deadline = time.monotonic() + cfg["timeout_s"]
+    loader = DataLoader(cfg["config"], rank=cfg["rank"], world_size=cfg["ranks"], spawn_sidecar=False)
+    batches = iter(loader)
+    warm_samples = 0
+    for _ in range(cfg["warm_batches"]):
+        next(batches)
+        warm_samples += len(loader.last_meta["keys"])
+    _emit("warm", samples=warm_samples)
+    if _command(deadline - time.monotonic()) != "go":
+        raise SystemExit("expected 'go'")
+    n, t0 = 0, time.monotonic()
+    while n < cfg["samples"]:
+        next(batches)
+        n += len(loader.last_meta["keys"])
+    _emit("done", samples=n, t0=t0, t1=time.monotonic())
+    _command(deadline - time.monotonic())
+    loader.close()
+
+
+def run_overlord(
+    corpus: Path, *, ranks: int, workers: int, samples: int, shuffle_window: int,
+    batch_size: int = 32, seed: int = 0, timeout_s: float = 600.0, loader_processes: int = 2,
+) -> dict:
+    """The same sources, transforms, row-group reads and shuffle window through Overlord.
+
+    One sidecar (embedded redis-server, Planner, `loader_processes` Source Loader
+    processes, one Data Constructor host) serves `ranks` trainer processes, each taking
+    one packed micro-batch of `batch_size` samples per step. Memory is the peak PSS of
+    the sidecar and every process under it (redis-server and shared-memory rings
+    included); trainers are reported apart. `workers` is the baseline's knob: Overlord
+    sizes its loader processes by CPU, not by rank.
+
+    Returns:
+        ``overlord_pss_mb``, ``overlord_samples_per_s``, ``overlord_trainer_pss_mb`` and details.
+    """
+    from overlord.config import BatchSpec, Job, Mesh, Source
+    from overlord.sidecar.sidecar import sidecar_running
+
+    job = Job(
+        name=f"bench-memory-{os.getpid()}",
+        sources=tuple(
+            Source(name=name, paths=tuple(files), transform=spec, shuffle_window=shuffle_window)
+            for name, files, spec in _corpus_sources(corpus)
+        ),
+        mesh=Mesh(dp=ranks),
+        batch=BatchSpec(global_batch=ranks * batch_size, micro_batches=1, context_length=2048, ring_bytes=2 << 20),
+        seed=seed, run_dir=f"/tmp/overlord-bench-{os.getpid()}", loader_processes=loader_processes,
+        buffer_samples=64, sample_ring_bytes=1 << 20, timeout_s=120.0,
+    )
+    OUT.mkdir(parents=True, exist_ok=True)
+    config = OUT / f"{job.name}.json"
+    config.write_text(job.to_json())
+    start = time.monotonic()
+    deadline = start + timeout_s
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config)],
+        stdout=open(OUT / f"{job.name}-sidecar.log", "wb"), stderr=subprocess.STDOUT,
+    )
+    trainers: list[_Trainer] = []
+    peak = {"sidecar": 0, "trainer": 0, "procs": 0}
+
+    by_role: dict[str, float] = {}
+
+    def sample_pss() -> None:
+        pids = tree_pids(sidecar.pid)
+        total = pss_of(pids)
+        if total > peak["sidecar"]:
+            by_role.clear()
+            for pid in pids:
+                by_role[_role_of(pid)] = by_role.get(_role_of(pid), 0) + round(pss_of([pid]) / MIB, 1)
+        peak.update(sidecar=max(peak["sidecar"], total), procs=max(peak["procs"], len(pids)),
+                    trainer=max(peak["trainer"], pss_of(t.proc.pid for t in trainers)))
+
+    try:
+        while not sidecar_running(job):
+            if sidecar.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sidecar did not start; see {OUT / (job.name + '-sidecar.log')}")
+            time.sleep(0.05)
+        cfg = dict(mode="overlord", config=str(config), ranks=ranks, samples=samples,
+                   warm_batches=max(8, len(job.sources) // batch_size), timeout_s=timeout_s)
+        trainers = [_Trainer(rank, cfg) for rank in range(ranks)]
+        warm = _await(trainers, "warm", deadline)
+        _await_every_source_read(job, deadline)
+        warm_s = time.monotonic() - start
+        sample_pss()
+        for t in trainers:
+            t.send("go")
+        done = _await(trainers, "done", deadline, tick=sample_pss)
+        sample_pss()
+        for t in trainers:
+            t.send("stop")
+        for t in trainers:
+            t.proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        for t in trainers:
+            t.kill()
+        if sidecar.poll() is None:
+            sidecar.send_signal(signal.SIGTERM)
+        sidecar.wait(timeout=60)
+    total = sum(ev["samples"] for ev in done.values())
+    window = max(ev["t1"] for ev in done.values()) - min(ev["t0"] for ev in done.values())
+    return {
+        "overlord_pss_mb": round(peak["sidecar"] / MIB, 1),
+        "overlord_samples_per_s": round(total / window, 1),
+        "overlord_trainer_pss_mb": round(peak["trainer"] / MIB, 1),
+        "overlord_processes": peak["procs"],
+        "overlord_pss_mb_by_process": by_role,
+        "overlord_loader_processes": loader_processes,
+        "overlord_warmup_samples": sum(ev["samples"] for ev in warm.values()),
+        "overlord_warmup_s": round(warm_s, 1),
+        "overlord_window_s": round(window, 2),
+    }
+
+
+def _role_of(pid: int) -> str:
+    """A short name for a sidecar-side process, from its command line."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    if any(b"redis-server" in a for a in argv):
+        return "redis-server"
+    if b"overlord.sidecar.role" in argv:
+        i = argv.index(b"overlord.sidecar.role")
+        return f"{argv[i + 1].decode()}{argv[i + 5].decode() if len(argv) > i + 5 else ''}"
+    return "sidecar"
+
+
+def _await_every_source_read(job, deadline: float) -> None:
+    """Steady state: every Source Loader has read its source (its metadata is in Redis)."""
+    from overlord.status import redis_url_of
+    from overlord.store import Keys, connect
+
+    r, keys = connect(redis_url_of(job)), Keys(job.name)
+    streams = [f"{s.name}.0" for s in job.sources]
+    while True:
+        pipe = r.pipeline(transaction=False)
+        for name in streams:
+            pipe.exists(keys.meta(name))
+        if all(pipe.execute()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("not every Source Loader reported samples in time")
+        time.sleep(0.2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line entry; see the module docstring."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sources", type=int, default=300)
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--workers", type=int, default=4, help="DataLoader workers per rank")
+    p.add_argument("--samples", type=int, default=10000, help="per rank, in the measured window")
+    p.add_argument("--shuffle-window", type=int, default=128, help="rows per source buffer")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--rows-per-source", type=int, default=500)
+    p.add_argument("--row-group-size", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per half")
+    p.add_argument("--baseline-only", action="store_true", help="skip the Overlord half")
+    p.add_argument("--json", action="store_true", help="print one JSON line (the default)")
+    p.add_argument("--trainer", help=argparse.SUPPRESS)  # internal: run as a trainer
+    args = p.parse_args(argv)
+    if args.trainer:
+        cfg = json.loads(args.trainer)
+        (_overlord_trainer_main if cfg.get("mode") == "overlord" else _trainer_main)(cfg)
+        return 0
+    start = time.monotonic()
+    corpus = corpus_for(args.sources, rows_per_source=args.rows_per_source,
+                        row_group_size=args.row_group_size, seed=args.seed)
+    common = dict(ranks=args.ranks, workers=args.workers, samples=args.samples,
+                  shuffle_window=args.shuffle_window, batch_size=args.batch_size,
+                  seed=args.seed, timeout_s=args.timeout)
+    result = {"sources": args.sources, "ranks": args.ranks, "workers": args.workers}
+    if not args.baseline_only:
+        result.update(run_overlord(corpus, **common))
+    result.update(run_colocated(corpus, **common))
+    if not args.baseline_only:
+        result["ratio"] = round(result["colocated_pss_mb"] / result["overlord_pss_mb"], 2)
+    result.update(samples=args.samples, shuffle_window=args.shuffle_window,
+                  batch_size=args.batch_size, rows_per_source=args.rows_per_source,
+                  row_group_size=args.row_group_size, wall_s=round(time.monotonic() - start, 1))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
