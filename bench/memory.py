@@ -489,17 +489,12 @@ def run_overlord(
 
 
 def _role_of(pid: int) -> str:
-    """A short name for a sidecar-side process, from its command line."""
+    """A short name for a sidecar-side process (roles name themselves ovl-<role><i>)."""
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return "gone"
-    if any(b"redis-server" in a for a in argv):
-        return "redis-server"
-    if b"overlord.sidecar.role" in argv:
-        i = argv.index(b"overlord.sidecar.role")
-        return f"{argv[i + 1].decode()}{argv[i + 5].decode() if len(argv) > i + 5 else ''}"
-    return "sidecar"
+    return comm.removeprefix("ovl-") if comm.startswith(("ovl-", "redis")) else "sidecar"
 
 
 def _await_every_source_read(job, deadline: float) -> None:

@@ -40,6 +40,7 @@ def run_loader(ctx) -> None:
         rings.append(ring)
     log.info("hosting streams %s", [layout.streams[i] for i in hosted])
 
+    low_water = max(1, job.buffer_samples // 2)
     step = 0
     try:
         while not ctx.stop.is_set():
@@ -51,9 +52,12 @@ def run_loader(ctx) -> None:
                     return
                 continue
             filled = False
+            pipe = r.pipeline(transaction=False)  # one round trip for every chunk of this pass
             for i, loader in loaders.items():
+                # refill only below the low-water mark, so a step that takes one sample
+                # from each of many streams does not cost one Redis write per stream
                 room = job.buffer_samples - len(buffers[i])
-                if room <= 0 or reported_final[i]:
+                if room < low_water or reported_final[i]:
                     continue
                 samples, ended = loader.prepare(min(CHUNK, room))
                 for s in samples:
@@ -67,11 +71,12 @@ def run_loader(ctx) -> None:
                     ended=ended,
                     final=loader.finished,
                 )
-                r.xadd(keys.meta(layout.streams[i]), meta.encode(chunk), maxlen=job.buffer_samples + 64, approximate=True)
+                pipe.xadd(keys.meta(layout.streams[i]), meta.encode(chunk), maxlen=job.buffer_samples + 64, approximate=True)
                 reported_final[i] = loader.finished
                 if loader.skipped:
-                    r.hset(keys.counters, f"skipped:{loader.source.name}.{loader.partition}", loader.skipped)
+                    pipe.hset(keys.counters, f"skipped:{loader.source.name}.{loader.partition}", loader.skipped)
                 filled = True
+            pipe.execute()
             if not filled:
                 r.xread({keys.plans: f"{step}-0"}, block=200, count=1)
     except Stopped:

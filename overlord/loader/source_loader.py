@@ -58,7 +58,9 @@ class SourceLoader:
         self.paths = source.files()
         self.transform: Callable = resolve(source.transform)
         self._files: collections.OrderedDict[int, pq.ParquetFile] = collections.OrderedDict()
-        self._rows: dict[int, list[dict]] = {}  # row group -> decoded rows, for the current window
+        # row group -> its Arrow table, for the row groups of the current window; rows
+        # become Python objects one at a time (columnar is several times smaller)
+        self._rows: dict[int, pa.Table] = {}
         self.groups = RowGroups.from_counts([self._footer_counts(i) for i in range(len(self.paths))])
         self.epoch = 0
         self.seq = 0  # next seq to prepare in self.epoch
@@ -102,10 +104,10 @@ class SourceLoader:
         meta = self._open(file).metadata
         return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
-    def _read_group(self, rg: int) -> list[dict]:
-        rows = self._rows.get(rg)
-        if rows is not None:
-            return rows
+    def _read_group(self, rg: int) -> pa.Table:
+        table = self._rows.get(rg)
+        if table is not None:
+            return table
         file, group = int(self.groups.file[rg]), int(self.groups.group[rg])
         try:
             table = self._open(file).read_row_group(group, columns=list(self.source.columns) if self.source.columns else None)
@@ -114,9 +116,8 @@ class SourceLoader:
                 f"{self._where(file)} row group {group} (rows from {int(self.groups.first_row[rg])}) "
                 f"cannot be read ({exc}); replace the file or remove it from Source.paths"
             ) from None
-        rows = table.to_pylist()
-        self._rows[rg] = rows
-        return rows
+        self._rows[rg] = table
+        return table
 
     # -- order ---------------------------------------------------------------------------
 
@@ -184,7 +185,7 @@ class SourceLoader:
             for rg in [g for g in self._rows if g not in keep]:
                 del self._rows[rg]
         where = order.locate(seq)
-        row = self._read_group(where.rg)[where.row_in_group]
+        row = self._read_group(where.rg).slice(where.row_in_group, 1).to_pylist()[0]
         key = f"{self.source.name}:{where.file}:{where.row_in_file}"
         try:
             arrays = self.transform(row)

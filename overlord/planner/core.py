@@ -30,25 +30,29 @@ class _Stream:
     source: int
     chunks: list[MetaChunk] = field(default_factory=list)
     offset: int = 0  # consumed samples of chunks[0]
+    count: int = 0  # reported and not yet planned
     final: bool = False  # the loader has reported every sample it will ever prepare
     cursor: tuple[int, int] = (0, -1)  # (epoch, seq) of the last planned sample
 
     def available(self) -> int:
-        return sum(len(c) for c in self.chunks) - self.offset
+        return self.count
+
+    def add(self, chunk: MetaChunk) -> None:
+        if len(chunk):
+            self.chunks.append(chunk)
+            self.count += len(chunk)
+        self.final = self.final or chunk.final
 
     def take(self) -> tuple[int, int]:
         chunk = self.chunks[0]
         item = (chunk.epoch, int(chunk.seq[self.offset]))
         self.offset += 1
+        self.count -= 1
         if self.offset == len(chunk):
             self.chunks.pop(0)
             self.offset = 0
         self.cursor = item
         return item
-
-    def drop_empty(self) -> None:
-        while self.chunks and len(self.chunks[0]) == 0:
-            self.chunks.pop(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,10 +116,7 @@ class PlannerCore:
     # -- metadata in ---------------------------------------------------------------------
 
     def add(self, stream: int, chunk: MetaChunk) -> None:
-        st = self.streams[stream]
-        if len(chunk):
-            st.chunks.append(chunk)
-        st.final = st.final or chunk.final
+        self.streams[stream].add(chunk)
 
     # -- state (checkpointed every step) -------------------------------------------------
 

@@ -22,6 +22,7 @@ log = logging.getLogger("overlord.planner")
 
 PLAN_TTL_S = 3600
 WAIT_MS = 20
+AHEAD_POLL_S = 0.002
 
 
 def run_planner(ctx) -> None:
@@ -59,12 +60,21 @@ def run_planner(ctx) -> None:
                 log.info("planned the last step %d; planner done", plan.step)
                 return
             continue
-        # nothing to plan yet: wait for metadata (this is also the back-off while ahead)
+        if ahead:
+            # trainers are behind: poll the small progress hash, not the metadata streams
+            ctx.stop.wait(AHEAD_POLL_S)
+            continue
+        # the plan needs samples not yet reported: block for metadata
         reply = r.xread(last_ids, block=WAIT_MS, count=64)
-        for stream_key, entries in reply or ():
-            for entry_id, fields in entries:
-                core.add(index[stream_key], meta.decode(fields))
-                last_ids[stream_key.decode()] = entry_id
+        if reply:
+            trim = r.pipeline(transaction=False)
+            for stream_key, entries in reply:
+                for entry_id, fields in entries:
+                    core.add(index[stream_key], meta.decode(fields))
+                    last_ids[stream_key.decode()] = entry_id
+                # what the Planner has read lives in its memory (and its checkpoint): drop it
+                trim.xtrim(stream_key, minid=entries[-1][0], approximate=False)
+            trim.execute()
             waiting_since = time.monotonic()
         if time.monotonic() - waiting_since > job.timeout_s:
             starving = [s.name for s in core.streams if s.available() == 0 and not s.final]

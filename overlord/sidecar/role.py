@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--index", type=int, default=0)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("OVERLORD_LOG", "INFO"), format=f"%(asctime)s {args.role}{args.index} %(message)s")
+    logging.basicConfig(level=os.environ.get("OVERLORD_LOG", "INFO"), format=f"%(asctime)s {args.role}{args.index} %(message)s", force=True)
     run_dir = Path(args.run_dir)
     job = Job.from_dict(json.loads((run_dir / "job.json").read_text()))
     ctx = RoleContext(args.role, args.index, job, os.environ["OVERLORD_REDIS_URL"], run_dir)

@@ -19,8 +19,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,8 +28,8 @@ from overlord.errors import OverlordError
 from overlord.pids import alive as _alive
 from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
+from overlord.sidecar.spawn import RoleProcess, fork_role, preload
 from overlord.store import EmbeddedRedis, Keys, connect
-from overlord.store.server import die_with_parent
 
 log = logging.getLogger("overlord.sidecar")
 
@@ -72,7 +70,7 @@ class Sidecar:
         self.keys = Keys(job.name)
         self.run_dir = job.run_path
         self.redis: EmbeddedRedis | None = None
-        self.children: dict[str, subprocess.Popen] = {}
+        self.children: dict[str, RoleProcess] = {}
         self.rings: list[Ring] = []
         self.client_rings: dict[int, Ring] = {}
         self.stop = threading.Event()
@@ -127,17 +125,7 @@ class Sidecar:
             self.client_rings[rank] = ring
 
     def _spawn(self, role: str, index: int, url: str) -> None:
-        env = dict(os.environ, OVERLORD_REDIS_URL=url)
-        logfile = open(self.run_dir / f"{role}{index}.log", "ab")
-        self.children[f"{role}{index}"] = subprocess.Popen(
-            [sys.executable, "-m", "overlord.sidecar.role", role, "--run-dir", str(self.run_dir), "--index", str(index)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=logfile,
-            stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
-        )
-        logfile.close()
+        self.children[f"{role}{index}"] = fork_role(role, index, self.run_dir, url)
 
     def start(self) -> None:
         self._take_lock()
@@ -150,6 +138,8 @@ class Sidecar:
         (self.run_dir / "job.json").write_text(self.job.to_json())
         self._publish(self.r, layout)
         self._create_rings(layout)
+        preload()
+        self.r.connection_pool.disconnect()  # children open their own connections
         self._spawn("planner", 0, url)
         for i in range(layout.loaders):
             self._spawn("loader", i, url)
@@ -236,7 +226,7 @@ class Sidecar:
         for proc in self.children.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            except TimeoutError:
                 proc.kill()
                 proc.wait(timeout=5)
         for ring in self.rings:

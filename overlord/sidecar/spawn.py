@@ -1,0 +1,122 @@
+"""Starting role processes by fork from the sidecar.
+
+The sidecar imports what the roles need (numpy, pyarrow, redis, Pillow, the role
+modules) once, freezes those objects out of the garbage collector's reach
+(`gc.freeze`, so collections do not dirty their pages), and forks each role. The
+children share those pages copy-on-write instead of importing their own copies, which
+is most of a Python process's memory. Nothing is pickled: a child gets its role name,
+index and run directory, and reads the job from the run directory.
+
+A forked child asks the kernel to SIGTERM it when the sidecar dies
+(PR_SET_PDEATHSIG), so `kill -9` of the sidecar takes every role with it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from overlord.store.server import die_with_parent
+
+
+def preload() -> None:
+    """Import every module a role uses, then freeze them for copy-on-write sharing."""
+    import numpy  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+    import PIL.Image  # noqa: F401
+    import redis  # noqa: F401
+
+    import overlord.constructor.process  # noqa: F401
+    import overlord.loader.process  # noqa: F401
+    import overlord.planner.process  # noqa: F401
+    import overlord.sidecar.role  # noqa: F401
+    import overlord.transforms  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+
+
+class RoleProcess:
+    """A forked role process: the subset of `subprocess.Popen` the sidecar uses."""
+
+    def __init__(self, name: str, pid: int) -> None:
+        self.name, self.pid = name, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1 if self.returncode is None else self.returncode
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} (pid {self.pid}) did not exit within {timeout}s")
+            time.sleep(0.02)
+        return self.returncode
+
+    def _signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+
+def _set_name(name: str) -> None:
+    """Name the process (/proc/PID/comm, shown by ps and top) after its role."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+def fork_role(role: str, index: int, run_dir: Path, redis_url: str) -> RoleProcess:
+    """Fork a child that runs `overlord.sidecar.role.main` for (role, index)."""
+    log = run_dir / f"{role}{index}.log"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return RoleProcess(f"{role}{index}", pid)
+    code = 1
+    try:
+        die_with_parent()
+        _set_name(f"ovl-{role}{index}")
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ["OVERLORD_REDIS_URL"] = redis_url
+        from overlord.sidecar.role import main
+
+        code = main([role, "--run-dir", str(run_dir), "--index", str(index)])
+    except BaseException:  # noqa: BLE001 - the child must never return into the sidecar's code
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
