@@ -241,11 +241,20 @@ class Job:
 
     @property
     def run_path(self) -> Path:
-        """The job's run directory (socket, logs, embedded Redis data), private (0700)."""
+        """The job's run directory (socket, logs, embedded Redis data)."""
         if self.run_dir:
             return Path(self.run_dir)
         base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/overlord-{os.getuid()}"
         return Path(base) / self.name
+
+    def make_run_path(self) -> Path:
+        """Create the run directory (and a default parent) private to this user (0700)."""
+        path = self.run_path
+        if not self.run_dir:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(path, 0o700)
+        return path
 
     def check_world(self, world_size: int) -> None:
         """Refuse a trainer world that does not match the mesh."""

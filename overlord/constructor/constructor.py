@@ -18,14 +18,14 @@ import numpy as np
 
 from overlord.config import Job
 from overlord.constructor.packing import pack, pad
-from overlord.errors import PeerDied, PlanError
+from overlord.errors import PeerDied, PlanError, RingTimeout
 from overlord.shm import Ring, decode_batch
 from overlord.sidecar.flow import push, wait_plan
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
 
 log = logging.getLogger("overlord.constructor")
 
-_POLL_S = (0.0002, 0.005)  # back-off bounds while no loader ring has a record
+_WAIT_S = 0.05  # one futex wait on a loader ring when none has a record
 
 
 class DataConstructor:
@@ -102,30 +102,15 @@ class DataConstructor:
         for s, _, _ in wanted:
             owed[self.layout.loader_of[s]] += 1
         got: dict[tuple[int, int, int], tuple[dict[str, np.ndarray], str]] = {}
-        pause = _POLL_S[0]
         deadline = time.monotonic() + self.job.timeout_s
         while any(owed):
             progressed = False
             for k, ring in enumerate(self.inputs):
-                if not owed[k]:
-                    continue
-                view = ring.try_read()
-                if view is None:
-                    continue
-                arrays, meta = decode_batch(view)
-                ident = (meta["s"], meta["e"], meta["q"])
-                if meta["t"] != step or ident not in wanted or ident in got:
-                    raise PlanError(
-                        f"DataConstructor dp={self.dp} step {step}: loader process {k} sent "
-                        f"{meta['k']} (step {meta['t']}), which this step did not plan; this is a bug"
-                    )
-                # copy out: the view is released on the ring's next read
-                got[ident] = ({name: a.copy() for name, a in arrays.items()}, meta["k"])
-                ring.release()
-                owed[k] -= 1
-                progressed = True
+                while owed[k] and (view := ring.try_read()) is not None:
+                    self._take(step, k, view, wanted, got)
+                    owed[k] -= 1
+                    progressed = True
             if progressed:
-                pause = _POLL_S[0]
                 deadline = time.monotonic() + self.job.timeout_s
                 continue
             if self.stop.is_set():
@@ -136,6 +121,25 @@ class DataConstructor:
                     f"DataConstructor dp={self.dp} waited {self.job.timeout_s:.0f}s for step {step} samples "
                     f"from loader process(es) {waiting}; see their logs, or raise Job.timeout_s"
                 )
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_S[1])
+            # nothing ready anywhere: sleep on the ring that owes the most (a futex wait)
+            k = max(range(len(owed)), key=owed.__getitem__)
+            try:
+                view = self.inputs[k].read(timeout=_WAIT_S)
+            except RingTimeout:
+                continue
+            self._take(step, k, view, wanted, got)
+            owed[k] -= 1
         return got
+
+    def _take(self, step: int, loader: int, view, wanted, got) -> None:
+        """Check a sample record against the plan and copy it out of the ring."""
+        arrays, meta = decode_batch(view)
+        ident = (meta["s"], meta["e"], meta["q"])
+        if meta["t"] != step or ident not in wanted or ident in got:
+            raise PlanError(
+                f"DataConstructor dp={self.dp} step {step}: loader process {loader} sent "
+                f"{meta['k']} (step {meta['t']}), which this step did not plan; this is a bug"
+            )
+        # copy out: the view is released on the ring's next read
+        got[ident] = ({name: a.copy() for name, a in arrays.items()}, meta["k"])
+        self.inputs[loader].release()

@@ -34,6 +34,7 @@ def main() -> None:
     for batch in loader:
         if first is None:
             first = time.monotonic() - started
+            first_at = time.time()
         keys = loader.last_meta["keys"]
         samples += len(keys)
         tokens += int(batch["doc_lengths"].sum())
@@ -55,6 +56,7 @@ def main() -> None:
                 "tokens": tokens,
                 "sources": dict(sources),
                 "time_to_first_batch_s": first,
+                "first_batch_at": first_at,
                 "elapsed_s": elapsed,
                 "steady_s": elapsed - (first or 0.0),
             }

@@ -79,8 +79,7 @@ class Sidecar:
     # -- start-up ------------------------------------------------------------------------
 
     def _take_lock(self) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.run_dir, 0o700)
+        self.job.make_run_path()
         self._lock_fh = open(lock_path(self.job), "a+")
         try:
             fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)

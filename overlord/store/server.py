@@ -20,6 +20,7 @@ from overlord.errors import StoreError
 
 SOCKET_NAME = "redis.sock"
 _PR_SET_PDEATHSIG = 1
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
 
 
 def redis_server_binary() -> str:
@@ -61,6 +62,11 @@ class EmbeddedRedis:
         return f"unix://{self.socket}"
 
     def start(self) -> "EmbeddedRedis":
+        if len(str(self.socket)) > _SUN_PATH_MAX:
+            raise StoreError(
+                f"the embedded Redis socket path {self.socket} is {len(str(self.socket))} characters, "
+                f"over the {_SUN_PATH_MAX} a unix socket allows; set a shorter Job.run_dir"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if self.socket.exists():
             self.socket.unlink()  # a stale socket from a killed run

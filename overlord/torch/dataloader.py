@@ -97,8 +97,7 @@ class DataLoader:
 
     def _spawn(self) -> None:
         """Start a detached sidecar unless one runs; one rank wins, the others wait."""
-        run_dir = self.job.run_path
-        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        run_dir = self.job.make_run_path()
         with open(run_dir / "spawn.lock", "a+") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             if sidecar_running(self.job):
@@ -142,7 +141,8 @@ class DataLoader:
                 raise RemoteRoleError(
                     f"rank {self.rank}: no sidecar served job {self.job.name!r} on node {self.job.node!r} "
                     f"within {self.timeout_s:.0f}s (ring {name}); start one with "
-                    "`overlord sidecar --config JOB.yaml` or pass spawn_sidecar=True"
+                    "`overlord sidecar --config JOB.yaml` or pass spawn_sidecar=True "
+                    f"(a sidecar that failed to start says why in its log; spawned ones in {self.job.run_path}/sidecar.log)"
                 )
         ring.claim_consumer()
         self.sidecar_pid = ring.creator_pid
