@@ -303,6 +303,28 @@ def _pss_snapshot(trainers) -> tuple[int, int, int]:
     return workers, trainer, count
 
 
+def _measure(trainers, deadline: float, sample_pss, steady=None) -> tuple[dict, dict, float]:
+    """Warm up, then time a window of every trainer's samples while sampling PSS.
+
+    Returns:
+        (warm events, done events, samples per second over the window).
+    """
+    warm = _await(trainers, "warm", deadline)
+    if steady:
+        steady()
+    sample_pss()
+    for t in trainers:
+        t.send("go")
+    done = _await(trainers, "done", deadline, tick=sample_pss)
+    sample_pss()
+    for t in trainers:
+        t.send("stop")
+    for t in trainers:
+        t.proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    window = max(ev["t1"] for ev in done.values()) - min(ev["t0"] for ev in done.values())
+    return warm, done, window
+
+
 def run_colocated(
     corpus: Path, *, ranks: int, workers: int, samples: int, shuffle_window: int,
     batch_size: int = 32, seed: int = 0, timeout_s: float = 600.0,
@@ -342,22 +364,12 @@ def run_colocated(
 
     try:
         trainers = [_Trainer(rank, cfg) for rank in range(ranks)]
-        warm = _await(trainers, "warm", deadline)
-        warm_s = time.monotonic() - start
-        sample_pss()
-        for t in trainers:
-            t.send("go")
-        done = _await(trainers, "done", deadline, tick=sample_pss)
-        sample_pss()
-        for t in trainers:
-            t.send("stop")
-        for t in trainers:
-            t.proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        warm, done, window = _measure(trainers, deadline, sample_pss)
     finally:
         for t in trainers:
             t.kill()
+    warm_s = min(ev["t0"] for ev in done.values()) - start  # CLOCK_MONOTONIC is system-wide: trainer times compare with ours
     total = sum(ev["samples"] for ev in done.values())
-    window = max(ev["t1"] for ev in done.values()) - min(ev["t0"] for ev in done.values())
     return {
         "colocated_pss_mb": round(peak["workers"] / MIB, 1),
         "colocated_samples_per_s": round(total / window, 1),
@@ -455,26 +467,15 @@ def run_overlord(
         cfg = dict(mode="overlord", config=str(config), ranks=ranks, samples=samples,
                    warm_batches=max(8, len(job.sources) // batch_size), timeout_s=timeout_s)
         trainers = [_Trainer(rank, cfg) for rank in range(ranks)]
-        warm = _await(trainers, "warm", deadline)
-        _await_every_source_read(job, deadline)
-        warm_s = time.monotonic() - start
-        sample_pss()
-        for t in trainers:
-            t.send("go")
-        done = _await(trainers, "done", deadline, tick=sample_pss)
-        sample_pss()
-        for t in trainers:
-            t.send("stop")
-        for t in trainers:
-            t.proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        warm, done, window = _measure(trainers, deadline, sample_pss, steady=lambda: _await_every_source_read(job, deadline))
     finally:
         for t in trainers:
             t.kill()
         if sidecar.poll() is None:
             sidecar.send_signal(signal.SIGTERM)
         sidecar.wait(timeout=60)
+    warm_s = min(ev["t0"] for ev in done.values()) - start
     total = sum(ev["samples"] for ev in done.values())
-    window = max(ev["t1"] for ev in done.values()) - min(ev["t0"] for ev in done.values())
     return {
         "overlord_pss_mb": round(peak["sidecar"] / MIB, 1),
         "overlord_samples_per_s": round(total / window, 1),

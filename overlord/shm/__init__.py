@@ -7,6 +7,7 @@ read back zero-copy with `decode_batch`. Segment names come only from
 """
 
 from overlord.shm._batch import batch_nbytes, decode_batch, encode_batch_into, write_batch
+from overlord.shm._proc import pid_alive
 from overlord.shm._pyring import Ring
 from overlord.shm.names import cleanup_stale, job_prefix, list_segments, segment_name, unlink_all
 
@@ -18,6 +19,7 @@ __all__ = [  # sorted
     "encode_batch_into",
     "job_prefix",
     "list_segments",
+    "pid_alive",
     "segment_name",
     "unlink_all",
     "write_batch",

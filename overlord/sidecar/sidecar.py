@@ -25,7 +25,7 @@ from pathlib import Path
 
 from overlord.config import Job
 from overlord.errors import OverlordError
-from overlord.pids import alive as _alive
+from overlord.shm import pid_alive as _alive
 from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload

@@ -34,7 +34,7 @@ from overlord.errors import (
     RingError,
     RingTimeout,
 )
-from overlord.pids import alive
+from overlord.shm import pid_alive as alive
 from overlord.shm import Ring, decode_batch
 from overlord.sidecar.layout import client_ring
 from overlord.sidecar.sidecar import sidecar_running

@@ -67,3 +67,27 @@ def test_dataloader_spawns_a_sidecar_when_none_runs(cluster):
     while (sidecar_running(c.job) or list_segments(c.job.name)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not sidecar_running(c.job) and not list_segments(c.job.name)
+
+
+def test_demo_runs_end_to_end(tmp_path):
+    out = overlord("demo", "--out", str(tmp_path / "demo"), "--ranks", "2", "--steps", "10", "--no-progress", timeout=170)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for words in ("delivered", "samples/s", "tokens/s", "requested  achieved", "PSS", "first batch", "no shared-memory segment left"):
+        assert words in out.stdout, (words, out.stdout)
+
+
+def test_copy_true_batches_outlive_the_next_read(cluster):
+    import hashlib
+
+    from overlord.torch import DataLoader
+
+    c = cluster(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=4, context_length=128, ring_bytes=1 << 20), epochs=1)
+    c.start_sidecar()
+    kept, digests = [], []
+    loader = DataLoader(c.config, rank=0, world_size=1, timeout_s=30, copy=True)
+    for batch in loader:
+        kept.append(batch)
+        digests.append(hashlib.sha256(batch["input_ids"].numpy().tobytes()).hexdigest())
+    assert len(kept) > 100
+    assert [hashlib.sha256(b["input_ids"].numpy().tobytes()).hexdigest() for b in kept] == digests
+    assert c.stop() == 0

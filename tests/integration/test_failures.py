@@ -9,7 +9,7 @@ import time
 import pytest
 
 from overlord import BatchSpec, Mesh
-from overlord.pids import alive
+from overlord.shm import pid_alive as alive
 from overlord.shm import list_segments
 from overlord.store import redis_server_binary
 
