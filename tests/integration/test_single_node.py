@@ -20,8 +20,18 @@ def all_keys(corpus) -> set[str]:
     return keys
 
 
-def test_every_sample_exactly_once_across_four_dp_ranks(cluster, corpus):
-    c = cluster(epochs=1)
+@pytest.mark.parametrize("layout", ["one loader process", "partitions over two loader processes"])
+def test_every_sample_exactly_once_across_four_dp_ranks(cluster, corpus, layout):
+    overrides = {}
+    if layout != "one loader process":
+        from dataclasses import replace
+
+        c0 = cluster()
+        overrides = dict(
+            sources=tuple(replace(s, partitions=3 if s.name == "web" else 1) for s in c0.job.sources),
+            loader_processes=2,
+        )
+    c = cluster(epochs=1, **overrides)
     c.start_sidecar()
     c.start_trainers()
     results = c.results()
@@ -64,3 +74,14 @@ def test_another_seed_other_batches(cluster):
         digests.append(c.results()[0]["digests"])
         c.stop()
     assert digests[0] != digests[1]
+
+
+def test_bytes_do_not_depend_on_how_loaders_are_laid_out(cluster):
+    digests = []
+    for processes in (1, 2):
+        c = cluster(seed=7, loader_processes=processes)
+        c.start_sidecar()
+        c.start_trainers(batches=12)
+        digests.append({rank: r["digests"] for rank, r in c.results().items()})
+        assert c.stop() == 0
+    assert digests[0] == digests[1]
