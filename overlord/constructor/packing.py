@@ -88,7 +88,8 @@ def pack(samples: Sequence[dict[str, np.ndarray]], context_length: int) -> tuple
             d = docs[i]
             n = len(d)
             input_ids[r, at : at + n] = d
-            labels[r, at : at + n - 1] = d[1:]
+            if n > 1:
+                labels[r, at : at + n - 1] = d[1:]
             position_ids[r, at : at + n] = np.arange(n)
             at += n
             cu.append(r * L + at)
