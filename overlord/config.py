@@ -189,6 +189,8 @@ class Job:
         plan_ahead: how many steps the Planner may run ahead of the slowest constructor.
         timeout_s: longest wait anywhere before an error is raised.
         node: this node's id (shm names, membership).
+        strategy: the orchestration strategy, "module:function" (overlord.planner.strategies).
+        mixing: a mixing schedule (overlord.planner.schedule); None uses the source weights.
     """
 
     name: str
@@ -205,6 +207,8 @@ class Job:
     plan_ahead: int = 4
     timeout_s: float = 60.0
     node: str = "node0"
+    strategy: str = "overlord.planner.strategies:balanced"
+    mixing: dict | None = None
 
     def __post_init__(self) -> None:
         _check_name("Job.name", self.name)
@@ -230,6 +234,12 @@ class Job:
                 f"Job.redis_url={self.redis_url!r} must start with redis://, rediss:// or unix://, "
                 "or be null to start an embedded redis-server"
             )
+        if not isinstance(self.strategy, str) or ":" not in self.strategy:
+            raise ConfigError(f"Job.strategy={self.strategy!r} must be 'module:function'")
+        if self.mixing is not None:
+            from overlord.planner.schedule import from_config
+
+            from_config(self.mixing, [s.name for s in self.sources], [s.weight for s in self.sources])
         if self.loader_processes is not None and self.loader_processes < 1:
             raise ConfigError(f"Job.loader_processes={self.loader_processes!r} must be >= 1 or null")
         if self.sample_ring_bytes < 1 << 16:

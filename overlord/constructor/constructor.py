@@ -18,7 +18,9 @@ import numpy as np
 
 from overlord.config import Job
 from overlord.constructor.packing import pack, pad
+from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout
+from overlord.planner.lowlevel import constructor_do_plan
 from overlord.shm import Ring, decode_batch
 from overlord.sidecar.flow import push, wait_plan
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
@@ -39,34 +41,38 @@ class DataConstructor:
             ring = Ring.attach(sample_ring(job, loader, dp), timeout=job.timeout_s)
             ring.claim_consumer()
             self.inputs.append(ring)
-        self.outputs: list[Ring] = []
+        self.outputs: dict[int, Ring] = {}
         for rank in job.mesh.ranks_of_dp(dp):
             ring = Ring.attach(client_ring(job, rank), timeout=job.timeout_s)
             ring.claim_producer()
-            self.outputs.append(ring)
+            self.outputs[rank] = ring
         self.truncated = 0
 
     def run(self) -> None:
         step = 0
+        transform = pack if self.job.batch.packing else pad
         try:
             while not self.stop.is_set():
                 plan = wait_plan(self.r, self.keys, step, self.stop, self.job.timeout_s)
-                group = plan.dp[self.dp]
-                samples = self._collect(plan.step, group)
-                for mb, items in enumerate(group):
-                    batch_samples = [samples[(s, e, q)] for s, e, q in items]
-                    arrays, truncated = (pack if self.job.batch.packing else pad)(
-                        [a for a, _ in batch_samples], self.job.batch.context_length
-                    )
-                    self.truncated += truncated
-                    meta = {
-                        "step": plan.step,
-                        "microbatch": mb,
-                        "dp": self.dp,
-                        "keys": [k for _, k in batch_samples],
-                        "last": plan.last and mb == len(group) - 1,
-                    }
-                    self._deliver(arrays, meta)
+                receivers = constructor_do_plan(plan, self.job.mesh, self.dp)  # rank -> bucket
+                buckets = sorted(set(receivers.values()))
+                samples = self._collect(plan.step, [item for b in buckets for mb in plan.buckets[b] for item in mb])
+                for mb in range(self.job.batch.micro_batches):
+                    for b in buckets:
+                        batch_samples = [samples[item] for item in plan.buckets[b][mb]]
+                        arrays, truncated = transform([a for a, _ in batch_samples], self.job.batch.context_length)
+                        self.truncated += truncated
+                        meta = {
+                            "step": plan.step,
+                            "microbatch": mb,
+                            "dp": self.dp,
+                            "bucket": b,
+                            "keys": [k for _, k in batch_samples],
+                            "last": plan.last and mb == self.job.batch.micro_batches - 1,
+                        }
+                        cp_parts: dict[int, dict[str, np.ndarray]] = {}
+                        for rank in [r for r, rb in receivers.items() if rb == b]:
+                            self._deliver(rank, self._for_rank(arrays, rank, plan, cp_parts), meta)
                 if not self.outputs:
                     log.info("DataConstructor dp=%d: every client left; idle until the sidecar stops", self.dp)
                     self.stop.wait()
@@ -78,26 +84,46 @@ class DataConstructor:
                 pipe.execute()
                 step += 1
                 if plan.last:
-                    for ring in self.outputs:
+                    for ring in self.outputs.values():
                         ring.close_writer()
                     return
         finally:
-            for ring in self.inputs + self.outputs:
+            for ring in [*self.inputs, *self.outputs.values()]:
                 ring.close()
 
-    def _deliver(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
-        """Write one micro-batch to every client of the group; a client that exited is dropped."""
-        for ring in list(self.outputs):
-            try:
-                push(ring, arrays, meta, self.stop)
-            except PeerDied as exc:
-                log.warning("DataConstructor dp=%d: %s; no longer writing to it", self.dp, exc)
-                self.outputs.remove(ring)
-                ring.close()
+    def _for_rank(self, arrays: dict[str, np.ndarray], rank: int, plan, cp_parts: dict) -> dict[str, np.ndarray]:
+        """The parallelism transform: what this rank's role needs of the micro-batch.
 
-    def _collect(self, step: int, group) -> dict[tuple[int, int, int], tuple[dict[str, np.ndarray], str]]:
-        """Read this step's planned samples from the loader rings."""
-        wanted = {(s, e, q) for items in group for s, e, q in items}
+        With the DP axis, the CP ranks of the group share the micro-batch and each gets
+        its zigzag slice (computed once per CP rank, shared by its TP peers); with the
+        CP or WORLD axis every rank already has samples of its own. Then PP keeps the
+        stage's fields and, under broadcast at TP, ranks tp > 0 get only a marker.
+        """
+        mesh = self.job.mesh
+        c = mesh.coords(rank)
+        part = arrays
+        if plan.axis == "DP" and mesh.cp > 1:
+            if c["cp"] not in cp_parts:
+                cp_parts[c["cp"]] = cp_split(arrays, mesh.cp, c["cp"])
+            part = cp_parts[c["cp"]]
+        part = pp_stage(part, mesh.pp, c["pp"], self.job.batch.micro_batches)
+        return tp_marker(part, c["tp"], broadcast="TP" in plan.broadcast)
+
+    def _deliver(self, rank: int, arrays: dict[str, np.ndarray], meta: dict) -> None:
+        """Write one micro-batch to a client; a client that exited is dropped."""
+        ring = self.outputs.get(rank)
+        if ring is None:
+            return
+        try:
+            push(ring, arrays, meta, self.stop)
+        except PeerDied as exc:
+            log.warning("DataConstructor dp=%d: %s; no longer writing to rank %d", self.dp, exc, rank)
+            del self.outputs[rank]
+            ring.close()
+
+    def _collect(self, step: int, items) -> dict[tuple[int, int, int], tuple[dict[str, np.ndarray], str]]:
+        """Read this step's planned samples (`items`) from the loader rings."""
+        wanted = set(items)
         owed = [0] * len(self.inputs)
         for s, _, _ in wanted:
             owed[self.layout.loader_of[s]] += 1

@@ -14,6 +14,7 @@ import logging
 from overlord.errors import PlanError, RingFullError
 from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.planner import meta
+from overlord.planner.lowlevel import loader_do_plan
 from overlord.shm import Ring
 from overlord.sidecar.flow import Stopped, fetch_plan, push
 from overlord.sidecar.layout import sample_ring
@@ -88,25 +89,20 @@ def run_loader(ctx) -> None:
 
 def _serve(ctx, plan, buffers, rings) -> None:
     """Send this process's samples of `plan` to their Data Constructors, in plan order."""
-    for dp, group in enumerate(plan.dp):
-        for mb, items in enumerate(group):
-            for stream, epoch, seq in items:
-                buf = buffers.get(stream)
-                if buf is None:
-                    continue  # another loader process hosts it
-                sample = buf.pop((epoch, seq), None)
-                if sample is None:
-                    raise PlanError(
-                        f"plan {plan.step} asks stream {ctx.layout.streams[stream]!r} for epoch {epoch} seq {seq}, "
-                        "which is not in its read buffer (planner and loader disagree; this is a bug)"
-                    )
-                record_meta = {"s": stream, "e": epoch, "q": seq, "k": sample.key, "t": plan.step, "m": mb}
-                try:
-                    push(rings[dp], sample.arrays, record_meta, ctx.stop)
-                except RingFullError as exc:
-                    source = ctx.job.sources[ctx.layout.stream_source[stream]].name
-                    raise RingFullError(
-                        f"sample {sample.key} from source {source!r} is {sample.nbytes} B, larger than the "
-                        f"loader-to-constructor ring (Job.sample_ring_bytes={ctx.job.sample_ring_bytes}); "
-                        "raise Job.sample_ring_bytes"
-                    ) from exc
+    for dp, bucket, mb, (stream, epoch, seq) in loader_do_plan(plan, ctx.job.mesh, set(buffers)):
+        sample = buffers[stream].pop((epoch, seq), None)
+        if sample is None:
+            raise PlanError(
+                f"plan {plan.step} asks stream {ctx.layout.streams[stream]!r} for epoch {epoch} seq {seq}, "
+                "which is not in its read buffer (planner and loader disagree; this is a bug)"
+            )
+        record_meta = {"s": stream, "e": epoch, "q": seq, "k": sample.key, "t": plan.step, "b": bucket, "m": mb}
+        try:
+            push(rings[dp], sample.arrays, record_meta, ctx.stop)
+        except RingFullError as exc:
+            source = ctx.job.sources[ctx.layout.stream_source[stream]].name
+            raise RingFullError(
+                f"sample {sample.key} from source {source!r} is {sample.nbytes} B, larger than the "
+                f"loader-to-constructor ring (Job.sample_ring_bytes={ctx.job.sample_ring_bytes}); "
+                "raise Job.sample_ring_bytes"
+            ) from exc

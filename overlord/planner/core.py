@@ -1,79 +1,43 @@
 """The Planner's pure core: buffer metadata in, one plan per step out.
 
-No I/O here: the same metadata, seed and step give the same plan, byte for byte.
-For now the strategy is constant mixing weights and round-robin distribution over
-data-parallel groups and micro-batches; the plan format already names, per DP group
-and micro-batch, every sample (stream, epoch, seq), which is what balancing needs.
+No I/O here: the same metadata, seed, schedule and step give the same plan, byte for
+byte. Each step the core hands the strategy (a `module:function` from the job config,
+see `strategies.py`) a `StepData` and the `ClientPlaceTree`; the strategy composes
+DGraph primitives and returns a plan, which the core checks (every selected sample
+planned exactly once, or deferred) and commits.
 
 A decision that depends on data not yet reported (is a source exhausted? has its
-loader prepared enough samples?) is never taken early: `plan_step` returns None and
-is asked again, so the plan does not depend on timing.
+loader prepared enough samples?) is never taken early: the strategy raises
+`NeedMetadata`, `plan_step` returns None, and the same step is asked again later.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+import importlib
+from typing import Callable
 
 import numpy as np
 
+from overlord.errors import ConfigError, PlanError
+from overlord.planner.buffer import ITEM, Buffer, NeedMetadata
+from overlord.planner.dgraph import Plan, Planned, StepData
 from overlord.planner.meta import MetaChunk
+from overlord.planner.schedule import Constant
+from overlord.planner.tree import ClientPlaceTree
 
-_MIX = 0x4D4958  # "MIX": domain separator of the mixing RNG
-
-
-@dataclass(slots=True)
-class _Stream:
-    """Metadata the Planner holds for one Source Loader stream (a source partition)."""
-
-    name: str
-    source: int
-    chunks: list[MetaChunk] = field(default_factory=list)
-    offset: int = 0  # consumed samples of chunks[0]
-    count: int = 0  # reported and not yet planned
-    final: bool = False  # the loader has reported every sample it will ever prepare
-    cursor: tuple[int, int] = (0, -1)  # (epoch, seq) of the last planned sample
-
-    def available(self) -> int:
-        return self.count
-
-    def add(self, chunk: MetaChunk) -> None:
-        if len(chunk):
-            self.chunks.append(chunk)
-            self.count += len(chunk)
-        self.final = self.final or chunk.final
-
-    def take(self) -> tuple[int, int]:
-        chunk = self.chunks[0]
-        item = (chunk.epoch, int(chunk.seq[self.offset]))
-        self.offset += 1
-        self.count -= 1
-        if self.offset == len(chunk):
-            self.chunks.pop(0)
-            self.offset = 0
-        self.cursor = item
-        return item
+Strategy = Callable[[StepData, ClientPlaceTree], Planned]
 
 
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """One step's plan: `dp[d][m]` lists the (stream, epoch, seq) of micro-batch m of DP group d."""
-
-    step: int
-    dp: list[list[list[tuple[int, int, int]]]]
-    last: bool = False
-
-    def to_json(self) -> bytes:
-        return json.dumps({"step": self.step, "last": self.last, "dp": self.dp}, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> "Plan":
-        obj = json.loads(data)
-        dp = [[[tuple(item) for item in mb] for mb in group] for group in obj["dp"]]
-        return cls(step=obj["step"], dp=dp, last=obj["last"])
-
-    def samples(self) -> int:
-        return sum(len(mb) for group in self.dp for mb in group)
+def resolve_strategy(spec: str) -> Strategy:
+    """'module:function' -> the strategy callable, with a clear error naming the spec."""
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"Job.strategy={spec!r} cannot be loaded ({exc}); give 'module:function'") from None
+    if not callable(fn):
+        raise ConfigError(f"Job.strategy={spec!r} is not callable")
+    return fn
 
 
 class PlannerCore:
@@ -82,12 +46,15 @@ class PlannerCore:
     Args:
         streams: stream names, in the job's layout order (plans refer to their index).
         stream_source: index of each stream's source.
-        weights: mixing weight of each source.
+        tree: the trainer mesh.
         seed: job seed.
         global_batch: samples per step.
-        dp: data-parallel groups.
-        micro_batches: micro-batches per step per DP group.
+        micro_batches: micro-batches per step per bucket.
         finite: True when the job runs a fixed number of epochs (sources can run out).
+        schedule: the mixing schedule; default constant `weights`.
+        weights: constant weights, used when no schedule is given.
+        strategy: the orchestration strategy (default: `strategies.vanilla`).
+        context_length: tokens per packed row (strategies may use it as capacity).
         drop_last: drop a final partial step.
     """
 
@@ -96,109 +63,84 @@ class PlannerCore:
         *,
         streams: list[str],
         stream_source: list[int],
-        weights: list[float],
+        tree: ClientPlaceTree,
         seed: int,
         global_batch: int,
-        dp: int,
         micro_batches: int,
         finite: bool,
+        schedule=None,
+        weights: list[float] | None = None,
+        strategy: Strategy | None = None,
+        context_length: int = 2048,
         drop_last: bool = False,
     ) -> None:
-        self.streams = [_Stream(n, s) for n, s in zip(streams, stream_source)]
-        self.by_source = [[i for i, s in enumerate(stream_source) if s == src] for src in range(len(weights))]
-        self.weights = np.asarray(weights, dtype=np.float64)
-        self.seed, self.global_batch, self.dp, self.mb = seed, global_batch, dp, micro_batches
-        self.finite, self.drop_last = finite, drop_last
-        self.rr = [0] * len(weights)  # next stream (round robin) of each source
+        n_sources = max(stream_source) + 1 if stream_source else 0
+        if schedule is None:
+            if weights is None:
+                raise ConfigError("PlannerCore needs a schedule or constant weights")
+            schedule = Constant(np.asarray(weights, dtype=np.float64))
+            n_sources = len(weights)
+        if strategy is None:
+            from overlord.planner.strategies import vanilla as strategy
+        self.buffer = Buffer(streams, stream_source, n_sources, finite=finite)
+        self.tree, self.schedule, self.strategy = tree, schedule, strategy
+        self.seed, self.global_batch, self.mb = seed, global_batch, micro_batches
+        self.context_length, self.drop_last = context_length, drop_last
+        self.rr = [0] * n_sources  # next stream (round robin) of each source
+        self.deferred = np.empty(0, dtype=ITEM)
         self.step = 0
         self.done = False
 
-    # -- metadata in ---------------------------------------------------------------------
+    @property
+    def streams(self):
+        return self.buffer.streams
 
     def add(self, stream: int, chunk: MetaChunk) -> None:
-        self.streams[stream].add(chunk)
-
-    # -- state (checkpointed every step) -------------------------------------------------
+        """Metadata in: a chunk a Source Loader reported."""
+        self.buffer.add(stream, chunk)
 
     def state(self) -> dict:
+        """What the Planner checkpoints with every plan."""
         return {
             "step": self.step,
             "cursors": {s.name: list(s.cursor) for s in self.streams},
             "round_robin": list(self.rr),
-            "rng": {"kind": "numpy.default_rng", "seed_words": [self.seed, "step", _MIX]},
+            "deferred": [[int(r["stream"]), int(r["epoch"]), int(r["seq"])] for r in self.deferred],
+            "rng": {"kind": "numpy.default_rng", "seed_words": [self.seed, "step", "MIX"]},
         }
 
-    # -- planning ------------------------------------------------------------------------
-
-    def _remaining(self, src: int) -> tuple[int, bool]:
-        """(samples reported and unplanned, whether that is all the source will ever have)."""
-        ids = self.by_source[src]
-        return sum(self.streams[i].available() for i in ids), all(self.streams[i].final for i in ids)
-
-    def _counts(self, rng: np.random.Generator) -> np.ndarray | None:
-        """Samples per source this step, or None to wait for more metadata."""
-        n_src = len(self.weights)
-        counts = np.zeros(n_src, dtype=np.int64)
-        live = self.weights > 0
-        need = self.global_batch
-        while need > 0:
-            if not live.any():
-                break
-            draw = rng.multinomial(need, self.weights * live / self.weights[live].sum())
-            need = 0
-            for src in np.flatnonzero(draw):
-                have, complete = self._remaining(int(src))
-                have -= int(counts[src])
-                if draw[src] <= have:
-                    counts[src] += draw[src]
-                elif not (self.finite and complete):
-                    return None  # its loader has not prepared enough yet
-                else:  # the source runs out: take what is left, redraw the rest elsewhere
-                    counts[src] += have
-                    need += int(draw[src]) - have
-                    live[src] = False
-        return counts
+    def step_data(self) -> StepData:
+        return StepData(
+            step=self.step, seed=self.seed, buffer=self.buffer, schedule=self.schedule,
+            global_batch=self.global_batch, micro_batches=self.mb, context_length=self.context_length,
+            drop_last=self.drop_last, round_robin=list(self.rr), deferred=self.deferred,
+        )
 
     def plan_step(self) -> Plan | None:
         """The plan of `self.step`, or None if metadata is missing; advances on success."""
         if self.done:
             return None
-        rng = np.random.default_rng([self.seed & 0xFFFFFFFF, self.step, _MIX])
-        counts = self._counts(rng)
-        if counts is None:
+        try:
+            planned = self.strategy(self.step_data(), self.tree)
+        except NeedMetadata:
             return None
-        total = int(counts.sum())
-        last = False
-        if total < self.global_batch:
-            last = True  # a finite job's final, partial step
-            if self.drop_last:
-                counts[:] = 0
-                total = 0
-        # check per-stream availability before taking anything, so a wait changes nothing
-        picks: list[int] = []
-        rr = list(self.rr)
-        avail = [s.available() for s in self.streams]
-        for src, count in enumerate(counts):
-            ids = self.by_source[src]
-            for _ in range(int(count)):
-                for _try in range(len(ids)):
-                    i = ids[rr[src] % len(ids)]
-                    rr[src] += 1
-                    if avail[i] > 0:
-                        break
-                    if not self.streams[i].final:
-                        return None
-                else:  # pragma: no cover - counts never exceed what _remaining reported
-                    raise AssertionError("planner: source remainder miscounted")
-                avail[i] -= 1
-                picks.append(i)
-        self.rr = rr
-        items = [(i, *self.streams[i].take()) for i in picks]
-        order = rng.permutation(len(items))
-        dp: list[list[list[tuple[int, int, int]]]] = [[[] for _ in range(self.mb)] for _ in range(self.dp)]
-        for slot, k in enumerate(order):
-            dp[slot % self.dp][(slot // self.dp) % self.mb].append(items[int(k)])
-        plan = Plan(step=self.step, dp=dp, last=last)
+        self._check(planned)
+        self.buffer.commit(planned.take)
+        self.rr, self.deferred = planned.round_robin, planned.deferred
         self.step += 1
-        self.done = last
-        return plan
+        self.done = planned.plan.last
+        return planned.plan
+
+    def _check(self, planned: Planned) -> None:
+        """Exactly once: the plan holds each selected sample once, or defers it."""
+        selected = {(int(r["stream"]), int(r["epoch"]), int(r["seq"])) for r in self.deferred}
+        for i, n in planned.take.items():
+            for r in self.streams[i].peek(n):
+                selected.add((i, int(r["epoch"]), int(r["seq"])))
+        planned_items = [item for bucket in planned.plan.buckets for mb in bucket for item in mb]
+        deferred = {(int(r["stream"]), int(r["epoch"]), int(r["seq"])) for r in planned.deferred}
+        if len(planned_items) != len(set(planned_items)) or set(planned_items) | deferred != selected or set(planned_items) & deferred:
+            raise PlanError(
+                f"step {self.step}: the strategy's plan does not hold every selected sample exactly once "
+                f"({len(planned_items)} planned, {len(deferred)} deferred, {len(selected)} selected); fix the strategy"
+            )

@@ -16,7 +16,9 @@ import time
 
 from overlord.errors import PlanError
 from overlord.planner import meta
-from overlord.planner.core import PlannerCore
+from overlord.planner.core import PlannerCore, resolve_strategy
+from overlord.planner.schedule import from_config
+from overlord.planner.tree import ClientPlaceTree
 
 log = logging.getLogger("overlord.planner")
 
@@ -31,11 +33,13 @@ def run_planner(ctx) -> None:
     core = PlannerCore(
         streams=layout.streams,
         stream_source=layout.stream_source,
-        weights=[s.weight for s in job.sources],
+        tree=ClientPlaceTree(job.mesh),
+        schedule=from_config(job.mixing, [s.name for s in job.sources], [s.weight for s in job.sources]),
+        strategy=resolve_strategy(job.strategy),
         seed=job.seed,
         global_batch=job.batch.global_batch,
-        dp=job.mesh.dp,
         micro_batches=job.batch.micro_batches,
+        context_length=job.batch.context_length,
         finite=job.epochs is not None,
         drop_last=job.batch.drop_last,
     )

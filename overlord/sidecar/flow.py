@@ -15,7 +15,7 @@ import numpy as np
 import redis
 
 from overlord.errors import PlanError, RingTimeout
-from overlord.planner.core import Plan
+from overlord.planner.dgraph import Plan
 from overlord.shm import Ring, write_batch
 from overlord.store import Keys
 

@@ -3,7 +3,10 @@
 import numpy as np
 import pytest
 
-from overlord.planner.core import Plan, PlannerCore
+from overlord.config import Mesh
+from overlord.planner.core import PlannerCore
+from overlord.planner.dgraph import Plan
+from overlord.planner.tree import ClientPlaceTree
 from overlord.planner.meta import MetaChunk, decode, encode
 
 
@@ -18,7 +21,7 @@ def make(weights=(1.0, 1.0), partitions=(1, 1), finite=False, **kw):
         for i in range(p):
             streams.append(f"s{s}.{i}")
             owner.append(s)
-    args = dict(seed=3, global_batch=8, dp=2, micro_batches=2, finite=finite)
+    args = dict(seed=3, global_batch=8, micro_batches=2, finite=finite, tree=ClientPlaceTree(Mesh(dp=kw.pop("dp", 2))))
     args.update(kw)
     return PlannerCore(streams=streams, stream_source=owner, weights=list(weights), **args)
 
@@ -61,14 +64,14 @@ def test_every_sample_exactly_once_in_a_finite_job_and_shapes():
     seen, plans = [], []
     while (plan := core.plan_step()) is not None:
         plans.append(plan)
-        assert len(plan.dp) == 2 and all(len(g) == 2 for g in plan.dp)
-        seen += [tuple(x) for g in plan.dp for mb in g for x in mb]
+        assert len(plan.buckets) == 2 and all(len(g) == 2 for g in plan.buckets)
+        seen += [tuple(x) for g in plan.buckets for mb in g for x in mb]
     assert plans[-1].last and not any(p.last for p in plans[:-1])
     assert all(p.samples() == 8 for p in plans[:-1])
     assert sorted(seen) == sorted({(s, 0, q) for s, n in enumerate([37, 41, 23]) for q in range(n)})
     # equal counts per DP group in full steps
     for p in plans[:-1]:
-        assert len({sum(len(mb) for mb in g) for g in p.dp}) == 1
+        assert len({sum(len(mb) for mb in g) for g in p.buckets}) == 1
 
 
 def test_drop_last_drops_the_partial_step():
@@ -86,7 +89,7 @@ def test_achieved_mix_matches_weights():
     feed(core, [100_000] * 3)
     counts = np.zeros(3)
     for _ in range(200):
-        for g in core.plan_step().dp:
+        for g in core.plan_step().buckets:
             for mb in g:
                 for s, _, _ in mb:
                     counts[s] += 1
@@ -100,7 +103,7 @@ def test_zero_weight_source_never_planned():
     core = make(weights=(1.0, 0.0))
     feed(core, [1000, 1000])
     for _ in range(20):
-        assert all(s == 0 for g in core.plan_step().dp for mb in g for s, _, _ in mb)
+        assert all(s == 0 for g in core.plan_step().buckets for mb in g for s, _, _ in mb)
 
 
 def test_state_names_cursors():
@@ -110,3 +113,64 @@ def test_state_names_cursors():
     state = core.state()
     assert state["step"] == 1 and set(state["cursors"]) == {"s0.0", "s1.0"}
     assert sum(c[1] + 1 for c in state["cursors"].values()) == 8
+
+
+def test_balanced_strategy_is_deterministic_complete_and_balances():
+    from overlord.planner.cost import transformer_cost
+    from overlord.planner.strategies import balanced, vanilla
+
+    def run(strategy):
+        core = make(weights=(1.0, 1.0), finite=True, global_batch=64, dp=4, micro_batches=2, strategy=strategy)
+        rng = np.random.default_rng(0)
+        for i, n in enumerate([400, 400]):
+            tokens = np.where(rng.random(n) < 0.95, rng.integers(5, 64, n), rng.integers(500, 4000, n))
+            core.add(i, MetaChunk(0, np.arange(n), tokens, np.zeros(n, int), tokens * 4, [(0, n)], True))
+        plans = []
+        while (p := core.plan_step()) is not None:
+            plans.append(p)
+        return plans, {(s, q): t for s in range(2) for q, t in enumerate(core.streams[s].chunks or [])}
+
+    a, _ = run(balanced)
+    b, _ = run(balanced)
+    assert [p.to_json() for p in a] == [p.to_json() for p in b]
+    seen = [x for p in a for bucket in p.buckets for mb in bucket for x in mb]
+    assert sorted(seen) == sorted({(s, 0, q) for s in range(2) for q in range(400)})
+    # every DP rank gets the same number of samples in every full step
+    for p in a[:-1]:
+        assert len({sum(len(mb) for mb in bucket) for bucket in p.buckets}) == 1
+
+
+def test_a_strategy_that_drops_samples_is_refused():
+    from overlord.errors import PlanError
+    from overlord.planner.dgraph import DGraph
+
+    def lossy(data, tree):
+        planned = DGraph(data, tree).mix().distribute("DP").plan()
+        planned.plan.buckets[0][0].pop()
+        return planned
+
+    core = make(strategy=lossy)
+    feed(core, [100, 100])
+    with pytest.raises(PlanError, match="exactly once"):
+        core.plan_step()
+
+
+def test_capacity_defers_what_does_not_fit_and_plans_it_once_later():
+    from overlord.planner.dgraph import DGraph
+
+    def capped(data, tree):
+        g = DGraph(data, tree, view="tokens").mix().distribute("DP")
+        return g.cost("tokens").balance("greedy", level="both", capacity=100).plan()
+
+    core = make(weights=(1.0,), partitions=(1,), strategy=capped, finite=True, global_batch=8, dp=2, micro_batches=2)
+    tokens = np.full(40, 60)  # two never fit one micro-batch of 100 tokens
+    core.add(0, MetaChunk(0, np.arange(40), tokens, np.zeros(40, int), tokens, [(0, 40)], True))
+    seen, deferred = [], []
+    while (p := core.plan_step()) is not None:
+        deferred.append(p.deferred)
+        for bucket in p.buckets:
+            for mb in bucket:
+                assert sum(int(tokens[q]) for _, _, q in mb) <= 100
+                seen += mb
+    assert max(deferred) > 0 and deferred[-1] == 0
+    assert sorted(seen) == [(0, 0, q) for q in range(40)]

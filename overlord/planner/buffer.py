@@ -1,0 +1,137 @@
+"""The Planner's view of the Source Loaders' read buffers (`summary_buffer`).
+
+Each stream (a source partition) reports chunks of metadata in its deterministic
+order; the Planner keeps them here until it plans them. Selecting samples for a step
+(`select`) reads the heads of the streams without consuming anything, so a strategy
+that has to wait for more metadata leaves no trace; `commit` consumes what a finished
+plan used.
+
+Items travel as one structured numpy array (`ITEM`), one row per sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from overlord.planner.meta import MetaChunk
+
+ITEM = np.dtype(
+    [("stream", "<i4"), ("source", "<i4"), ("epoch", "<i4"), ("seq", "<i8"),
+     ("tokens", "<i4"), ("patches", "<i4"), ("nbytes", "<i8")]
+)
+
+
+class NeedMetadata(Exception):
+    """A decision needs metadata the loaders have not reported yet: plan this step later."""
+
+
+@dataclass(slots=True)
+class Stream:
+    """Reported, unplanned samples of one stream, in order."""
+
+    name: str
+    source: int
+    chunks: list[np.ndarray] = field(default_factory=list)  # ITEM arrays
+    offset: int = 0  # consumed rows of chunks[0]
+    count: int = 0  # reported and not yet planned
+    final: bool = False  # the loader has reported every sample it will ever prepare
+    cursor: tuple[int, int] = (0, -1)  # (epoch, seq) of the last planned sample
+
+    def add(self, index: int, chunk: MetaChunk) -> None:
+        if len(chunk):
+            rows = np.empty(len(chunk), dtype=ITEM)
+            rows["stream"], rows["source"], rows["epoch"] = index, self.source, chunk.epoch
+            rows["seq"], rows["tokens"] = chunk.seq, chunk.tokens
+            rows["patches"], rows["nbytes"] = chunk.patches, chunk.nbytes
+            self.chunks.append(rows)
+            self.count += len(rows)
+        self.final = self.final or chunk.final
+
+    def peek(self, n: int) -> np.ndarray:
+        """The next `n` items (n <= count), not consumed."""
+        out, need, offset = [], n, self.offset
+        for chunk in self.chunks:
+            part = chunk[offset : offset + need]
+            out.append(part)
+            need -= len(part)
+            offset = 0
+            if not need:
+                break
+        return np.concatenate(out) if out else np.empty(0, dtype=ITEM)
+
+    def consume(self, n: int) -> None:
+        if n == 0:
+            return
+        last = self.peek(n)[-1]
+        self.count -= n
+        n += self.offset
+        while n and n >= len(self.chunks[0]):
+            n -= len(self.chunks.pop(0))
+        self.offset = n
+        self.cursor = (int(last["epoch"]), int(last["seq"]))
+
+
+class Buffer:
+    """Every stream's reported metadata, grouped by source."""
+
+    def __init__(self, streams: list[str], stream_source: list[int], n_sources: int, *, finite: bool) -> None:
+        self.streams = [Stream(n, s) for n, s in zip(streams, stream_source)]
+        self.by_source = [[i for i, s in enumerate(stream_source) if s == src] for src in range(n_sources)]
+        self.finite = finite
+
+    def add(self, stream: int, chunk: MetaChunk) -> None:
+        self.streams[stream].add(stream, chunk)
+
+    def remaining(self, src: int) -> tuple[int, bool]:
+        """(reported unplanned samples of a source, whether that is all it will ever have)."""
+        ids = self.by_source[src]
+        return sum(self.streams[i].count for i in ids), all(self.streams[i].final for i in ids)
+
+    def select(self, counts: np.ndarray, rr: list[int]) -> tuple[np.ndarray, dict[int, int], list[int]]:
+        """Take `counts[src]` samples of each source, round robin over its streams.
+
+        Returns:
+            (items, per-stream counts to consume, new round-robin positions).
+
+        Raises:
+            NeedMetadata: a stream that must supply has not reported enough yet.
+        """
+        rr = list(rr)
+        take: dict[int, int] = {}
+        for src in np.flatnonzero(counts):
+            ids = self.by_source[src]
+            count, n = int(counts[src]), len(ids)
+            # fast path: every stream has its round-robin share
+            shares = [count // n + ((k - rr[src]) % n < count % n) for k in range(n)]
+            if all(self.streams[i].count >= share for i, share in zip(ids, shares)):
+                for i, share in zip(ids, shares):
+                    if share:
+                        take[i] = share
+                rr[src] += count
+                continue
+            left = {i: self.streams[i].count for i in ids}
+            for _ in range(count):
+                for _try in range(len(ids)):
+                    i = ids[rr[src] % len(ids)]
+                    rr[src] += 1
+                    if left[i] > 0:
+                        break
+                    if not self.streams[i].final:
+                        raise NeedMetadata(self.streams[i].name)
+                else:
+                    raise AssertionError("planner: a source's remainder was miscounted")
+                left[i] -= 1
+                take[i] = take.get(i, 0) + 1
+        parts = [self.streams[i].peek(n) for i, n in sorted(take.items())]
+        items = np.concatenate(parts) if parts else np.empty(0, dtype=ITEM)
+        return items, take, rr
+
+    def commit(self, take: dict[int, int]) -> None:
+        for i, n in take.items():
+            self.streams[i].consume(n)
+
+    def summary(self) -> dict[str, np.ndarray]:
+        """`summary_buffer`: every reported, unplanned sample, as ITEM rows per stream."""
+        return {s.name: s.peek(s.count) for s in self.streams}

@@ -1,0 +1,264 @@
+"""`DGraph`: a step's samples as metadata, and the primitives a strategy composes.
+
+A strategy is a short function of the step's data and the `ClientPlaceTree`:
+
+    def long_short(data, tree):
+        g = DGraph(data, tree, view="tokens").mix()
+        g.distribute("DP").cost("attention")
+        g.balance("karmarkar_karp", level="inter").balance("greedy", level="intra")
+        return g.plan()
+
+Primitives (the paper's names) record what to do; `plan()` runs the balancers once,
+vectorised, and returns the `Plan`. Nothing here consumes a sample: the Planner
+commits the plan's samples after the strategy returns, so a strategy that needs
+metadata not yet reported (`NeedMetadata`) leaves no trace and is simply asked again.
+
+Samples a capacity limit cannot place this step (an outlier that would wreck it) are
+deferred: the next step takes them first, so they are still delivered exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from overlord.errors import ConfigError
+from overlord.planner.buffer import ITEM, Buffer, NeedMetadata
+from overlord.planner.tree import ClientPlaceTree
+
+_MIX = 0x4D4958  # "MIX": domain separator of the mixing RNG
+VIEWS = ("tokens", "patches", "nbytes")
+
+
+@dataclass(slots=True)
+class StepData:
+    """What a strategy sees of one step: the buffer, the schedule and the batch shape."""
+
+    step: int
+    seed: int
+    buffer: Buffer
+    schedule: object  # overlord.planner.schedule.*: .weights(step)
+    global_batch: int
+    micro_batches: int
+    context_length: int
+    drop_last: bool
+    round_robin: list[int]
+    deferred: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=ITEM))
+
+    def rng(self) -> np.random.Generator:
+        return np.random.default_rng([self.seed & 0xFFFFFFFF, self.step, _MIX])
+
+    def summary_buffer(self) -> dict[str, np.ndarray]:
+        """Every reported, unplanned sample per stream (low-level interface)."""
+        return self.buffer.summary()
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One step's plan.
+
+    `buckets[b][m]` lists the (stream, epoch, seq) of micro-batch m of bucket b, where a
+    bucket is a node of the tree at `axis` (a DP group, a DPxCP rank, or a rank).
+    """
+
+    step: int
+    buckets: list[list[list[tuple[int, int, int]]]]
+    axis: str = "DP"
+    last: bool = False
+    broadcast: tuple[str, ...] = ()
+    deferred: int = 0
+
+    def to_json(self) -> bytes:
+        import json
+
+        return json.dumps(
+            {"step": self.step, "axis": self.axis, "last": self.last, "broadcast": list(self.broadcast),
+             "deferred": self.deferred, "buckets": self.buckets},
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Plan":
+        import json
+
+        obj = json.loads(data)
+        buckets = [[[tuple(item) for item in mb] for mb in bucket] for bucket in obj["buckets"]]
+        return cls(step=obj["step"], buckets=buckets, axis=obj["axis"], last=obj["last"],
+                   broadcast=tuple(obj["broadcast"]), deferred=obj["deferred"])
+
+    def samples(self) -> int:
+        return sum(len(mb) for bucket in self.buckets for mb in bucket)
+
+
+class DGraph:
+    """The step's samples, their costs and where they go.
+
+    Args:
+        data: the step's data (from the Planner).
+        tree: the trainer mesh.
+        view: the metadata that sizes a sample for this graph ("tokens" for a
+            backbone, "patches" for a vision encoder); several graphs may share data.
+    """
+
+    def __init__(self, data: StepData, tree: ClientPlaceTree, view: str = "tokens") -> None:
+        if view not in VIEWS:
+            raise ConfigError(f"DGraph view {view!r} is not one of {VIEWS}")
+        self.data, self.tree, self.view = data, tree, view
+        self.items: np.ndarray | None = None
+        self.take: dict[int, int] = {}
+        self.round_robin = list(data.round_robin)
+        self.last = False
+        self.axis, self.group_size = "DP", None
+        self.costs: np.ndarray | None = None
+        self.inter, self.intra = "round_robin", "round_robin"
+        self.capacity: int | None = None
+
+    # -- primitives ----------------------------------------------------------------------
+
+    def mix(self, schedule=None) -> "DGraph":
+        """Select this step's samples by the mixing schedule (deferred samples first)."""
+        d = self.data
+        weights = np.asarray((schedule or d.schedule).weights(d.step), dtype=np.float64)
+        need = d.global_batch - len(d.deferred)
+        counts = self._counts(weights, need, d.rng()) if need > 0 else np.zeros(len(weights), np.int64)
+        self.last = int(counts.sum()) < need
+        if self.last and d.drop_last:
+            counts[:] = 0
+        fresh, self.take, self.round_robin = d.buffer.select(counts, d.round_robin)
+        self.items = np.concatenate([d.deferred, fresh])
+        return self
+
+    def _counts(self, weights: np.ndarray, need: int, rng: np.random.Generator) -> np.ndarray:
+        buf = self.data.buffer
+        counts = np.zeros(len(weights), dtype=np.int64)
+        live = weights > 0
+        while need > 0 and live.any():
+            draw = rng.multinomial(need, weights * live / weights[live].sum())
+            need = 0
+            for src in np.flatnonzero(draw):
+                have, complete = buf.remaining(int(src))
+                have -= int(counts[src])
+                if draw[src] <= have:
+                    counts[src] += draw[src]
+                elif not (buf.finite and complete):
+                    raise NeedMetadata(f"source {src}")
+                else:  # the source runs out: take the rest, redraw elsewhere
+                    counts[src] += have
+                    need += int(draw[src]) - have
+                    live[src] = False
+        return counts
+
+    def distribute(self, axis: str = "DP", group_size: int | None = None) -> "DGraph":
+        """Spread samples over the nodes of `axis` (DP, CP: DPxCP ranks, WORLD: all ranks);
+        with `group_size`, balance inside groups of that many buckets only."""
+        self.tree.buckets(axis)  # validates the axis
+        if group_size is not None and group_size < 1:
+            raise ConfigError(f"distribute(group_size={group_size}) must be >= 1")
+        self.axis, self.group_size = axis, group_size
+        return self
+
+    def cost(self, fn: str | Callable[[np.ndarray], np.ndarray]) -> "DGraph":
+        """Register the cost model: a COSTS name or a function of the view's sizes."""
+        from overlord.planner.cost import get_cost
+
+        model = get_cost(fn) if isinstance(fn, str) else fn
+        self.costs = np.asarray(model(self._require_items()[self.view]), dtype=np.float64)
+        if self.costs.shape != (len(self.items),):
+            raise ConfigError(f"cost function returned shape {self.costs.shape}, expected ({len(self.items)},)")
+        return self
+
+    def balance(self, method: str, level: str = "inter", *, capacity: int | None = None) -> "DGraph":
+        """Balance costs over buckets (level="inter"), micro-batches ("intra") or both.
+
+        Args:
+            method: a BALANCERS name ("greedy", "karmarkar_karp", or a registered one).
+            level: "inter", "intra" or "both".
+            capacity: hard limit of the view's size per micro-batch (e.g. tokens);
+                samples that fit nowhere are deferred to the next step.
+        """
+        from overlord.planner.balance import get_balancer
+
+        get_balancer(method)
+        if level not in ("inter", "intra", "both"):
+            raise ConfigError(f"balance(level={level!r}) must be 'inter', 'intra' or 'both'")
+        if level in ("inter", "both"):
+            self.inter = method
+        if level in ("intra", "both"):
+            self.intra = method
+        if capacity is not None:
+            self.capacity = capacity
+        return self
+
+    def broadcast_at(self, dim: str) -> "DGraph":
+        """The trainer broadcasts along `dim` itself: only its rank 0 fetches bytes."""
+        self.tree.broadcast_at(dim)
+        return self
+
+    # -- the plan ------------------------------------------------------------------------
+
+    def _require_items(self) -> np.ndarray:
+        if self.items is None:
+            raise ConfigError("call mix() before distribute/cost/balance/plan")
+        return self.items
+
+    def assignment(self) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket, micro-batch) of every selected sample; -1 for deferred ones."""
+        items = self._require_items()
+        n_buckets, bins = self.tree.buckets(self.axis), self.data.micro_batches
+        costs = self.costs if self.costs is not None else items[self.view].astype(np.float64)
+        group = self.group_size or n_buckets
+        bucket = np.full(len(items), -1, dtype=np.int64)
+        mbin = np.full(len(items), -1, dtype=np.int64)
+        groups = [np.arange(g, min(g + group, n_buckets)) for g in range(0, n_buckets, group)]
+        owner = np.arange(len(items)) % len(groups)  # samples dealt to groups evenly
+        for gi, members in enumerate(groups):
+            mine = np.flatnonzero(owner == gi)
+            b, m = _assign(costs[mine], len(members), bins, self.inter, self.intra,
+                           items[self.view][mine], self.capacity)
+            placed = b >= 0
+            bucket[mine[placed]] = members[b[placed]]
+            mbin[mine[placed]] = m[placed]
+        return bucket, mbin
+
+    def plan(self) -> "Planned":
+        """Run the balancers and build the Plan (committed by the Planner)."""
+        items = self._require_items()
+        bucket, mbin = self.assignment()
+        n_buckets = self.tree.buckets(self.axis)
+        out: list[list[list[tuple[int, int, int]]]] = [[[] for _ in range(self.data.micro_batches)] for _ in range(n_buckets)]
+        placed = np.flatnonzero(bucket >= 0)
+        # keep each micro-batch in selection order, so the bytes do not depend on the balancer's internals
+        for k in placed[np.lexsort((placed, mbin[placed], bucket[placed]))]:
+            row = items[k]
+            out[bucket[k]][mbin[k]].append((int(row["stream"]), int(row["epoch"]), int(row["seq"])))
+        deferred = items[bucket < 0]
+        last = self.last and not len(deferred)
+        plan = Plan(step=self.data.step, buckets=out, axis=self.axis, last=last,
+                    broadcast=tuple(sorted(self.tree.broadcast)), deferred=len(deferred))
+        return Planned(plan, self.take, self.round_robin, deferred)
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """A strategy's result: the plan and what committing it consumes."""
+
+    plan: Plan
+    take: dict[int, int]
+    round_robin: list[int]
+    deferred: np.ndarray
+
+
+def _assign(costs, buckets, bins, inter, intra, sizes, capacity):
+    if inter == "round_robin" and intra == "round_robin" and capacity is None:
+        i = np.arange(len(costs))
+        return i % buckets, (i // buckets) % bins
+    from overlord.planner.balance import assign
+
+    return assign(costs, buckets, bins, inter=_method(inter), intra=_method(intra),
+                  sizes=sizes if capacity is not None else None, bin_capacity=capacity)
+
+
+def _method(name: str) -> str:
+    return "greedy" if name == "round_robin" else name

@@ -1,0 +1,39 @@
+"""Shipped orchestration strategies (name one with `Job.strategy: module:function`).
+
+A strategy takes the step's data and the trainer tree and returns `DGraph.plan()`:
+
+- `vanilla`: mix, then deal samples to DP groups and micro-batches round robin, as
+  per-rank DataLoaders would. No balancing.
+- `balanced` (the paper's long-short LLM strategy, Figure 9): attention cost model,
+  Karmarkar-Karp over DP groups, greedy bin packing over micro-batches.
+- `vlm_hybrid` (the paper's VLM strategy): the vision encoder's cost (image patches)
+  and the backbone's (tokens) balanced together over DP groups and micro-batches.
+"""
+
+from __future__ import annotations
+
+from overlord.planner.cost import encoder_cost, transformer_cost
+from overlord.planner.dgraph import DGraph, Planned, StepData
+from overlord.planner.tree import ClientPlaceTree
+
+
+def vanilla(data: StepData, tree: ClientPlaceTree) -> Planned:
+    return DGraph(data, tree).mix().distribute("DP").plan()
+
+
+def balanced(data: StepData, tree: ClientPlaceTree) -> Planned:
+    g = DGraph(data, tree, view="tokens").mix()
+    g.distribute("DP").cost("attention")
+    g.balance("karmarkar_karp", level="inter").balance("greedy", level="intra")
+    return g.plan()
+
+
+def vlm_hybrid(data: StepData, tree: ClientPlaceTree) -> Planned:
+    g = DGraph(data, tree, view="tokens").mix()
+    items = g.items
+    g.distribute("DP").cost(lambda tokens: transformer_cost(tokens) + encoder_cost(items["patches"]))
+    g.balance("karmarkar_karp", level="inter").balance("greedy", level="intra")
+    return g.plan()
+
+
+__all__ = ["balanced", "vanilla", "vlm_hybrid"]

@@ -1,0 +1,10 @@
+"""A strategy used by the integration tests (loaded by the Planner as module:function)."""
+
+from overlord.planner.dgraph import DGraph
+
+
+def balanced_broadcast_tp(data, tree):
+    g = DGraph(data, tree, view="tokens").mix().broadcast_at("TP")
+    g.distribute("DP").cost("attention")
+    g.balance("karmarkar_karp", level="inter").balance("greedy", level="intra")
+    return g.plan()

@@ -1,0 +1,55 @@
+"""Mixing schedules and the ClientPlaceTree."""
+
+import numpy as np
+import pytest
+
+from overlord.config import Mesh
+from overlord.errors import ConfigError
+from overlord.planner.schedule import from_config
+from overlord.planner.tree import ClientPlaceTree
+
+SOURCES = ["web", "code", "images"]
+
+
+def test_default_is_the_constant_source_weights():
+    s = from_config(None, SOURCES, [0.5, 0.3, 0.2])
+    assert list(s.weights(0)) == list(s.weights(10_000)) == [0.5, 0.3, 0.2]
+
+
+def test_piecewise_switches_at_its_steps():
+    s = from_config({"kind": "piecewise", "points": [[0, {"web": 1}], [100, {"web": 1, "images": 1}]]}, SOURCES, [1, 1, 1])
+    assert list(s.weights(99)) == [1, 0, 0] and list(s.weights(100)) == [1, 0, 1]
+
+
+def test_warmup_interpolates_then_holds():
+    s = from_config({"kind": "warmup", "start": {"web": 1}, "end": {"images": 1}, "steps": 10}, SOURCES, [1, 1, 1])
+    assert np.allclose(s.weights(0), [1, 0, 0]) and np.allclose(s.weights(5), [0.5, 0, 0.5])
+    assert np.allclose(s.weights(50), [0, 0, 1])
+
+
+@pytest.mark.parametrize(
+    "mixing, words",
+    [
+        ({"kind": "sometimes"}, "mixing.kind"),
+        ({"kind": "piecewise", "points": [[5, {"web": 1}]]}, "start at step 0"),
+        ({"kind": "constant", "weights": {"wbe": 1}}, "unknown source"),
+        ({"kind": "constant", "weights": {"web": 0}}, "not all 0"),
+        ({"kind": "warmup", "start": {"web": 1}, "end": {"web": 1}, "steps": 0}, "mixing.steps"),
+    ],
+)
+def test_bad_schedules_name_the_field(mixing, words):
+    with pytest.raises(ConfigError, match=words):
+        from_config(mixing, SOURCES, [1, 1, 1])
+
+
+def test_tree_levels_and_consumers():
+    tree = ClientPlaceTree(Mesh(dp=2, cp=2, tp=2))
+    assert tree.buckets("DP") == 2 and tree.buckets("CP") == 4 and tree.buckets("WORLD") == 8
+    assert tree.ranks("DP", 1) == [4, 5, 6, 7]
+    assert tree.ranks("CP", 1) == [2, 3]  # dp 0, cp 1, both tp ranks
+    assert tree.ranks("WORLD", 5) == [5]
+    assert all(tree.needs_bytes(r) for r in range(8))
+    tree.broadcast_at("TP")
+    assert [tree.needs_bytes(r) for r in range(4)] == [True, False, True, False]
+    with pytest.raises(ConfigError):
+        tree.buckets("PP")
