@@ -28,6 +28,22 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from overlord.config import Job
+    from overlord.planner.dryrun import dry_run
+
+    if not args.dry_run:
+        print("overlord plan: only --dry-run is supported (plans of a running job are in Redis: overlord status)", file=sys.stderr)
+        return 2
+    result = dry_run(Job.from_file(args.config), steps=args.steps)
+    if args.json:
+        print(json.dumps({"strategy": result.strategy, "steps": result.steps, "imbalance": result.imbalance,
+                          "vanilla_imbalance": result.vanilla_imbalance, "speedup_vs_vanilla": result.speedup}))
+    else:
+        print(result.render())
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from overlord.demo.run import run_demo
 
@@ -45,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="job YAML/JSON")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_status)
+    p = sub.add_parser("plan", help="show what the job's strategy would do (per-rank cost, imbalance, speedup)")
+    p.add_argument("--config", required=True, help="job YAML/JSON")
+    p.add_argument("--dry-run", action="store_true", help="plan in this process; start nothing")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_plan)
     p = sub.add_parser("demo", help="generate a demo corpus and run a 4-rank job end to end")
     p.add_argument("--out", default="demo-data")
     p.add_argument("--ranks", type=int, default=4)

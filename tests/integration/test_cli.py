@@ -91,3 +91,15 @@ def test_copy_true_batches_outlive_the_next_read(cluster):
     assert len(kept) > 100
     assert [hashlib.sha256(b["input_ids"].numpy().tobytes()).hexdigest() for b in kept] == digests
     assert c.stop() == 0
+
+
+def test_plan_dry_run_prices_the_strategy_against_vanilla(cluster):
+    c = cluster(mesh=Mesh(dp=4), batch=BatchSpec(global_batch=64, micro_batches=2, context_length=2048))
+    out = overlord("plan", "--dry-run", "--config", str(c.config), "--steps", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["steps"] == 8 and result["strategy"].endswith(":balanced")
+    assert result["imbalance"] < result["vanilla_imbalance"] and result["speedup_vs_vanilla"] > 1.0
+    text = overlord("plan", "--dry-run", "--config", str(c.config), "--steps", "4")
+    assert "predicted step-time speedup" in text.stdout and "dp 3" in text.stdout
+    assert not c.job.run_path.exists(), "a dry run starts nothing"
