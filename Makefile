@@ -26,7 +26,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/ring.py --json
+	$(BIN)/python bench/balance.py --json
 	$(BIN)/python bench/memory.py --sources 300 --ranks 8 --workers 4 --json
 
 clean:

@@ -20,7 +20,7 @@ import numpy as np
 
 from overlord.errors import ConfigError, PlanError
 from overlord.planner.buffer import ITEM, Buffer, NeedMetadata
-from overlord.planner.dgraph import Plan, Planned, StepData
+from overlord.planner.dgraph import Plan, Planned, StepData, triples
 from overlord.planner.meta import MetaChunk
 from overlord.planner.schedule import Constant
 from overlord.planner.tree import ClientPlaceTree
@@ -133,14 +133,20 @@ class PlannerCore:
 
     def _check(self, planned: Planned) -> None:
         """Exactly once: the plan holds each selected sample once, or defers it."""
-        selected = {(int(r["stream"]), int(r["epoch"]), int(r["seq"])) for r in self.deferred}
-        for i, n in planned.take.items():
-            for r in self.streams[i].peek(n):
-                selected.add((i, int(r["epoch"]), int(r["seq"])))
-        planned_items = [item for bucket in planned.plan.buckets for mb in bucket for item in mb]
-        deferred = {(int(r["stream"]), int(r["epoch"]), int(r["seq"])) for r in planned.deferred}
-        if len(planned_items) != len(set(planned_items)) or set(planned_items) | deferred != selected or set(planned_items) & deferred:
+        selected = [triples(self.deferred)]
+        selected += [triples(self.streams[i].peek(n)) for i, n in planned.take.items()]
+        flat = [item for bucket in planned.plan.buckets for mb in bucket for item in mb]
+        planned_items = np.asarray(flat, dtype=np.int64).reshape(-1, 3)
+        given = _sorted(np.concatenate([planned_items, triples(planned.deferred)]))
+        wanted = _sorted(np.concatenate(selected))
+        duplicated = len(given) > 1 and bool((np.diff(given, axis=0) == 0).all(axis=1).any())
+        if duplicated or not np.array_equal(given, wanted):
             raise PlanError(
                 f"step {self.step}: the strategy's plan does not hold every selected sample exactly once "
-                f"({len(planned_items)} planned, {len(deferred)} deferred, {len(selected)} selected); fix the strategy"
+                f"({len(planned_items)} planned, {len(planned.deferred)} deferred, {len(wanted)} selected); fix the strategy"
             )
+
+
+def _sorted(rows: np.ndarray) -> np.ndarray:
+    """(stream, epoch, seq) rows in lexicographic order."""
+    return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]

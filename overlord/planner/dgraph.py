@@ -227,17 +227,23 @@ class DGraph:
         items = self._require_items()
         bucket, mbin = self.assignment()
         n_buckets = self.tree.buckets(self.axis)
-        out: list[list[list[tuple[int, int, int]]]] = [[[] for _ in range(self.data.micro_batches)] for _ in range(n_buckets)]
+        bins = self.data.micro_batches
         placed = np.flatnonzero(bucket >= 0)
         # keep each micro-batch in selection order, so the bytes do not depend on the balancer's internals
-        for k in placed[np.lexsort((placed, mbin[placed], bucket[placed]))]:
-            row = items[k]
-            out[bucket[k]][mbin[k]].append((int(row["stream"]), int(row["epoch"]), int(row["seq"])))
+        order = placed[np.lexsort((placed, mbin[placed], bucket[placed]))]
+        rows = list(map(tuple, triples(items[order]).tolist()))
+        bounds = np.searchsorted(bucket[order] * bins + mbin[order], np.arange(n_buckets * bins + 1)).tolist()
+        out = [[rows[bounds[b * bins + m] : bounds[b * bins + m + 1]] for m in range(bins)] for b in range(n_buckets)]
         deferred = items[bucket < 0]
         last = self.last and not len(deferred)
         plan = Plan(step=self.data.step, buckets=out, axis=self.axis, last=last,
                     broadcast=tuple(sorted(self.tree.broadcast)), deferred=len(deferred))
         return Planned(plan, self.take, self.round_robin, deferred)
+
+
+def triples(items: np.ndarray) -> np.ndarray:
+    """(stream, epoch, seq) of ITEM rows as an int64 [n, 3] array, the plan's item form."""
+    return np.stack([items["stream"], items["epoch"], items["seq"]], axis=1).astype(np.int64)
 
 
 @dataclass(frozen=True, slots=True)
