@@ -114,6 +114,7 @@ class DGraph:
         self.costs: np.ndarray | None = None
         self.inter, self.intra = "round_robin", "round_robin"
         self.capacity: int | None = None
+        self.mode = "two_level"
 
     # -- primitives ----------------------------------------------------------------------
 
@@ -169,24 +170,29 @@ class DGraph:
             raise ConfigError(f"cost function returned shape {self.costs.shape}, expected ({len(self.items)},)")
         return self
 
-    def balance(self, method: str, level: str = "inter", *, capacity: int | None = None) -> "DGraph":
-        """Balance costs over buckets (level="inter"), micro-batches ("intra") or both.
+    def balance(self, method: str, level: str = "inter", *, capacity: int | None = None,
+                keep_order: bool = False) -> "DGraph":
+        """Balance costs over buckets (level="inter"), micro-batches ("intra"), both,
+        or "interleaved" (over all buckets x micro-batches at once, then dealt).
 
         Args:
             method: a BALANCERS name ("greedy", "karmarkar_karp", or a registered one).
-            level: "inter", "intra" or "both".
+            level: "inter", "intra", "both" or "interleaved".
             capacity: hard limit of the view's size per micro-batch (e.g. tokens);
                 samples that fit nowhere are deferred to the next step.
+            keep_order: keep the global batch's composition and order (round robin in
+                selection order); only the capacity is enforced.
         """
         from overlord.planner.balance import get_balancer
 
         get_balancer(method)
-        if level not in ("inter", "intra", "both"):
-            raise ConfigError(f"balance(level={level!r}) must be 'inter', 'intra' or 'both'")
-        if level in ("inter", "both"):
+        if level not in ("inter", "intra", "both", "interleaved"):
+            raise ConfigError(f"balance(level={level!r}) must be 'inter', 'intra', 'both' or 'interleaved'")
+        if level in ("inter", "both", "interleaved"):
             self.inter = method
-        if level in ("intra", "both"):
+        if level in ("intra", "both", "interleaved"):
             self.intra = method
+        self.mode = "keep_order" if keep_order else "interleaved" if level == "interleaved" else "two_level"
         if capacity is not None:
             self.capacity = capacity
         return self
@@ -216,7 +222,7 @@ class DGraph:
         for gi, members in enumerate(groups):
             mine = np.flatnonzero(owner == gi)
             b, m = _assign(costs[mine], len(members), bins, self.inter, self.intra,
-                           items[self.view][mine], self.capacity)
+                           items[self.view][mine], self.capacity, self.mode)
             placed = b >= 0
             bucket[mine[placed]] = members[b[placed]]
             mbin[mine[placed]] = m[placed]
@@ -256,14 +262,14 @@ class Planned:
     deferred: np.ndarray
 
 
-def _assign(costs, buckets, bins, inter, intra, sizes, capacity):
+def _assign(costs, buckets, bins, inter, intra, sizes, capacity, mode="two_level"):
     if inter == "round_robin" and intra == "round_robin" and capacity is None:
         i = np.arange(len(costs))
         return i % buckets, (i // buckets) % bins
     from overlord.planner.balance import assign
 
     return assign(costs, buckets, bins, inter=_method(inter), intra=_method(intra),
-                  sizes=sizes if capacity is not None else None, bin_capacity=capacity)
+                  sizes=sizes if capacity is not None else None, bin_capacity=capacity, mode=mode)
 
 
 def _method(name: str) -> str:

@@ -174,3 +174,45 @@ def test_capacity_defers_what_does_not_fit_and_plans_it_once_later():
                 seen += mb
     assert max(deferred) > 0 and deferred[-1] == 0
     assert sorted(seen) == [(0, 0, q) for q in range(40)]
+
+
+@pytest.mark.parametrize("options", [dict(level="interleaved"), dict(level="both", keep_order=True)])
+def test_other_balance_modes_plan_every_sample_once(options):
+    from overlord.planner.dgraph import DGraph
+
+    def strategy(data, tree):
+        return DGraph(data, tree).mix().distribute("DP").cost("attention").balance("greedy", **options).plan()
+
+    core = make(strategy=strategy, finite=True, global_batch=16, dp=2, micro_batches=2)
+    feed(core, [50, 30], final=True)
+    seen = []
+    while (p := core.plan_step()) is not None:
+        seen += [x for bucket in p.buckets for mb in bucket for x in mb]
+    assert sorted(seen) == sorted({(s, 0, q) for s, n in enumerate([50, 30]) for q in range(n)})
+
+
+def test_keep_order_keeps_the_round_robin_composition():
+    from overlord.planner.dgraph import DGraph
+    from overlord.planner.strategies import vanilla
+
+    def kept(data, tree):
+        return DGraph(data, tree).mix().distribute("DP").cost("attention").balance("greedy", level="both", keep_order=True).plan()
+
+    a, b = make(strategy=kept), make(strategy=vanilla)
+    feed(a, [100, 100])
+    feed(b, [100, 100])
+    for _ in range(5):
+        assert a.plan_step().buckets == b.plan_step().buckets
+
+
+def test_group_size_balances_inside_groups_of_buckets():
+    from overlord.planner.dgraph import DGraph
+
+    def grouped(data, tree):
+        return DGraph(data, tree).mix().distribute("DP", group_size=2).cost("attention").balance("karmarkar_karp").plan()
+
+    core = make(strategy=grouped, global_batch=32, dp=4)
+    feed(core, [500, 500])
+    plan = core.plan_step()
+    assert len(plan.buckets) == 4 and plan.samples() == 32
+    assert {sum(len(mb) for mb in b) for b in plan.buckets} == {8}
