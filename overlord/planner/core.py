@@ -107,6 +107,7 @@ class PlannerCore:
             "round_robin": list(self.rr),
             "deferred": [[int(r["stream"]), int(r["epoch"]), int(r["seq"])] for r in self.deferred],
             "rng": {"kind": "numpy.default_rng", "seed_words": [self.seed, "step", "MIX"]},
+            "schedule": self.schedule.state() if hasattr(self.schedule, "state") else None,
         }
 
     def step_data(self) -> StepData:

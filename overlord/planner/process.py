@@ -17,7 +17,7 @@ import time
 from overlord.errors import PlanError
 from overlord.planner import meta
 from overlord.planner.core import PlannerCore, resolve_strategy
-from overlord.planner.schedule import from_config
+from overlord.planner.schedule import Dynamic, from_config
 from overlord.planner.tree import ClientPlaceTree
 
 log = logging.getLogger("overlord.planner")
@@ -52,6 +52,8 @@ def run_planner(ctx) -> None:
         ahead = core.step - slowest > job.plan_ahead
         if ahead:
             waiting_since = time.monotonic()  # waiting on trainers is not a stall
+        if not ahead and isinstance(core.schedule, Dynamic) and core.schedule.due(core.step):
+            core.schedule.observe(core.step, _reported_metrics(r, keys))
         plan = None if ahead else core.plan_step()
         if plan is not None:
             pipe = r.pipeline(transaction=True)
@@ -87,3 +89,12 @@ def run_planner(ctx) -> None:
                 f"streams with none buffered: {starving}. Check the loader logs in {ctx.run_dir}, "
                 "or raise Job.timeout_s for slow transforms"
             )
+
+
+def _reported_metrics(r, keys) -> dict[str, float]:
+    """The mean over ranks of each metric the trainers last reported."""
+    sums: dict[str, list[float]] = {}
+    for raw in r.hvals(keys.metrics):
+        for name, value in json.loads(raw)["metrics"].items():
+            sums.setdefault(name, []).append(float(value))
+    return {name: sum(v) / len(v) for name, v in sums.items()}

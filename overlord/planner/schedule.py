@@ -6,8 +6,12 @@ job config as `mixing:`; without it, each source's constant `weight` applies.
 
     mixing: {kind: piecewise, points: [[0, {web: 1.0}], [1000, {web: 0.5, code: 0.5}]]}
     mixing: {kind: warmup, start: {web: 1.0}, end: {web: 0.3, images: 0.7}, steps: 2000}
+    mixing: {kind: dynamic, fn: "overlord.planner.schedule:loss_proportional", every: 50}
 
-A source a mixture does not name gets weight 0 there.
+A source a mixture does not name gets weight 0 there. A dynamic schedule is driven by
+metrics the trainers report (`DataLoader.report_metrics`): every `every` steps the
+Planner reads them (one HGETALL) and asks `fn(step, metrics, base, sources)` for new
+weights, which hold until the next update and are part of the planner checkpoint.
 """
 
 from __future__ import annotations
@@ -66,6 +70,54 @@ class Warmup:
         return (1 - t) * self.start + t * self.end
 
 
+class Dynamic:
+    """Weights recomputed from trainer-reported metrics every `every` steps."""
+
+    def __init__(self, fn, base: np.ndarray, sources: Sequence[str], every: int) -> None:
+        self.fn, self.base, self.sources, self.every = fn, base, list(sources), every
+        self.current = base.copy()
+        self.updated = -1  # step of the last update
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 and self.updated != step
+
+    def observe(self, step: int, metrics: Mapping[str, float]) -> None:
+        """New weights from the metrics the trainers reported by `step`."""
+        try:
+            weights = np.asarray(self.fn(step, dict(metrics), self.base.copy(), list(self.sources)), dtype=np.float64)
+        except Exception as exc:  # noqa: BLE001 - user code: report it with its origin
+            raise ConfigError(
+                f"dynamic mixing function {getattr(self.fn, '__name__', self.fn)!r} raised at step {step}: "
+                f"{type(exc).__name__}: {exc}; fix mixing.fn"
+            ) from exc
+        if weights.shape != self.base.shape or (weights < 0).any() or not np.isfinite(weights).all() or weights.sum() <= 0:
+            raise ConfigError(
+                f"dynamic mixing function returned {weights!r} at step {step}; it must return "
+                f"{len(self.base)} finite weights >= 0, not all 0"
+            )
+        self.current, self.updated = weights, step
+
+    def weights(self, step: int) -> np.ndarray:
+        return self.current
+
+    def state(self) -> dict:
+        return {"weights": self.current.tolist(), "updated": self.updated}
+
+
+def loss_proportional(step: int, metrics: Mapping[str, float], base: np.ndarray, sources: Sequence[str],
+                      temperature: float = 1.0) -> np.ndarray:
+    """Up-weight sources whose reported loss (`loss/<source>`) is above the mean.
+
+    weight_s = base_s * exp(temperature * (loss_s - mean loss)); a source without a
+    reported loss keeps its base weight.
+    """
+    losses = np.array([metrics.get(f"loss/{s}", np.nan) for s in sources], dtype=np.float64)
+    if np.isnan(losses).all():
+        return base
+    gap = np.where(np.isnan(losses), 0.0, losses - np.nanmean(losses))
+    return base * np.exp(temperature * gap)
+
+
 def from_config(mixing: Mapping[str, Any] | None, sources: Sequence[str], default: Sequence[float]):
     """Build the job's schedule from its `mixing` config (None: constant source weights)."""
     if mixing is None:
@@ -91,4 +143,16 @@ def from_config(mixing: Mapping[str, Any] | None, sources: Sequence[str], defaul
             int(mixing.get("begin", 0)),
             steps,
         )
-    raise ConfigError(f"mixing.kind={kind!r}; use constant, piecewise or warmup")
+    if kind == "dynamic":
+        from overlord.transforms import resolve
+
+        every = int(mixing.get("every", 1))
+        if every < 1:
+            raise ConfigError(f"mixing.every={mixing.get('every')!r} must be an int >= 1")
+        spec = mixing.get("fn", "overlord.planner.schedule:loss_proportional")
+        try:
+            fn = resolve(spec)
+        except ConfigError as exc:
+            raise ConfigError(f"mixing.fn: {exc}") from None
+        return Dynamic(fn, np.asarray(default, dtype=np.float64), sources, every)
+    raise ConfigError(f"mixing.kind={kind!r}; use constant, piecewise, warmup or dynamic")

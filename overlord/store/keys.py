@@ -13,6 +13,7 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:layout               string JSON: which loader process hosts which stream
     overlord:{job}:errors               list   JSON error records (role, pid, node, message)
     overlord:{job}:counters             hash   skipped:<source>, truncated, ...
+    overlord:{job}:metrics              hash   rank -> JSON {step, metrics} the trainer reported
     overlord:{job}:job                  string the job's config (JSON)
 """
 
@@ -73,6 +74,10 @@ class Keys:
     @property
     def counters(self) -> str:
         return f"{self.base}:counters"
+
+    @property
+    def metrics(self) -> str:
+        return f"{self.base}:metrics"
 
     @property
     def job_config(self) -> str:

@@ -91,6 +91,7 @@ class DataLoader:
         self.batches = 0
         self.sidecar_pid: int | None = None
         self._ring: Ring | None = None
+        self._redis = None  # opened by report_metrics only
         self._done = False
 
     # -- connecting ----------------------------------------------------------------------
@@ -213,6 +214,25 @@ class DataLoader:
 
     def __len__(self) -> int:
         raise TypeError("overlord.torch.DataLoader has no length: sources are mixed by weight step by step")
+
+    # -- metrics for dynamic mixing ---------------------------------------------------
+
+    def report_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Tell the Planner this rank's latest metrics (e.g. {"loss/web": 2.31}).
+
+        A `mixing: {kind: dynamic}` schedule reads them (mean over ranks) to set the
+        weights of later steps. One small Redis write; never on the data path.
+        """
+        import json
+
+        from overlord.status import redis_url_of
+        from overlord.store import Keys, connect
+
+        if self._redis is None:
+            self._redis = connect(redis_url_of(self.job), timeout_s=5)
+        record = {"step": self.last_meta.get("step", -1) if step is None else step,
+                  "metrics": {k: float(v) for k, v in metrics.items()}}
+        self._redis.hset(Keys(self.job.name).metrics, str(self.rank), json.dumps(record))
 
     # -- checkpointing -------------------------------------------------------------------
 

@@ -85,3 +85,25 @@ def test_bytes_do_not_depend_on_how_loaders_are_laid_out(cluster):
         digests.append({rank: r["digests"] for rank, r in c.results().items()})
         assert c.stop() == 0
     assert digests[0] == digests[1]
+
+
+def test_dynamic_mixing_follows_losses_the_trainer_reports(cluster):
+    from overlord import BatchSpec, Mesh
+    from overlord.torch import DataLoader
+
+    c = cluster(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=16, context_length=512, ring_bytes=1 << 20),
+                mixing={"kind": "dynamic", "every": 4}, plan_ahead=1)
+    c.start_sidecar()
+    loader = DataLoader(c.config, rank=0, world_size=1, timeout_s=30)
+    early, late = collections.Counter(), collections.Counter()
+    for i, _ in enumerate(loader):
+        if i == 0:
+            loader.report_metrics({"loss/images": 9.0, "loss/web": 1.0, "loss/code": 1.0, "loss/books": 1.0})
+        (early if i < 4 else late).update(k.split(":")[0] for k in loader.last_meta["keys"])
+        if i == 60:
+            break
+    loader.close()
+    # images has base weight 0.1; once the Planner reads the loss, nearly every sample is an image
+    assert early["images"] / sum(early.values()) < 0.5
+    assert late["images"] / sum(late.values()) > 0.9, late
+    assert c.stop() == 0

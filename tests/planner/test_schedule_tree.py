@@ -53,3 +53,25 @@ def test_tree_levels_and_consumers():
     assert [tree.needs_bytes(r) for r in range(4)] == [True, False, True, False]
     with pytest.raises(ConfigError):
         tree.buckets("PP")
+
+
+def test_dynamic_schedule_follows_reported_losses_and_checkpoints_its_weights():
+    s = from_config({"kind": "dynamic", "every": 10}, SOURCES, [1.0, 1.0, 1.0])
+    assert s.due(0) and list(s.weights(0)) == [1, 1, 1]
+    s.observe(0, {"loss/web": 1.0, "loss/code": 1.0, "loss/images": 3.0})
+    w = s.weights(5)
+    assert w[2] > w[0] == w[1] and not s.due(0) and not s.due(5) and s.due(10)
+    assert s.state() == {"weights": list(w), "updated": 0}
+    s.observe(10, {})  # nothing reported: the base weights
+    assert list(s.weights(10)) == [1, 1, 1]
+
+
+def test_dynamic_schedule_errors_name_the_field():
+    with pytest.raises(ConfigError, match="mixing.fn"):
+        from_config({"kind": "dynamic", "fn": "no.such.module:fn"}, SOURCES, [1, 1, 1])
+    s = from_config({"kind": "dynamic", "fn": "builtins:len"}, SOURCES, [1, 1, 1])
+    with pytest.raises(ConfigError, match="dynamic mixing function 'len' raised at step 0"):
+        s.observe(0, {})
+    s = from_config({"kind": "dynamic", "fn": "overlord.planner.schedule:Constant"}, SOURCES, [1, 1, 1])
+    with pytest.raises(ConfigError, match="dynamic mixing function"):
+        s.observe(0, {})
