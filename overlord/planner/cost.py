@@ -54,9 +54,7 @@ def transformer_cost(tokens, *, hidden: int = 4096, layers: int = 1) -> np.ndarr
     Raises:
         PlanError: a length is negative or not finite.
     """
-    L = _lengths(tokens, "token counts")
-    h = float(hidden)
-    return layers * (24.0 * h * h * L + 4.0 * h * L * L)
+    return _block_flops(_lengths(tokens, "token counts"), hidden, layers)
 
 
 def encoder_cost(patches, *, hidden: int = 1024, layers: int = 1) -> np.ndarray:
@@ -73,9 +71,13 @@ def encoder_cost(patches, *, hidden: int = 1024, layers: int = 1) -> np.ndarray:
     Raises:
         PlanError: a count is negative or not finite.
     """
-    P = _lengths(patches, "patch counts")
+    return _block_flops(_lengths(patches, "patch counts"), hidden, layers)
+
+
+def _block_flops(n: np.ndarray, hidden: int, layers: int) -> np.ndarray:
+    """Transformer blocks over sequences of n positions: dense matmuls plus attention."""
     h = float(hidden)
-    return layers * (24.0 * h * h * P + 4.0 * h * P * P)
+    return layers * (24.0 * h * h * n + 4.0 * h * n * n)
 
 
 def token_cost(tokens) -> np.ndarray:
