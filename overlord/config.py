@@ -47,6 +47,10 @@ class Source:
         shuffle_window: rows shuffled together inside the source's order (bounded memory).
         partitions: how many Source Loaders split this source's row groups.
         on_error: "raise" stops the job on a bad row; "skip" drops it and counts it.
+        difficulty: a numeric column to read the source easy-to-hard by (a curriculum):
+            each epoch visits row groups in ascending order of that column's Parquet
+            statistics (midpoint of min and max) instead of a random permutation, still
+            shuffling inside the window. None: random row-group order.
     """
 
     name: str
@@ -58,6 +62,7 @@ class Source:
     shuffle_window: int = 256
     partitions: int = 1
     on_error: str = "raise"
+    difficulty: str | None = None
 
     def __post_init__(self) -> None:
         _check_name("Source.name", self.name)

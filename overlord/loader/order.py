@@ -9,6 +9,7 @@ reading data, and a checkpoint only needs a cursor (epoch, seq).
         |  partition p of P keeps row group i where i % P == p
         v
     the partition's row groups, permuted by rng(seed, source, epoch, p)
+        (or, for a curriculum, sorted by difficulty: easy to hard)
         |  concatenated: position 0 .. n-1
         v
     windows of `shuffle_window` positions, each permuted by rng(..., window)
@@ -40,10 +41,11 @@ class RowGroups:
     group: np.ndarray  # int32: row-group index inside its file
     rows: np.ndarray  # int64: rows in the row group
     first_row: np.ndarray  # int64: index of the group's first row inside its file
+    difficulty: np.ndarray | None = None  # float64 per row group, for a curriculum
 
     @classmethod
-    def from_counts(cls, counts: list[list[int]]) -> "RowGroups":
-        """Build from per-file lists of row-group row counts."""
+    def from_counts(cls, counts: list[list[int]], difficulty: list[list[float]] | None = None) -> "RowGroups":
+        """Build from per-file lists of row-group row counts (and difficulties)."""
         file, group, rows, first = [], [], [], []
         for f, groups in enumerate(counts):
             start = 0
@@ -58,6 +60,7 @@ class RowGroups:
             np.asarray(group, np.int32),
             np.asarray(rows, np.int64),
             np.asarray(first, np.int64),
+            None if difficulty is None else np.asarray([d for per_file in difficulty for d in per_file], np.float64),
         )
 
     def __len__(self) -> int:
@@ -94,7 +97,10 @@ class EpochOrder:
         self.seed, self.source, self.epoch = seed, source, epoch
         self.partition, self.window = partition, shuffle_window
         mine = np.flatnonzero(np.arange(len(groups)) % partitions == partition)
-        self.rg_order = _rng(seed, source, epoch, partition, 0x52474F).permutation(mine)
+        if groups.difficulty is None:
+            self.rg_order = _rng(seed, source, epoch, partition, 0x52474F).permutation(mine)
+        else:  # curriculum: easy to hard, ties in file order
+            self.rg_order = mine[np.argsort(groups.difficulty[mine], kind="stable")]
         sizes = groups.rows[self.rg_order]
         # ends[i]: one past the last position covered by the i-th row group in order
         self.ends = np.cumsum(sizes)

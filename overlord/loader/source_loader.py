@@ -61,7 +61,9 @@ class SourceLoader:
         # row group -> its Arrow table, for the row groups of the current window; rows
         # become Python objects one at a time (columnar is several times smaller)
         self._rows: dict[int, pa.Table] = {}
-        self.groups = RowGroups.from_counts([self._footer_counts(i) for i in range(len(self.paths))])
+        counts = [self._footer_counts(i) for i in range(len(self.paths))]
+        difficulty = [self._footer_difficulty(i) for i in range(len(self.paths))] if source.difficulty else None
+        self.groups = RowGroups.from_counts(counts, difficulty)
         self.epoch = 0
         self.seq = 0  # next seq to prepare in self.epoch
         self.skipped = 0
@@ -103,6 +105,25 @@ class SourceLoader:
     def _footer_counts(self, file: int) -> list[int]:
         meta = self._open(file).metadata
         return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+    def _footer_difficulty(self, file: int) -> list[float]:
+        """Midpoint of the difficulty column's min/max statistics, per row group."""
+        handle = self._open(file)
+        column = self.source.difficulty
+        names = handle.schema_arrow.names
+        if column not in names:
+            raise SchemaError(f"{self._where(file)} has no difficulty column {column!r}; it has {names}. Fix Source.difficulty")
+        index = handle.schema_arrow.get_field_index(column)
+        out = []
+        for g in range(handle.metadata.num_row_groups):
+            stats = handle.metadata.row_group(g).column(index).statistics
+            if stats is None or not stats.has_min_max or not isinstance(stats.min, (int, float)):
+                raise SchemaError(
+                    f"{self._where(file)} row group {g}: column {column!r} has no numeric min/max statistics, "
+                    "which the curriculum order reads; rewrite the file with statistics or unset Source.difficulty"
+                )
+            out.append((float(stats.min) + float(stats.max)) / 2)
+        return out
 
     def _read_group(self, rg: int) -> pa.Table:
         table = self._rows.get(rg)

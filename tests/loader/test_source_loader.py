@@ -87,3 +87,27 @@ def test_file_removed_after_start_names_file(tmp_path):
     ld._files.clear()  # as if the handle had been evicted from the LRU
     with pytest.raises(SourceReadError, match=r"b\.parquet' is missing"):
         drain(ld)
+
+
+def test_curriculum_reads_row_groups_easy_to_hard(tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    # each row group of 4 rows holds one difficulty level, the groups stored out of order
+    levels = rng.permutation(10)
+    path = str(tmp_path / "c.parquet")
+    pq.write_table(
+        pa.table({"text": [f"t{i}" for i in range(40)], "difficulty": [float(l) for l in np.repeat(levels, 4)]}),
+        path, row_group_size=4,
+    )
+    ld = SourceLoader(Source(name="web", paths=(path,), shuffle_window=4, difficulty="difficulty"), 0, seed=1, epochs=1)
+    rows = [int(s.key.rsplit(":", 1)[1]) for s in drain(ld)]
+    seen = [levels[r // 4] for r in rows]
+    assert seen == sorted(seen) and sorted(rows) == list(range(40))
+    assert rows != sorted(rows, key=lambda r: (levels[r // 4], r))  # still shuffled inside each window
+
+
+def test_curriculum_without_the_column_names_it(tmp_path):
+    path = write(tmp_path / "a.parquet", ["x"] * 4)
+    with pytest.raises(SchemaError, match="no difficulty column 'level'"):
+        loader([path], difficulty="level")
