@@ -102,7 +102,8 @@ def run_demo(*, out_dir: str = "demo-data", ranks: int = 4, steps: int = 100, pr
         print(f"overlord demo: trainer exit codes {codes}; sidecar log: {out / 'sidecar.log'}", file=sys.stderr)
         return 1
     leftovers = list_segments(job.name)
-    print(summary([json.loads((results / f"rank{r}.json").read_text()) for r in range(ranks)], peak_pss, launched))
+    print(summary([json.loads((results / f"rank{r}.json").read_text()) for r in range(ranks)], peak_pss, launched,
+                  job.strategy.rsplit(":", 1)[-1]))
     if leftovers:
         print(f"overlord demo: shared-memory segments left behind: {leftovers}", file=sys.stderr)
         return 1
@@ -110,7 +111,7 @@ def run_demo(*, out_dir: str = "demo-data", ranks: int = 4, steps: int = 100, pr
     return 0
 
 
-def summary(ranks: list[dict], peak_pss: int, launched: float) -> str:
+def summary(ranks: list[dict], peak_pss: int, launched: float, strategy: str) -> str:
     samples = sum(r["samples"] for r in ranks)
     tokens = sum(r["tokens"] for r in ranks)
     wall = max(r["steady_s"] for r in ranks)
@@ -126,8 +127,19 @@ def summary(ranks: list[dict], peak_pss: int, launched: float) -> str:
         f"first batch    {max(r['first_batch_at'] for r in ranks) - launched:.2f}s after launching sidecar and "
         f"trainers (slowest rank; {max(r['time_to_first_batch_s'] for r in ranks):.2f}s after its DataLoader was created)",
         f"loader memory  {peak_pss / 2**20:,.0f} MiB peak PSS of the sidecar and its roles, redis-server and rings included",
+        f"rank balance   {_imbalance(ranks):.3f} max/mean attention cost per step over ranks (median step; "
+        f"strategy: {strategy})",
         "mix            source     requested  achieved",
     ]
     for name in sorted(counts, key=lambda n: -WEIGHTS.get(n, 0)):
         lines.append(f"               {name:<10} {WEIGHTS.get(name, 0) / total_w:>8.1%}  {counts[name] / samples:>8.1%}")
     return "\n".join(lines)
+
+
+def _imbalance(ranks: list[dict]) -> float:
+    """Median over steps of the slowest rank's cost over the mean (1.0 = perfectly balanced)."""
+    steps = set.intersection(*(set(r["step_cost"]) for r in ranks))
+    ratios = sorted(
+        max(r["step_cost"][s] for r in ranks) / (sum(r["step_cost"][s] for r in ranks) / len(ranks)) for s in steps
+    )
+    return ratios[len(ratios) // 2] if ratios else float("nan")

@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+from overlord.planner.cost import transformer_cost
 from overlord.torch import DataLoader
 
 
@@ -29,6 +30,7 @@ def main() -> None:
     want = args.steps * loader.job.batch.micro_batches
     progress = Path(args.out + ".progress")
     sources: collections.Counter[str] = collections.Counter()
+    step_cost: collections.Counter[int] = collections.Counter()  # attention-model cost per step
     samples = tokens = batches = 0
     first = None
     for batch in loader:
@@ -38,6 +40,7 @@ def main() -> None:
         keys = loader.last_meta["keys"]
         samples += len(keys)
         tokens += int(batch["doc_lengths"].sum())
+        step_cost[loader.last_meta["step"]] += float(transformer_cost(batch["doc_lengths"].numpy()).sum())
         sources.update(k.split(":", 1)[0] for k in keys)
         batches += 1
         if batches % 8 == 0:
@@ -55,6 +58,7 @@ def main() -> None:
                 "samples": samples,
                 "tokens": tokens,
                 "sources": dict(sources),
+                "step_cost": {str(k): v for k, v in step_cost.items()},
                 "time_to_first_batch_s": first,
                 "first_batch_at": first_at,
                 "elapsed_s": elapsed,
