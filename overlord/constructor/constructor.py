@@ -20,7 +20,7 @@ from overlord.config import Job
 from overlord.constructor.packing import pack, pad
 from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout
-from overlord.planner.lowlevel import constructor_do_plan
+from overlord.planner.lowlevel import constructor_do_plan, encoder_destinations
 from overlord.shm import Ring, decode_batch
 from overlord.sidecar.flow import push, wait_plan
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
@@ -56,12 +56,18 @@ class DataConstructor:
                 plan = wait_plan(self.r, self.keys, step, self.stop, self.job.timeout_s)
                 receivers = constructor_do_plan(plan, self.job.mesh, self.dp)  # rank -> bucket
                 buckets = sorted(set(receivers.values()))
-                samples = self._collect(plan.step, [item for b in buckets for mb in plan.buckets[b] for item in mb])
+                wanted = [item for b in buckets for mb in plan.buckets[b] for item in mb]
+                if plan.encoder is not None:
+                    wanted += [item for rank in receivers for item in plan.encoder[rank]]
+                samples = self._collect(plan.step, wanted)
+                encoded = self._encoder_batches(plan, receivers, samples) if plan.encoder is not None else {}
                 for mb in range(self.job.batch.micro_batches):
                     for b in buckets:
                         batch_samples = [samples[item] for item in plan.buckets[b][mb]]
                         arrays, truncated = transform([a for a, _ in batch_samples], self.job.batch.context_length)
                         self.truncated += truncated
+                        if plan.encoder is not None:  # the pixels travel to their encoder ranks instead
+                            arrays.pop("pixel_values", None)
                         meta = {
                             "step": plan.step,
                             "microbatch": mb,
@@ -72,7 +78,10 @@ class DataConstructor:
                         }
                         cp_parts: dict[int, dict[str, np.ndarray]] = {}
                         for rank in [r for r, rb in receivers.items() if rb == b]:
-                            self._deliver(rank, self._for_rank(arrays, rank, plan, cp_parts), meta)
+                            out = self._for_rank(arrays, rank, plan, cp_parts)
+                            if mb == 0 and rank in encoded:  # the step's images this rank encodes
+                                out = {**out, **encoded[rank]}
+                            self._deliver(rank, out, meta)
                 if not self.outputs:
                     log.info("DataConstructor dp=%d: every client left; idle until the sidecar stops", self.dp)
                     self.stop.wait()
@@ -108,6 +117,29 @@ class DataConstructor:
             part = cp_parts[c["cp"]]
         part = pp_stage(part, mesh.pp, c["pp"], self.job.batch.micro_batches)
         return tp_marker(part, c["tp"], broadcast="TP" in plan.broadcast)
+
+    def _encoder_batches(self, plan, receivers, samples) -> dict[int, dict[str, np.ndarray]]:
+        """Per rank: the images it encodes this step and where each one's embeddings go.
+
+        encoder_pixel_values uint8 [patches, 768], encoder_image_grid int32 [images, 2],
+        encoder_dest int32 [images, 4] = (bucket, micro-batch, document, image in document).
+        """
+        dest = encoder_destinations(plan)
+        out = {}
+        for rank in receivers:
+            pix, grid, where = [], [], []
+            for item in plan.encoder[rank]:
+                arrays = samples[item][0]
+                g = np.asarray(arrays["image_grid"], dtype=np.int32).reshape(-1, 2)
+                pix.append(arrays["pixel_values"].reshape(len(arrays["pixel_values"]), -1))
+                grid.append(g)
+                where += [(*dest[item], i) for i in range(len(g))]
+            out[rank] = {
+                "encoder_pixel_values": np.concatenate(pix) if pix else np.zeros((0, 768), np.uint8),
+                "encoder_image_grid": np.concatenate(grid) if grid else np.zeros((0, 2), np.int32),
+                "encoder_dest": np.asarray(where, dtype=np.int32).reshape(-1, 4),
+            }
+        return out
 
     def _deliver(self, rank: int, arrays: dict[str, np.ndarray], meta: dict) -> None:
         """Write one micro-batch to a client; a client that exited is dropped."""

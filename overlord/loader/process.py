@@ -89,8 +89,9 @@ def run_loader(ctx) -> None:
 
 def _serve(ctx, plan, buffers, rings) -> None:
     """Send this process's samples of `plan` to their Data Constructors, in plan order."""
-    for dp, bucket, mb, (stream, epoch, seq) in loader_do_plan(plan, ctx.job.mesh, set(buffers)):
-        sample = buffers[stream].pop((epoch, seq), None)
+    sends = loader_do_plan(plan, ctx.job.mesh, set(buffers))
+    for dp, bucket, mb, (stream, epoch, seq) in sends:
+        sample = buffers[stream].get((epoch, seq))
         if sample is None:
             raise PlanError(
                 f"plan {plan.step} asks stream {ctx.layout.streams[stream]!r} for epoch {epoch} seq {seq}, "
@@ -106,3 +107,6 @@ def _serve(ctx, plan, buffers, rings) -> None:
                 f"loader-to-constructor ring (Job.sample_ring_bytes={ctx.job.sample_ring_bytes}); "
                 "raise Job.sample_ring_bytes"
             ) from exc
+    # a sample may go to two constructors (tokens and images apart): drop it once all are sent
+    for _, _, _, (stream, epoch, seq) in sends:
+        buffers[stream].pop((epoch, seq), None)

@@ -69,13 +69,14 @@ class Plan:
     last: bool = False
     broadcast: tuple[str, ...] = ()
     deferred: int = 0
+    encoder: list[list[tuple[int, int, int]]] | None = None  # per WORLD rank: samples whose images it encodes
 
     def to_json(self) -> bytes:
         import json
 
         return json.dumps(
             {"step": self.step, "axis": self.axis, "last": self.last, "broadcast": list(self.broadcast),
-             "deferred": self.deferred, "buckets": self.buckets},
+             "deferred": self.deferred, "buckets": self.buckets, "encoder": self.encoder},
             separators=(",", ":"),
         ).encode()
 
@@ -85,8 +86,11 @@ class Plan:
 
         obj = json.loads(data)
         buckets = [[[tuple(item) for item in mb] for mb in bucket] for bucket in obj["buckets"]]
+        encoder = obj.get("encoder")
+        if encoder is not None:
+            encoder = [[tuple(item) for item in rank] for rank in encoder]
         return cls(step=obj["step"], buckets=buckets, axis=obj["axis"], last=obj["last"],
-                   broadcast=tuple(obj["broadcast"]), deferred=obj["deferred"])
+                   broadcast=tuple(obj["broadcast"]), deferred=obj["deferred"], encoder=encoder)
 
     def samples(self) -> int:
         return sum(len(mb) for bucket in self.buckets for mb in bucket)
@@ -105,7 +109,7 @@ class DGraph:
     def __init__(self, data: StepData, tree: ClientPlaceTree, view: str = "tokens") -> None:
         if view not in VIEWS:
             raise ConfigError(f"DGraph view {view!r} is not one of {VIEWS}")
-        self.data, self.tree, self.view = data, tree, view
+        self.data, self.tree, self.metric = data, tree, view  # what sizes a sample here
         self.items: np.ndarray | None = None
         self.take: dict[int, int] = {}
         self.round_robin = list(data.round_robin)
@@ -165,7 +169,7 @@ class DGraph:
         from overlord.planner.cost import get_cost
 
         model = get_cost(fn) if isinstance(fn, str) else fn
-        self.costs = np.asarray(model(self._require_items()[self.view]), dtype=np.float64)
+        self.costs = np.asarray(model(self._require_items()[self.metric]), dtype=np.float64)
         if self.costs.shape != (len(self.items),):
             raise ConfigError(f"cost function returned shape {self.costs.shape}, expected ({len(self.items)},)")
         return self
@@ -209,11 +213,13 @@ class DGraph:
             raise ConfigError("call mix() before distribute/cost/balance/plan")
         return self.items
 
-    def assignment(self) -> tuple[np.ndarray, np.ndarray]:
-        """(bucket, micro-batch) of every selected sample; -1 for deferred ones."""
+    def assignment(self, subset: np.ndarray | None = None, bins: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(bucket, micro-batch) of every selected sample (or of `subset`); -1 for deferred ones."""
         items = self._require_items()
-        n_buckets, bins = self.tree.buckets(self.axis), self.data.micro_batches
-        costs = self.costs if self.costs is not None else items[self.view].astype(np.float64)
+        n_buckets, bins = self.tree.buckets(self.axis), bins or self.data.micro_batches
+        costs = self.costs if self.costs is not None else items[self.metric].astype(np.float64)
+        if subset is not None:
+            items, costs = items[subset], costs[subset]
         group = self.group_size or n_buckets
         bucket = np.full(len(items), -1, dtype=np.int64)
         mbin = np.full(len(items), -1, dtype=np.int64)
@@ -222,28 +228,68 @@ class DGraph:
         for gi, members in enumerate(groups):
             mine = np.flatnonzero(owner == gi)
             b, m = _assign(costs[mine], len(members), bins, self.inter, self.intra,
-                           items[self.view][mine], self.capacity, self.mode)
+                           items[self.metric][mine], self.capacity, self.mode)
             placed = b >= 0
             bucket[mine[placed]] = members[b[placed]]
             mbin[mine[placed]] = m[placed]
         return bucket, mbin
 
-    def plan(self) -> "Planned":
-        """Run the balancers and build the Plan (committed by the Planner)."""
-        items = self._require_items()
+    def view(self, name: str) -> "DGraph":
+        """Another graph over the same selected samples, sized by other metadata
+        (e.g. "patches" for a vision encoder beside a "tokens" backbone graph)."""
+        other = DGraph(self.data, self.tree, view=name)
+        other.items, other.take, other.round_robin, other.last = self._require_items(), self.take, self.round_robin, self.last
+        return other
+
+    def plan(self, encoder: "DGraph | None" = None) -> "Planned":
+        """Run the balancers and build the Plan (committed by the Planner).
+
+        Args:
+            encoder: a second graph over the same samples (`view("patches")`) whose
+                distribution places each sample's images on the rank that encodes them
+                (e.g. over WORLD), apart from where its tokens go.
+        """
         bucket, mbin = self.assignment()
-        n_buckets = self.tree.buckets(self.axis)
-        bins = self.data.micro_batches
+        encoder_rank = None
+        if encoder is not None:
+            if encoder.items is not self.items:
+                raise ConfigError("plan(encoder=...) needs a graph made with view() of this one")
+            has_images = encoder.items["patches"] > 0
+            encoder_rank = np.full(len(self.items), -1, dtype=np.int64)
+            rank, _ = encoder.assignment(subset=np.flatnonzero(has_images & (bucket >= 0)), bins=1)
+            encoder_rank[has_images & (bucket >= 0)] = rank
+        return self.plan_raw(bucket, mbin, encoder_rank, encoder_axis=encoder.axis if encoder else None)
+
+    def plan_raw(self, bucket: np.ndarray, mbin: np.ndarray, encoder_rank: np.ndarray | None = None,
+                 encoder_axis: str | None = None) -> "Planned":
+        """Build the Plan from an explicit placement (low-level interface).
+
+        Args:
+            bucket: [n] bucket (node of `axis`) of each selected sample, -1 to defer it.
+            mbin: [n] micro-batch of each sample within its bucket.
+            encoder_rank: [n] bucket of `encoder_axis` that encodes the sample's images,
+                -1 for none.
+        """
+        items = self._require_items()
+        n_buckets, bins = self.tree.buckets(self.axis), self.data.micro_batches
+        bucket, mbin = np.asarray(bucket, dtype=np.int64), np.asarray(mbin, dtype=np.int64)
+        if bucket.shape != (len(items),) or mbin.shape != (len(items),) or (bucket >= n_buckets).any() or (
+                (bucket >= 0) & ((mbin < 0) | (mbin >= bins))).any():
+            raise ConfigError(f"plan_raw: need one bucket in [-1, {n_buckets}) and micro-batch in [0, {bins}) per sample")
         placed = np.flatnonzero(bucket >= 0)
         # keep each micro-batch in selection order, so the bytes do not depend on the balancer's internals
         order = placed[np.lexsort((placed, mbin[placed], bucket[placed]))]
         rows = list(map(tuple, triples(items[order]).tolist()))
         bounds = np.searchsorted(bucket[order] * bins + mbin[order], np.arange(n_buckets * bins + 1)).tolist()
         out = [[rows[bounds[b * bins + m] : bounds[b * bins + m + 1]] for m in range(bins)] for b in range(n_buckets)]
+        encoder = None
+        if encoder_rank is not None:
+            ranks = self.tree.buckets(encoder_axis or "WORLD")
+            encoder = [list(map(tuple, triples(items[np.flatnonzero(encoder_rank == r)]).tolist())) for r in range(ranks)]
         deferred = items[bucket < 0]
         last = self.last and not len(deferred)
         plan = Plan(step=self.data.step, buckets=out, axis=self.axis, last=last,
-                    broadcast=tuple(sorted(self.tree.broadcast)), deferred=len(deferred))
+                    broadcast=tuple(sorted(self.tree.broadcast)), deferred=len(deferred), encoder=encoder)
         return Planned(plan, self.take, self.round_robin, deferred)
 
 

@@ -19,8 +19,14 @@ def bucket_group(plan: Plan, mesh: Mesh, bucket: int) -> int:
 
 
 def loader_do_plan(plan: Plan, mesh: Mesh, hosted: set[int]) -> list[tuple[int, int, int, tuple[int, int, int]]]:
-    """(dp group, bucket, micro-batch, (stream, epoch, seq)) a loader sends, in plan order."""
+    """(dp group, bucket, micro-batch, (stream, epoch, seq)) a loader sends, in plan order.
+
+    A sample goes once to each Data Constructor that needs it: the one of the DP group
+    that trains its tokens and, when the plan places its images on an encoder rank of
+    another group, that group's too (bucket and micro-batch -1).
+    """
     out = []
+    sent: set[tuple[int, tuple[int, int, int]]] = set()
     for b, bucket in enumerate(plan.buckets):
         group = None
         for m, items in enumerate(bucket):
@@ -28,6 +34,24 @@ def loader_do_plan(plan: Plan, mesh: Mesh, hosted: set[int]) -> list[tuple[int, 
                 if item[0] in hosted:
                     group = bucket_group(plan, mesh, b) if group is None else group
                     out.append((group, b, m, item))
+                    sent.add((group, item))
+    for rank, items in enumerate(plan.encoder or ()):
+        group = mesh.coords(rank)["dp"]
+        for item in items:
+            if item[0] in hosted and (group, item) not in sent:
+                out.append((group, -1, -1, item))
+                sent.add((group, item))
+    return out
+
+
+def encoder_destinations(plan: Plan) -> dict[tuple[int, int, int], tuple[int, int, int]]:
+    """(stream, epoch, seq) -> (bucket, micro-batch, document index) where its tokens train
+    (the bucket is a DP group when the plan's axis is DP)."""
+    out = {}
+    for b, bucket in enumerate(plan.buckets):
+        for m, items in enumerate(bucket):
+            for doc, item in enumerate(items):
+                out[item] = (b, m, doc)
     return out
 
 

@@ -75,3 +75,42 @@ def test_2x2x2_mesh_gets_cp_slices_tp_markers_and_balanced_steps(cluster, tmp_pa
 def _doc_tokens(cp_slice: dict) -> np.ndarray:
     """Unpadded document lengths of a micro-batch, from a CP slice's global cu_seqlens."""
     return np.diff(cp_slice["cu_seqlens_global"]).astype(np.int64)
+
+
+def test_vlm_encoder_world_delivers_each_image_to_one_encoder_rank(cluster, corpus, tmp_path):
+    from dataclasses import replace
+
+    mesh = Mesh(dp=2, tp=2)
+    base = cluster()
+    sources = tuple(replace(s, weight=1.0 if s.name == "images" else 0.2) for s in base.job.sources)
+    c = cluster(mesh=mesh, sources=sources, strategy="overlord.planner.strategies:vlm_encoder_world",
+                batch=BatchSpec(global_batch=16, micro_batches=2, context_length=1024, ring_bytes=4 << 20))
+    c.start_sidecar()
+    out = tmp_path / "vlm"
+    out.mkdir()
+    procs = [
+        subprocess.Popen([sys.executable, str(Path(__file__).parent / "array_trainer.py"), str(c.config), str(out), str(BATCHES)],
+                         env=dict(os.environ, RANK=str(r), WORLD_SIZE="4"))
+        for r in range(4)
+    ]
+    assert [p.wait(timeout=180) for p in procs] == [0] * 4, c.log()
+    metas = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
+    arrays = {(r, i): dict(np.load(out / f"rank{r}-{i}.npz")) for r in range(4) for i in range(BATCHES)}
+    for first in range(0, BATCHES, 2):  # micro-batch 0 of each step carries the step's encoder work
+        encoded = []
+        for r in range(4):
+            a = arrays[(r, first)]
+            assert "pixel_values" not in a  # backbone micro-batches carry no pixels
+            grid, dest = a["encoder_image_grid"], a["encoder_dest"]
+            assert len(grid) == len(dest) and a["encoder_pixel_values"].shape[0] == int((grid[:, 0] * grid[:, 1]).sum())
+            for row, (bucket, mb, doc, image) in zip(grid, dest):
+                owner = mesh.ranks_of_dp(int(bucket))[0]
+                key = metas[owner][first + int(mb)]["keys"][int(doc)]
+                backbone = arrays[(owner, first + int(mb))]
+                assert key.startswith("images:")
+                assert list(backbone["image_grid"][list(backbone["image_doc"]).index(int(doc)) + int(image)]) == list(row)
+                encoded.append(key)
+        in_step = {k for dp in range(2) for i in (first, first + 1)
+                   for k in metas[mesh.ranks_of_dp(dp)[0]][i]["keys"] if k.startswith("images:")}
+        assert sorted(encoded) == sorted(in_step), "every image of the step is encoded exactly once"
+    assert c.stop() == 0

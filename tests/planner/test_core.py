@@ -216,3 +216,45 @@ def test_group_size_balances_inside_groups_of_buckets():
     plan = core.plan_step()
     assert len(plan.buckets) == 4 and plan.samples() == 32
     assert {sum(len(mb) for mb in b) for b in plan.buckets} == {8}
+
+
+def test_vlm_encoder_world_places_every_image_once_and_balances_patches():
+    from overlord.planner.strategies import vlm_encoder_world
+
+    core = make(weights=(1.0, 1.0), finite=False, global_batch=64, dp=4, micro_batches=2, strategy=vlm_encoder_world)
+    rng = np.random.default_rng(1)
+    n = 2000
+    core.add(0, MetaChunk(0, np.arange(n), rng.integers(5, 60, n), np.zeros(n, int), np.full(n, 100)))
+    patches = rng.integers(16, 1024, n)
+    core.add(1, MetaChunk(0, np.arange(n), rng.integers(5, 30, n), patches, patches * 768))
+    for _ in range(5):
+        plan = Plan.from_json(core.plan_step().to_json())
+        images = [x for bucket in plan.buckets for mb in bucket for x in mb if x[0] == 1]
+        encoded = [x for rank in plan.encoder for x in rank]
+        assert len(plan.encoder) == 4 and sorted(encoded) == sorted(images)
+        load = [sum(int(patches[q]) for _, _, q in rank) for rank in plan.encoder]
+        assert max(load) / np.mean(load) < 1.15, load
+
+
+def test_plan_raw_builds_a_plan_from_an_explicit_placement():
+    from overlord.errors import ConfigError
+    from overlord.planner.dgraph import DGraph
+
+    def raw(data, tree):
+        g = DGraph(data, tree).mix()
+        n = len(g.items)
+        return g.plan_raw(np.arange(n) % 2, np.zeros(n, dtype=np.int64))
+
+    core = make(strategy=raw)
+    feed(core, [100, 100])
+    plan = core.plan_step()
+    assert all(len(bucket[1]) == 0 for bucket in plan.buckets) and plan.samples() == 8
+
+    def bad(data, tree):
+        g = DGraph(data, tree).mix()
+        return g.plan_raw(np.full(len(g.items), 7), np.zeros(len(g.items), dtype=np.int64))
+
+    core = make(strategy=bad)
+    feed(core, [100, 100])
+    with pytest.raises(ConfigError, match="plan_raw"):
+        core.plan_step()
