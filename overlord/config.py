@@ -242,9 +242,10 @@ class Job:
         if not isinstance(self.strategy, str) or ":" not in self.strategy:
             raise ConfigError(f"Job.strategy={self.strategy!r} must be 'module:function'")
         if self.mixing is not None:
-            from overlord.planner.schedule import from_config
+            from overlord.planner.schedule import from_config, mixing_unit
 
             from_config(self.mixing, [s.name for s in self.sources], [s.weight for s in self.sources])
+            mixing_unit(self.mixing)
         if self.loader_processes is not None and self.loader_processes < 1:
             raise ConfigError(f"Job.loader_processes={self.loader_processes!r} must be >= 1 or null")
         if self.sample_ring_bytes < 1 << 16:

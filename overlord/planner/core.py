@@ -73,6 +73,7 @@ class PlannerCore:
         strategy: Strategy | None = None,
         context_length: int = 2048,
         drop_last: bool = False,
+        mixing_unit: str = "step",
     ) -> None:
         n_sources = max(stream_source) + 1 if stream_source else 0
         if schedule is None:
@@ -85,7 +86,7 @@ class PlannerCore:
         self.buffer = Buffer(streams, stream_source, n_sources, finite=finite)
         self.tree, self.schedule, self.strategy = tree, schedule, strategy
         self.seed, self.global_batch, self.mb = seed, global_batch, micro_batches
-        self.context_length, self.drop_last = context_length, drop_last
+        self.context_length, self.drop_last, self.mixing_unit = context_length, drop_last, mixing_unit
         self.rr = [0] * n_sources  # next stream (round robin) of each source
         self.deferred = np.empty(0, dtype=ITEM)
         self.step = 0
@@ -115,7 +116,17 @@ class PlannerCore:
             step=self.step, seed=self.seed, buffer=self.buffer, schedule=self.schedule,
             global_batch=self.global_batch, micro_batches=self.mb, context_length=self.context_length,
             drop_last=self.drop_last, round_robin=list(self.rr), deferred=self.deferred,
+            mixing_unit=self.mixing_unit, epoch=self.epoch(),
         )
+
+    def epoch(self) -> int:
+        """The job's epoch: the lowest epoch a source that has been planned is being planned in."""
+        per_source = [
+            max(self.streams[i].cursor[0] for i in ids)
+            for ids in self.buffer.by_source
+            if any(self.streams[i].cursor[1] >= 0 for i in ids)  # sources never planned do not hold it back
+        ]
+        return min(per_source, default=0)
 
     def plan_step(self) -> Plan | None:
         """The plan of `self.step`, or None if metadata is missing; advances on success."""

@@ -46,6 +46,8 @@ class StepData:
     drop_last: bool
     round_robin: list[int]
     deferred: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=ITEM))
+    mixing_unit: str = "step"  # "step", "substep" or "epoch"
+    epoch: int = 0  # the job's epoch: the lowest any weighted source is being read in
 
     def rng(self) -> np.random.Generator:
         return np.random.default_rng([self.seed & 0xFFFFFFFF, self.step, _MIX])
@@ -111,6 +113,7 @@ class DGraph:
             raise ConfigError(f"DGraph view {view!r} is not one of {VIEWS}")
         self.data, self.tree, self.metric = data, tree, view  # what sizes a sample here
         self.items: np.ndarray | None = None
+        self.sub: np.ndarray | None = None  # micro-batch of each sample under substep mixing
         self.take: dict[int, int] = {}
         self.round_robin = list(data.round_robin)
         self.last = False
@@ -123,21 +126,43 @@ class DGraph:
     # -- primitives ----------------------------------------------------------------------
 
     def mix(self, schedule=None) -> "DGraph":
-        """Select this step's samples by the mixing schedule (deferred samples first)."""
+        """Select this step's samples by the mixing schedule (deferred samples first).
+
+        The schedule is read per step, per epoch (the job's epoch: the lowest epoch any
+        weighted source is being read in) or per micro-batch ("substep": micro-batch m
+        of step t gets the mixture of t + m/M, and keeps it through balancing).
+        """
         d = self.data
-        weights = np.asarray((schedule or d.schedule).weights(d.step), dtype=np.float64)
-        need = d.global_batch - len(d.deferred)
-        counts = self._counts(weights, need, d.rng()) if need > 0 else np.zeros(len(weights), np.int64)
+        schedule = schedule or d.schedule
+        need = max(d.global_batch - len(d.deferred), 0)
+        rng = d.rng()
+        if d.mixing_unit == "substep":
+            sizes = [len(part) for part in np.array_split(np.arange(need), d.micro_batches)]
+            per_mb, counts = [], None
+            for m, size in enumerate(sizes):
+                weights = np.asarray(schedule.weights(d.step + m / d.micro_batches), dtype=np.float64)
+                before = counts if counts is not None else np.zeros(len(weights), np.int64)
+                counts = self._counts(weights, size, rng, before)
+                per_mb.append(counts - before)
+        else:
+            t = d.epoch if d.mixing_unit == "epoch" else d.step
+            weights = np.asarray(schedule.weights(t), dtype=np.float64)
+            counts = self._counts(weights, need, rng)
+            per_mb = None
         self.last = int(counts.sum()) < need
         if self.last and d.drop_last:
             counts[:] = 0
+            per_mb = None if per_mb is None else [c * 0 for c in per_mb]
         fresh, self.take, self.round_robin = d.buffer.select(counts, d.round_robin)
         self.items = np.concatenate([d.deferred, fresh])
+        self.sub = None if per_mb is None else _sub_batches(d.deferred, fresh, per_mb, d.micro_batches)
         return self
 
-    def _counts(self, weights: np.ndarray, need: int, rng: np.random.Generator) -> np.ndarray:
+    def _counts(self, weights: np.ndarray, need: int, rng: np.random.Generator,
+                base: np.ndarray | None = None) -> np.ndarray:
+        """Samples per source (on top of `base`), never more than the loaders reported."""
         buf = self.data.buffer
-        counts = np.zeros(len(weights), dtype=np.int64)
+        counts = np.zeros(len(weights), dtype=np.int64) if base is None else base.copy()
         live = weights > 0
         while need > 0 and live.any():
             draw = rng.multinomial(need, weights * live / weights[live].sum())
@@ -220,6 +245,14 @@ class DGraph:
         costs = self.costs if self.costs is not None else items[self.metric].astype(np.float64)
         if subset is not None:
             items, costs = items[subset], costs[subset]
+        elif self.sub is not None:  # substep mixing: micro-batch m keeps sub-batch m
+            bucket = np.full(len(items), -1, dtype=np.int64)
+            for m in range(bins):
+                mine = np.flatnonzero(self.sub == m)
+                b, _ = _assign(costs[mine], n_buckets, 1, self.inter, self.intra,
+                               items[self.metric][mine], self.capacity, self.mode)
+                bucket[mine] = b
+            return bucket, np.where(bucket >= 0, self.sub, -1)
         group = self.group_size or n_buckets
         bucket = np.full(len(items), -1, dtype=np.int64)
         mbin = np.full(len(items), -1, dtype=np.int64)
@@ -239,6 +272,7 @@ class DGraph:
         (e.g. "patches" for a vision encoder beside a "tokens" backbone graph)."""
         other = DGraph(self.data, self.tree, view=name)
         other.items, other.take, other.round_robin, other.last = self._require_items(), self.take, self.round_robin, self.last
+        other.sub = self.sub
         return other
 
     def plan(self, encoder: "DGraph | None" = None) -> "Planned":
@@ -291,6 +325,21 @@ class DGraph:
         plan = Plan(step=self.data.step, buckets=out, axis=self.axis, last=last,
                     broadcast=tuple(sorted(self.tree.broadcast)), deferred=len(deferred), encoder=encoder)
         return Planned(plan, self.take, self.round_robin, deferred)
+
+
+def _sub_batches(deferred: np.ndarray, fresh: np.ndarray, per_mb: list[np.ndarray], bins: int) -> np.ndarray:
+    """Micro-batch of each selected sample under substep mixing: of each source's fresh
+    samples, the first per_mb[0][s] go to micro-batch 0, the next per_mb[1][s] to 1...;
+    deferred samples are dealt round robin."""
+    sub = np.empty(len(deferred) + len(fresh), dtype=np.int64)
+    sub[: len(deferred)] = np.arange(len(deferred)) % bins
+    cuts = np.cumsum(np.stack(per_mb), axis=0)  # [bins, sources]
+    rank = np.zeros(len(fresh), dtype=np.int64)  # position of each sample among its source's
+    for src in np.unique(fresh["source"]):
+        idx = np.flatnonzero(fresh["source"] == src)
+        rank[idx] = np.arange(len(idx))
+    sub[len(deferred):] = (rank[:, None] >= cuts[:, fresh["source"]].T).sum(axis=1)
+    return sub
 
 
 def triples(items: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ from overlord.loader.source_loader import SourceLoader
 from overlord.planner.core import PlannerCore, resolve_strategy
 from overlord.planner.cost import transformer_cost
 from overlord.planner.meta import MetaChunk
-from overlord.planner.schedule import from_config
+from overlord.planner.schedule import from_config, mixing_unit
 from overlord.planner.strategies import vanilla
 from overlord.planner.tree import ClientPlaceTree
 from overlord.sidecar.layout import Layout
@@ -63,7 +63,7 @@ def _core(job: Job, layout: Layout, strategy) -> PlannerCore:
         schedule=from_config(job.mixing, [s.name for s in job.sources], [s.weight for s in job.sources]),
         strategy=strategy, seed=job.seed, global_batch=job.batch.global_batch,
         micro_batches=job.batch.micro_batches, context_length=job.batch.context_length,
-        finite=job.epochs is not None, drop_last=job.batch.drop_last,
+        finite=job.epochs is not None, drop_last=job.batch.drop_last, mixing_unit=mixing_unit(job.mixing),
     )
 
 

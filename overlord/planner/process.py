@@ -17,7 +17,7 @@ import time
 from overlord.errors import PlanError
 from overlord.planner import meta
 from overlord.planner.core import PlannerCore, resolve_strategy
-from overlord.planner.schedule import Dynamic, from_config
+from overlord.planner.schedule import Dynamic, from_config, mixing_unit
 from overlord.planner.tree import ClientPlaceTree
 
 log = logging.getLogger("overlord.planner")
@@ -42,6 +42,7 @@ def run_planner(ctx) -> None:
         context_length=job.batch.context_length,
         finite=job.epochs is not None,
         drop_last=job.batch.drop_last,
+        mixing_unit=mixing_unit(job.mixing),
     )
     index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
     last_ids = {keys.meta(name): "0-0" for name in layout.streams}

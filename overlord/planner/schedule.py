@@ -7,6 +7,8 @@ job config as `mixing:`; without it, each source's constant `weight` applies.
     mixing: {kind: piecewise, points: [[0, {web: 1.0}], [1000, {web: 0.5, code: 0.5}]]}
     mixing: {kind: warmup, start: {web: 1.0}, end: {web: 0.3, images: 0.7}, steps: 2000}
     mixing: {kind: dynamic, fn: "overlord.planner.schedule:loss_proportional", every: 50}
+    mixing: {kind: warmup, unit: epoch, start: {...}, end: {...}, steps: 3}   # over epochs
+    mixing: {kind: warmup, unit: substep, ...}   # micro-batch m of step t mixes as t + m/M
 
 A source a mixture does not name gets weight 0 there. A dynamic schedule is driven by
 metrics the trainers report (`DataLoader.report_metrics`): every `every` steps the
@@ -116,6 +118,18 @@ def loss_proportional(step: int, metrics: Mapping[str, float], base: np.ndarray,
         return base
     gap = np.where(np.isnan(losses), 0.0, losses - np.nanmean(losses))
     return base * np.exp(temperature * gap)
+
+
+UNITS = ("step", "substep", "epoch")
+
+
+def mixing_unit(mixing: Mapping[str, Any] | None) -> str:
+    """What the schedule's time axis counts: steps (default), micro-batches within a
+    step ("substep": micro-batch m of step t mixes as t + m/M), or the job's epochs."""
+    unit = (mixing or {}).get("unit", "step")
+    if unit not in UNITS:
+        raise ConfigError(f"mixing.unit={unit!r}; use one of {UNITS}")
+    return unit
 
 
 def from_config(mixing: Mapping[str, Any] | None, sources: Sequence[str], default: Sequence[float]):

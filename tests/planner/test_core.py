@@ -23,7 +23,7 @@ def make(weights=(1.0, 1.0), partitions=(1, 1), finite=False, **kw):
             owner.append(s)
     args = dict(seed=3, global_batch=8, micro_batches=2, finite=finite, tree=ClientPlaceTree(Mesh(dp=kw.pop("dp", 2))))
     args.update(kw)
-    return PlannerCore(streams=streams, stream_source=owner, weights=list(weights), **args)
+    return PlannerCore(streams=streams, stream_source=owner, weights=None if weights is None else list(weights), **args)
 
 
 def feed(core, sizes, final=False):
@@ -258,3 +258,34 @@ def test_plan_raw_builds_a_plan_from_an_explicit_placement():
     feed(core, [100, 100])
     with pytest.raises(ConfigError, match="plan_raw"):
         core.plan_step()
+
+
+def test_substep_mixing_gives_each_micro_batch_its_own_mixture():
+    from overlord.planner.strategies import balanced
+
+    class WithinStep:  # source b's share grows from 0 to 3/4 across a step's micro-batches
+        def weights(self, t):
+            frac = t - int(t)
+            return np.array([1.0 - frac, frac])
+
+    core = make(weights=None, schedule=WithinStep(), mixing_unit="substep", strategy=balanced,
+                global_batch=32, dp=2, micro_batches=4)
+    feed(core, [5000, 5000])
+    share_b = np.zeros(4)
+    for _ in range(40):
+        plan = core.plan_step()
+        assert plan.samples() == 32 and all(len(bucket[m]) == 4 for bucket in plan.buckets for m in range(4))
+        share_b += [sum(s == 1 for bucket in plan.buckets for s, _, _ in bucket[m]) / 8 / 40 for m in range(4)]
+    assert np.allclose(share_b, [0, 0.25, 0.5, 0.75], atol=0.08), share_b
+
+
+def test_epoch_mixing_switches_when_the_job_reaches_an_epoch():
+    from overlord.planner.schedule import from_config
+
+    schedule = from_config({"kind": "piecewise", "unit": "epoch", "points": [[0, {"a": 1.0}], [1, {"b": 1.0}]]}, ["a", "b"], [1, 1])
+    core = make(weights=None, schedule=schedule, mixing_unit="epoch", global_batch=8)
+    core.add(0, chunk(0, range(24), ended=[(0, 24)]))
+    core.add(0, chunk(1, range(24)))
+    core.add(1, chunk(0, range(100)))
+    sources = [{s for bucket in core.plan_step().buckets for mb in bucket for s, _, _ in mb} for _ in range(5)]
+    assert sources[:3] == [{0}, {0}, {0}] and sources[4] == {1}  # epoch 1 of "a" begins at step 3

@@ -75,3 +75,11 @@ def test_dynamic_schedule_errors_name_the_field():
     s = from_config({"kind": "dynamic", "fn": "overlord.planner.schedule:Constant"}, SOURCES, [1, 1, 1])
     with pytest.raises(ConfigError, match="dynamic mixing function"):
         s.observe(0, {})
+
+
+def test_mixing_unit_is_validated():
+    from overlord.planner.schedule import mixing_unit
+
+    assert mixing_unit(None) == "step" and mixing_unit({"kind": "warmup", "unit": "substep"}) == "substep"
+    with pytest.raises(ConfigError, match="mixing.unit='minute'"):
+        mixing_unit({"unit": "minute"})
