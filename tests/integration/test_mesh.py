@@ -24,16 +24,7 @@ def test_2x2x2_mesh_gets_cp_slices_tp_markers_and_balanced_steps(cluster, tmp_pa
     c = cluster(mesh=mesh, batch=BatchSpec(global_batch=32, micro_batches=2, context_length=1024, ring_bytes=2 << 20),
                 strategy="tests.integration.strategies:balanced_broadcast_tp")
     c.start_sidecar()
-    out = tmp_path / "arrays"
-    out.mkdir()
-    procs = [
-        subprocess.Popen([sys.executable, str(Path(__file__).parent / "array_trainer.py"), str(c.config), str(out), str(BATCHES)],
-                         env=dict(os.environ, RANK=str(r), WORLD_SIZE="8"))
-        for r in range(8)
-    ]
-    assert [p.wait(timeout=180) for p in procs] == [0] * 8, c.log()
-    metas = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(8)}
-    arrays = {(r, i): dict(np.load(out / f"rank{r}-{i}.npz")) for r in range(8) for i in range(BATCHES)}
+    metas, arrays = _run_trainers(c, tmp_path / "arrays")
 
     for dp in range(2):
         ranks = mesh.ranks_of_dp(dp)  # [cp0tp0, cp0tp1, cp1tp0, cp1tp1]
@@ -72,6 +63,21 @@ def test_2x2x2_mesh_gets_cp_slices_tp_markers_and_balanced_steps(cluster, tmp_pa
     assert c.stop() == 0
 
 
+def _run_trainers(c, out: Path) -> tuple[dict, dict]:
+    """Run every rank of the job as a trainer process that saves its first micro-batches."""
+    out.mkdir()
+    world = c.job.mesh.world_size
+    procs = [
+        subprocess.Popen([sys.executable, str(Path(__file__).parent / "array_trainer.py"), str(c.config), str(out), str(BATCHES)],
+                         env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world)))
+        for r in range(world)
+    ]
+    assert [p.wait(timeout=180) for p in procs] == [0] * world, c.log()
+    metas = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(world)}
+    arrays = {(r, i): dict(np.load(out / f"rank{r}-{i}.npz")) for r in range(world) for i in range(BATCHES)}
+    return metas, arrays
+
+
 def _doc_tokens(cp_slice: dict) -> np.ndarray:
     """Unpadded document lengths of a micro-batch, from a CP slice's global cu_seqlens."""
     return np.diff(cp_slice["cu_seqlens_global"]).astype(np.int64)
@@ -86,16 +92,7 @@ def test_vlm_encoder_world_delivers_each_image_to_one_encoder_rank(cluster, corp
     c = cluster(mesh=mesh, sources=sources, strategy="overlord.planner.strategies:vlm_encoder_world",
                 batch=BatchSpec(global_batch=16, micro_batches=2, context_length=1024, ring_bytes=4 << 20))
     c.start_sidecar()
-    out = tmp_path / "vlm"
-    out.mkdir()
-    procs = [
-        subprocess.Popen([sys.executable, str(Path(__file__).parent / "array_trainer.py"), str(c.config), str(out), str(BATCHES)],
-                         env=dict(os.environ, RANK=str(r), WORLD_SIZE="4"))
-        for r in range(4)
-    ]
-    assert [p.wait(timeout=180) for p in procs] == [0] * 4, c.log()
-    metas = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
-    arrays = {(r, i): dict(np.load(out / f"rank{r}-{i}.npz")) for r in range(4) for i in range(BATCHES)}
+    metas, arrays = _run_trainers(c, tmp_path / "vlm")
     for first in range(0, BATCHES, 2):  # micro-batch 0 of each step carries the step's encoder work
         encoded = []
         for r in range(4):
