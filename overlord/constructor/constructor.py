@@ -22,7 +22,7 @@ from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout
 from overlord.planner.lowlevel import constructor_do_plan, encoder_destinations
 from overlord.shm import Ring, decode_batch
-from overlord.sidecar.flow import push, wait_plan
+from overlord.sidecar.flow import Beat, alive_within, push, wait_plan
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
 
 log = logging.getLogger("overlord.constructor")
@@ -33,9 +33,9 @@ _WAIT_S = 0.05  # one futex wait on a loader ring when none has a record
 class DataConstructor:
     """The constructor of DP group `dp`."""
 
-    def __init__(self, job: Job, layout: Layout, dp: int, r, keys, stop: threading.Event) -> None:
+    def __init__(self, job: Job, layout: Layout, dp: int, r, keys, stop: threading.Event, beat: Beat) -> None:
         self.job, self.layout, self.dp = job, layout, dp
-        self.r, self.keys, self.stop = r, keys, stop
+        self.r, self.keys, self.stop, self.beat = r, keys, stop, beat
         self.inputs: list[Ring] = []
         for loader in range(layout.loaders):
             ring = Ring.attach(sample_ring(job, loader, dp), timeout=job.timeout_s)
@@ -53,7 +53,7 @@ class DataConstructor:
         transform = pack if self.job.batch.packing else pad
         try:
             while not self.stop.is_set():
-                plan = wait_plan(self.r, self.keys, step, self.stop, self.job.timeout_s)
+                plan = wait_plan(self.r, self.keys, step, self.stop, self.job.timeout_s, beat=self.beat)
                 receivers = constructor_do_plan(plan, self.job.mesh, self.dp)  # rank -> bucket
                 buckets = sorted(set(receivers.values()))
                 wanted = [item for b in buckets for mb in plan.buckets[b] for item in mb]
@@ -147,7 +147,7 @@ class DataConstructor:
         if ring is None:
             return
         try:
-            push(ring, arrays, meta, self.stop)
+            push(ring, arrays, meta, self.stop, self.beat)
         except PeerDied as exc:
             log.warning("DataConstructor dp=%d: %s; no longer writing to rank %d", self.dp, exc, rank)
             del self.outputs[rank]
@@ -173,11 +173,16 @@ class DataConstructor:
                 continue
             if self.stop.is_set():
                 return got
+            self.beat()
             if time.monotonic() > deadline:
                 waiting = [k for k, n in enumerate(owed) if n]
+                if all(alive_within(self.r, self.keys, "loader", k, self.job.timeout_s) for k in waiting):
+                    deadline = time.monotonic() + self.job.timeout_s  # loaders back-pressured, not hung
+                    continue
                 raise PlanError(
                     f"DataConstructor dp={self.dp} waited {self.job.timeout_s:.0f}s for step {step} samples "
-                    f"from loader process(es) {waiting}; see their logs, or raise Job.timeout_s"
+                    f"from loader process(es) {waiting}, whose loops have not turned for as long (hung or dead); "
+                    "see their logs, or raise Job.timeout_s"
                 )
             # nothing ready anywhere: sleep on the ring that owes the most (a futex wait)
             k = max(range(len(owed)), key=owed.__getitem__)

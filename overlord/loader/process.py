@@ -45,6 +45,7 @@ def run_loader(ctx) -> None:
     step = 0
     try:
         while not ctx.stop.is_set():
+            ctx.beat()
             plan = fetch_plan(r, keys, step)
             if plan is not None:
                 _serve(ctx, plan, buffers, rings)
@@ -99,7 +100,7 @@ def _serve(ctx, plan, buffers, rings) -> None:
             )
         record_meta = {"s": stream, "e": epoch, "q": seq, "k": sample.key, "t": plan.step, "b": bucket, "m": mb}
         try:
-            push(rings[dp], sample.arrays, record_meta, ctx.stop)
+            push(rings[dp], sample.arrays, record_meta, ctx.stop, ctx.beat)
         except RingFullError as exc:
             source = ctx.job.sources[ctx.layout.stream_source[stream]].name
             raise RingFullError(

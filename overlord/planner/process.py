@@ -19,6 +19,7 @@ from overlord.planner import meta
 from overlord.planner.core import PlannerCore, resolve_strategy
 from overlord.planner.schedule import Dynamic, from_config, mixing_unit
 from overlord.planner.tree import ClientPlaceTree
+from overlord.sidecar.flow import alive_within
 
 log = logging.getLogger("overlord.planner")
 
@@ -48,6 +49,7 @@ def run_planner(ctx) -> None:
     last_ids = {keys.meta(name): "0-0" for name in layout.streams}
     waiting_since = time.monotonic()
     while not ctx.stop.is_set():
+        ctx.beat()
         progress = r.hgetall(keys.progress)
         slowest = min((int(progress.get(f"c{d}".encode(), -1)) for d in range(job.mesh.dp)), default=-1)
         ahead = core.step - slowest > job.plan_ahead
@@ -84,10 +86,16 @@ def run_planner(ctx) -> None:
             trim.execute()
             waiting_since = time.monotonic()
         if time.monotonic() - waiting_since > job.timeout_s:
-            starving = [s.name for s in core.streams if s.available() == 0 and not s.final]
+            starving = [i for i, s in enumerate(core.streams) if s.available() == 0 and not s.final]
+            owners = sorted({layout.loader_of[i] for i in starving})
+            if all(alive_within(r, keys, "loader", k, job.timeout_s) for k in owners):
+                waiting_since = time.monotonic()  # the loaders turn their loops: back-pressure, not a hang
+                continue
+            starving = [core.streams[i].name for i in starving]
             raise PlanError(
-                f"step {core.step}: no Source Loader reported new samples for {job.timeout_s:.0f}s; "
-                f"streams with none buffered: {starving}. Check the loader logs in {ctx.run_dir}, "
+                f"step {core.step}: no Source Loader reported new samples for {job.timeout_s:.0f}s and loader "
+                f"process(es) {owners} have not turned their loops for as long (hung or dead); streams with none "
+                f"buffered: {starving}. Check the loader logs in {ctx.run_dir}, "
                 "or raise Job.timeout_s for slow transforms"
             )
 

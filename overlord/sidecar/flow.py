@@ -1,12 +1,16 @@
 """Waits shared by the roles: back-pressured ring writes and waiting for a step's plan.
 
 A back-pressured write waits as long as the consumer is alive (a trainer may pause for
-minutes to checkpoint); the ring raises `PeerDied` when it is not. Waiting for a plan
-is bounded by the job's timeout, since a Planner that stops planning is a failure.
+minutes to checkpoint); the ring raises `PeerDied` when it is not. Waiting on another
+role is bounded by the job's timeout *of silence*: every role's main loop beats, its
+heartbeat publishes how long ago (`loop_age`), and a wait that runs past the timeout
+fails only if the role it waits on has not turned its loop for that long (hung or
+dead), not merely because it is itself waiting on trainers that paused.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Mapping
@@ -26,7 +30,35 @@ class Stopped(Exception):
     """The role was asked to stop while waiting."""
 
 
-def push(ring: Ring, arrays: Mapping[str, np.ndarray], meta: dict, stop: threading.Event) -> None:
+class Beat:
+    """When this role's main loop last made a turn (a wait that is healthy counts)."""
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+    def __call__(self) -> None:
+        self.at = time.monotonic()
+
+    def age(self) -> float:
+        return time.monotonic() - self.at
+
+
+def loop_age(r: redis.Redis, keys: Keys, role: str, index: int) -> float | None:
+    """Seconds since `role` `index` last turned its loop, from its heartbeat; None if
+    it has no live heartbeat (dead, or never started)."""
+    raw = r.get(keys.heartbeat(role, str(index)))
+    if raw is None:
+        return None
+    hb = json.loads(raw)
+    return float(hb.get("loop_age", 0.0)) + max(0.0, time.time() - hb["time"])
+
+
+def alive_within(r: redis.Redis, keys: Keys, role: str, index: int, timeout_s: float) -> bool:
+    age = loop_age(r, keys, role, index)
+    return age is not None and age < timeout_s
+
+
+def push(ring: Ring, arrays: Mapping[str, np.ndarray], meta: dict, stop: threading.Event, beat: Beat | None = None) -> None:
     """Write one batch record, waiting on back-pressure while the consumer lives."""
     while True:
         try:
@@ -35,6 +67,8 @@ def push(ring: Ring, arrays: Mapping[str, np.ndarray], meta: dict, stop: threadi
         except RingTimeout:
             if stop.is_set():
                 raise Stopped() from None
+            if beat is not None:
+                beat()  # waiting on a live consumer is healthy
 
 
 def fetch_plan(r: redis.Redis, keys: Keys, step: int) -> Plan | None:
@@ -42,7 +76,8 @@ def fetch_plan(r: redis.Redis, keys: Keys, step: int) -> Plan | None:
     return Plan.from_json(raw) if raw is not None else None
 
 
-def wait_plan(r: redis.Redis, keys: Keys, step: int, stop: threading.Event, timeout_s: float, block_ms: int = 200) -> Plan:
+def wait_plan(r: redis.Redis, keys: Keys, step: int, stop: threading.Event, timeout_s: float,
+              block_ms: int = 200, beat: Beat | None = None) -> Plan:
     """Block until the plan of `step` is published (XREAD on the plans stream)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -51,10 +86,15 @@ def wait_plan(r: redis.Redis, keys: Keys, step: int, stop: threading.Event, time
             return plan
         if stop.is_set():
             raise Stopped()
+        if beat is not None:
+            beat()
         if time.monotonic() > deadline:
+            if alive_within(r, keys, "planner", 0, timeout_s):
+                deadline = time.monotonic() + timeout_s  # planning waits on trainers: healthy
+                continue
             raise PlanError(
-                f"no plan for step {step} after {timeout_s:.0f}s; the Planner is stalled or dead "
-                "(see `overlord status` and the planner log), or raise Job.timeout_s"
+                f"no plan for step {step} after {timeout_s:.0f}s and the Planner's loop has not turned "
+                f"for as long: it is hung or dead (see `overlord status` and the planner log), or raise Job.timeout_s"
             )
         # entry ids are <step+1>-0: ask for anything after <step>-0, so nothing is missed
         r.xread({keys.plans: f"{step}-0"}, block=block_ms, count=1)

@@ -26,6 +26,7 @@ from pathlib import Path
 import redis
 
 from overlord.config import Job
+from overlord.sidecar.flow import Beat
 from overlord.sidecar.layout import Layout
 from overlord.store import Keys, connect
 
@@ -50,6 +51,7 @@ class RoleContext:
     keys: Keys = field(init=False)
     layout: Layout = field(init=False)
     stop: threading.Event = field(default_factory=threading.Event)
+    beat: Beat = field(default_factory=Beat)
 
     def __post_init__(self) -> None:
         self.r = connect(self.redis_url)
@@ -67,7 +69,8 @@ class RoleContext:
             try:
                 self.r.set(
                     key,
-                    json.dumps({"pid": os.getpid(), "node": self.job.node, "time": time.time()}),
+                    json.dumps({"pid": os.getpid(), "node": self.job.node, "time": time.time(),
+                                "loop_age": round(self.beat.age(), 3)}),
                     ex=HEARTBEAT_TTL_S,
                 )
             except redis.RedisError:

@@ -1,6 +1,7 @@
 """A trainer rank for integration tests: records every batch it receives.
 
     RANK=r WORLD_SIZE=w python ledger_trainer.py CONFIG OUT [--batches N] [--sleep S] [--timeout T]
+        [--pause-at K --pause S]
 
 Writes OUT (JSON): the sample keys of every batch in order, a sha256 of each batch's
 bytes (tensor names, dtypes, shapes and data), and how it ended ("stop", "limit" or
@@ -21,6 +22,7 @@ def main() -> None:
     limit = int(args.get("--batches", 0))
     sleep = float(args.get("--sleep", 0))
     timeout = float(args["--timeout"]) if "--timeout" in args else None
+    pause_at, pause_s = int(args.get("--pause-at", -1)), float(args.get("--pause", 0))
     record = {"keys": [], "digests": [], "steps": [], "end": None}
     try:
         loader = DataLoader(config, spawn_sidecar=False, timeout_s=timeout)
@@ -38,6 +40,8 @@ def main() -> None:
                 break
             if sleep:
                 time.sleep(sleep)
+            if len(record["digests"]) == pause_at:
+                time.sleep(pause_s)  # e.g. a long checkpoint save on this rank
         else:
             record["end"] = "stop"
     except Exception as exc:  # noqa: BLE001 - the test inspects it

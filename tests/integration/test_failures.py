@@ -109,3 +109,17 @@ def test_no_sidecar_times_out_with_a_clear_error(cluster):
     with pytest.raises(RemoteRoleError, match="no sidecar served job"):
         next(iter(DataLoader(c.job, rank=0, world_size=1, spawn_sidecar=False, timeout_s=2)))
     assert time.monotonic() - started < 10
+
+
+def test_a_trainer_pausing_longer_than_the_timeout_is_not_a_failure(cluster):
+    """Waits time out on silence (a hung or dead role), not on back-pressure from a
+    trainer that pauses, e.g. to save a checkpoint."""
+    c = cluster(mesh=Mesh(dp=2), timeout_s=2.0, sample_ring_bytes=1 << 16,
+                batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 16))
+    c.start_sidecar()
+    c.start_trainers(ranks=[0], batches=40, timeout=30)
+    c.start_trainers(ranks=[1], batches=40, timeout=30, **{"pause-at": 5, "pause": 7})
+    results = c.results(timeout=90)
+    assert [r["end"] for r in results.values()] == ["limit", "limit"], [r["end"] for r in results.values()]
+    assert c.sidecar.poll() is None, "the sidecar and its roles are still running"
+    assert c.stop() == 0
