@@ -28,7 +28,10 @@ def collect(job: Job) -> dict[str, Any]:
         raw = r.get(key)
         if raw:
             hb = json.loads(raw)
-            roles[key.decode().split(":hb:", 1)[1]] = {"pid": hb["pid"], "node": hb["node"], "age_s": round(now - hb["time"], 2)}
+            roles[key.decode().split(":hb:", 1)[1]] = {
+                "pid": hb["pid"], "node": hb["node"], "age_s": round(now - hb["time"], 2),
+                "loop_age_s": round(hb.get("loop_age", 0.0) + now - hb["time"], 2),
+            }
     return {
         "job": job.name,
         "step": int(planner["step"]) if "step" in planner else None,
@@ -43,9 +46,12 @@ def collect(job: Job) -> dict[str, Any]:
 
 def render(status: dict[str, Any]) -> str:
     lines = [f"job {status['job']}: planned step {status['step']}"]
-    lines.append("roles (heartbeat age):")
+    lines.append("roles (heartbeat age, time since the role's main loop last turned):")
     for name, hb in status["roles"].items():
-        lines.append(f"  {name:<16} pid {hb['pid']:<8} node {hb['node']:<10} {hb['age_s']:.1f}s ago")
+        lines.append(
+            f"  {name:<16} pid {hb['pid']:<8} node {hb['node']:<10} heartbeat {hb['age_s']:.1f}s ago, "
+            f"loop {hb['loop_age_s']:.1f}s ago"
+        )
     if status["progress"]:
         lines.append("constructors (last step written): " + ", ".join(f"{k}={v}" for k, v in sorted(status["progress"].items())))
     lines.append("cursors (epoch, seq) per stream:")

@@ -33,6 +33,7 @@ def test_status_reads_a_running_job_and_external_redis_url_is_used(cluster, tmp_
         status = json.loads(out.stdout)
         assert status["job"] == c.job.name and status["step"] >= 2
         assert {"planner:0", "loader:0", "constructor:0"} <= set(status["roles"])
+        assert all(0 <= role["loop_age_s"] < 30 for role in status["roles"].values())
         assert set(status["cursors"]) == {"web.0", "code.0", "books.0", "images.0"}
         assert not (c.job.run_path / "redis.sock").exists(), "no embedded server with a configured URL"
         text = overlord("status", "--config", str(c.config))
