@@ -162,6 +162,32 @@ class SourceLoader:
         """True when every configured epoch has been read."""
         return self.epochs is not None and self.epoch >= self.epochs
 
+    def start_at(self, epoch: int, seq: int) -> None:
+        """Resume reading at (epoch, seq): the sample after a planner cursor."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            if not self.finished:
+                self._order = self._make_order(epoch)
+        self.seq, self._delivered_in_epoch = seq, 0
+        self._rows.clear()
+
+    def prepare_at(self, epoch: int, seqs) -> list[Prepared]:
+        """Prepare given samples out of order (deferred ones behind a resume cursor),
+        leaving the reading position where it was."""
+        saved = (self.epoch, self.seq, self._order, self._delivered_in_epoch)
+        try:
+            self.epoch, self._order = epoch, self._make_order(epoch)
+            self._rows = {}
+            out = []
+            for seq in seqs:
+                sample = self._prepare_one(int(seq))
+                if sample is not None:
+                    out.append(sample)
+            return out
+        finally:
+            self.epoch, self.seq, self._order, self._delivered_in_epoch = saved
+            self._rows = {}
+
     def _advance_epoch(self) -> None:
         self.epoch += 1
         self.seq = 0

@@ -26,6 +26,7 @@ from overlord.planner.schedule import Constant
 from overlord.planner.tree import ClientPlaceTree
 
 Strategy = Callable[[StepData, ClientPlaceTree], Planned]
+_DEFERRED_FIELDS = ("stream", "epoch", "seq", "tokens", "patches", "nbytes")
 
 
 def resolve_strategy(spec: str) -> Strategy:
@@ -106,10 +107,37 @@ class PlannerCore:
             "step": self.step,
             "cursors": {s.name: list(s.cursor) for s in self.streams},
             "round_robin": list(self.rr),
-            "deferred": [[int(r["stream"]), int(r["epoch"]), int(r["seq"])] for r in self.deferred],
+            # deferred samples are behind the cursors: keep their metadata to plan them again
+            "deferred": [[int(r[f]) for f in _DEFERRED_FIELDS] for r in self.deferred],
             "rng": {"kind": "numpy.default_rng", "seed_words": [self.seed, "step", "MIX"]},
             "schedule": self.schedule.state() if hasattr(self.schedule, "state") else None,
+            "done": self.done,
         }
+
+    def restore(self, state: dict) -> None:
+        """Continue from a `state()` taken after some step, before any metadata arrives.
+
+        The Source Loaders, restarted at the cursors, report the samples after them; the
+        deferred ones come from the state. Plans from here equal the original run's.
+        """
+        names = [s.name for s in self.streams]
+        if sorted(state["cursors"]) != sorted(names):
+            raise PlanError(
+                f"planner checkpoint names streams {sorted(state['cursors'])}, this job has {sorted(names)}; "
+                "a job's sources and partitions cannot change across a resume"
+            )
+        for stream in self.streams:
+            stream.cursor = tuple(state["cursors"][stream.name])
+        self.step, self.rr, self.done = int(state["step"]), list(state["round_robin"]), bool(state.get("done"))
+        rows = np.zeros(len(state["deferred"]), dtype=ITEM)
+        for row, values in zip(rows, state["deferred"]):
+            for field, value in zip(_DEFERRED_FIELDS, values):
+                row[field] = value
+        if len(rows):
+            rows["source"] = [self.streams[i].source for i in rows["stream"]]
+        self.deferred = rows
+        if state.get("schedule") is not None and hasattr(self.schedule, "load"):
+            self.schedule.load(state["schedule"])
 
     def step_data(self) -> StepData:
         return StepData(

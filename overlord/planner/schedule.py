@@ -105,6 +105,10 @@ class Dynamic:
     def state(self) -> dict:
         return {"weights": self.current.tolist(), "updated": self.updated}
 
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Resume with the weights in force at a checkpoint."""
+        self.current, self.updated = np.asarray(state["weights"], dtype=np.float64), int(state["updated"])
+
 
 def loss_proportional(step: int, metrics: Mapping[str, float], base: np.ndarray, sources: Sequence[str],
                       temperature: float = 1.0) -> np.ndarray:

@@ -111,3 +111,18 @@ def test_curriculum_without_the_column_names_it(tmp_path):
     path = write(tmp_path / "a.parquet", ["x"] * 4)
     with pytest.raises(SchemaError, match="no difficulty column 'level'"):
         loader([path], difficulty="level")
+
+
+def test_start_at_and_prepare_at_give_the_same_samples_as_reading_through(tmp_path):
+    import numpy as np
+
+    a = write(tmp_path / "a.parquet", [f"a {i} " * (i % 7 + 1) for i in range(30)])
+    through = drain(loader([a], epochs=2))
+    by_pos = {(s.epoch, s.seq): s for s in through}
+    resumed = loader([a], epochs=2)
+    resumed.start_at(0, 17)
+    again = drain(resumed)
+    assert [(s.epoch, s.seq, s.key) for s in again] == [(s.epoch, s.seq, s.key) for s in through if (s.epoch, s.seq) >= (0, 17)]
+    for s in resumed.prepare_at(0, [3, 9]):
+        ref = by_pos[(0, s.seq)]
+        assert s.key == ref.key and np.array_equal(s.arrays["input_ids"], ref.arrays["input_ids"])
