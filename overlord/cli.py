@@ -16,7 +16,7 @@ def _sidecar(args: argparse.Namespace) -> int:
     from overlord.sidecar.sidecar import Sidecar
 
     job = Job.from_file(args.config)
-    return Sidecar(job, exit_when_idle=args.exit_when_idle).run()
+    return Sidecar(job, exit_when_idle=args.exit_when_idle, resume=args.resume).run()
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -56,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("sidecar", help="run the node's sidecar for a job")
     p.add_argument("--config", required=True, help="job YAML/JSON")
     p.add_argument("--exit-when-idle", action="store_true", help="exit once the job's trainers are gone")
+    p.add_argument("--resume", action="store_true",
+                   help="continue where the trainers' load_state_dict positions say (planner checkpoints in Redis)")
     p.set_defaults(fn=_sidecar)
     p = sub.add_parser("status", help="show a running job's state from Redis")
     p.add_argument("--config", required=True, help="job YAML/JSON")

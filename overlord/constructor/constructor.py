@@ -22,7 +22,7 @@ from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout
 from overlord.planner.lowlevel import constructor_do_plan, encoder_destinations
 from overlord.shm import Ring, decode_batch
-from overlord.sidecar.flow import Beat, alive_within, push, wait_plan
+from overlord.sidecar.flow import Beat, alive_within, push, resume_point, wait_plan
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
 
 log = logging.getLogger("overlord.constructor")
@@ -47,9 +47,14 @@ class DataConstructor:
             ring.claim_producer()
             self.outputs[rank] = ring
         self.truncated = 0
+        self.skip: dict[int, int] = {}
 
     def run(self) -> None:
-        step = 0
+        point = resume_point(self.r, self.keys)
+        step = point[0] if point else 0
+        # on a resume, micro-batches of the first steps a rank had already consumed
+        raw = self.r.hgetall(self.keys.resume) if point else {}
+        self.skip = {rank: int(raw.get(f"skip:{rank}".encode(), 0)) for rank in self.outputs}
         transform = pack if self.job.batch.packing else pad
         try:
             while not self.stop.is_set():
@@ -145,6 +150,9 @@ class DataConstructor:
         """Write one micro-batch to a client; a client that exited is dropped."""
         ring = self.outputs.get(rank)
         if ring is None:
+            return
+        if self.skip.get(rank):
+            self.skip[rank] -= 1  # this rank consumed it before the resume
             return
         try:
             push(ring, arrays, meta, self.stop, self.beat)

@@ -16,7 +16,7 @@ from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.planner import meta
 from overlord.planner.lowlevel import loader_do_plan
 from overlord.shm import Ring
-from overlord.sidecar.flow import Stopped, fetch_plan, push
+from overlord.sidecar.flow import Stopped, fetch_plan, push, resume_point
 from overlord.sidecar.layout import sample_ring
 
 log = logging.getLogger("overlord.loader")
@@ -42,7 +42,7 @@ def run_loader(ctx) -> None:
     log.info("hosting streams %s", [layout.streams[i] for i in hosted])
 
     low_water = max(1, job.buffer_samples // 2)
-    step = 0
+    step = _resume(r, keys, layout, loaders, buffers)
     try:
         while not ctx.stop.is_set():
             ctx.beat()
@@ -86,6 +86,28 @@ def run_loader(ctx) -> None:
     finally:
         for ring in rings:
             ring.close()
+
+
+def _resume(r, keys, layout, loaders, buffers) -> int:
+    """On a resume, start every stream after its planner cursor and re-prepare the
+    samples the checkpoint deferred (they sit behind the cursor); returns the first step."""
+    point = resume_point(r, keys)
+    if point is None:
+        return 0
+    step, state = point
+    for i, loader in loaders.items():
+        epoch, seq = state["cursors"][layout.streams[i]]
+        loader.start_at(epoch, seq + 1)
+    deferred: dict[tuple[int, int], list[int]] = {}
+    for stream, epoch, seq, *_ in state["deferred"]:
+        if stream in loaders:
+            deferred.setdefault((stream, epoch), []).append(seq)
+    for (stream, epoch), seqs in deferred.items():
+        for sample in loaders[stream].prepare_at(epoch, seqs):
+            buffers[stream][(sample.epoch, sample.seq)] = sample
+    log.info("resuming at step %d after the planner's cursors (%d deferred samples re-read)",
+             step, sum(len(v) for v in deferred.values()))
+    return step
 
 
 def _serve(ctx, plan, buffers, rings) -> None:

@@ -19,11 +19,12 @@ from overlord.planner import meta
 from overlord.planner.core import PlannerCore, resolve_strategy
 from overlord.planner.schedule import Dynamic, from_config, mixing_unit
 from overlord.planner.tree import ClientPlaceTree
-from overlord.sidecar.flow import alive_within
+from overlord.sidecar.flow import alive_within, resume_point
 
 log = logging.getLogger("overlord.planner")
 
 PLAN_TTL_S = 3600
+CKPT_KEEP = 1024  # planner checkpoints kept (steps a trainer may resume at, behind the newest)
 WAIT_MS = 20
 AHEAD_POLL_S = 0.002
 
@@ -45,13 +46,20 @@ def run_planner(ctx) -> None:
         drop_last=job.batch.drop_last,
         mixing_unit=mixing_unit(job.mixing),
     )
+    resume = resume_point(r, keys)
+    if resume is not None:
+        core.restore(resume[1])
+        log.info("resuming at step %d from the planner checkpoint", core.step)
+    else:
+        r.hset(keys.ckpt, 0, json.dumps(core.state()))
+    first = core.step  # 0, or the step a resume starts at
     index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
     last_ids = {keys.meta(name): "0-0" for name in layout.streams}
     waiting_since = time.monotonic()
     while not ctx.stop.is_set():
         ctx.beat()
         progress = r.hgetall(keys.progress)
-        slowest = min((int(progress.get(f"c{d}".encode(), -1)) for d in range(job.mesh.dp)), default=-1)
+        slowest = min((int(progress.get(f"c{d}".encode(), first - 1)) for d in range(job.mesh.dp)), default=first - 1)
         ahead = core.step - slowest > job.plan_ahead
         if ahead:
             waiting_since = time.monotonic()  # waiting on trainers is not a stall
@@ -62,7 +70,10 @@ def run_planner(ctx) -> None:
             pipe = r.pipeline(transaction=True)
             pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
             pipe.xadd(keys.plans, {"step": plan.step, "last": int(plan.last)}, id=f"{plan.step + 1}-0", maxlen=1000, approximate=True)
-            pipe.hset(keys.planner, mapping={"step": plan.step, "state": json.dumps(core.state()), "updated": time.time()})
+            state = json.dumps(core.state())
+            pipe.hset(keys.planner, mapping={"step": plan.step, "state": state, "updated": time.time()})
+            pipe.hset(keys.ckpt, core.step, state)  # where a resume at step core.step starts
+            pipe.hdel(keys.ckpt, core.step - CKPT_KEEP)
             pipe.execute()
             waiting_since = time.monotonic()
             if plan.last:
@@ -107,3 +118,4 @@ def _reported_metrics(r, keys) -> dict[str, float]:
         for name, value in json.loads(raw)["metrics"].items():
             sums.setdefault(name, []).append(float(value))
     return {name: sum(v) / len(v) for name, v in sums.items()}
+

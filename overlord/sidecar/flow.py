@@ -98,3 +98,14 @@ def wait_plan(r: redis.Redis, keys: Keys, step: int, stop: threading.Event, time
             )
         # entry ids are <step+1>-0: ask for anything after <step>-0, so nothing is missed
         r.xread({keys.plans: f"{step}-0"}, block=block_ms, count=1)
+
+
+def resume_point(r, keys) -> tuple[int, dict] | None:
+    """(step, planner state) the sidecar chose to resume at, or None for a fresh start."""
+    step = r.hget(keys.resume, "step")
+    if step is None:
+        return None
+    raw = r.hget(keys.ckpt, int(step))
+    if raw is None:
+        raise PlanError(f"no planner checkpoint for step {int(step)}; cannot resume there")
+    return int(step), json.loads(raw)

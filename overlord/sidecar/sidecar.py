@@ -62,11 +62,14 @@ class Sidecar:
         job: the job.
         exit_when_idle: exit once every trainer that attached has gone (or none came
             within the job timeout); used when a DataLoader spawned this sidecar.
+        resume: continue the job where its trainers' `load_state_dict` positions say,
+            from the planner checkpoints kept in Redis, instead of starting at step 0.
     """
 
-    def __init__(self, job: Job, *, exit_when_idle: bool = False) -> None:
+    def __init__(self, job: Job, *, exit_when_idle: bool = False, resume: bool = False) -> None:
         self.job = job
         self.exit_when_idle = exit_when_idle
+        self.resume = resume
         self.keys = Keys(job.name)
         self.run_dir = job.run_path
         self.redis: EmbeddedRedis | None = None
@@ -100,13 +103,22 @@ class Sidecar:
         return self.redis.url
 
     def _publish(self, r, layout: Layout) -> None:
-        # a fresh run of the job: forget the last run's plans, metadata and errors
-        stale = list(r.scan_iter(match=self.keys.pattern, count=1000))
+        # forget the last run's plans, metadata and errors; a resume keeps the checkpoints
+        keep = {self.keys.ckpt.encode(), self.keys.ckpt_layout.encode()} if self.resume else set()
+        stale = [k for k in r.scan_iter(match=self.keys.pattern, count=1000) if k not in keep]
         if stale:
             r.delete(*stale)
+        if self.resume:
+            previous = r.get(self.keys.ckpt_layout)
+            if previous is not None and previous.decode() != layout.to_json():
+                raise OverlordError(
+                    f"cannot resume job {self.job.name!r}: its sources, partitions or loader layout changed "
+                    "since the checkpoints were written; start it fresh (without --resume)"
+                )
         pipe = r.pipeline(transaction=True)
         pipe.set(self.keys.job_config, self.job.to_json())
         pipe.set(self.keys.layout, layout.to_json())
+        pipe.set(self.keys.ckpt_layout, layout.to_json())
         pipe.hset(
             self.keys.nodes,
             self.job.node,
@@ -123,6 +135,35 @@ class Sidecar:
             self.rings.append(ring)
             self.client_rings[rank] = ring
 
+    def _await_positions(self) -> None:
+        """Wait for every trainer's `load_state_dict` position, then fix the resume step
+        (the earliest) and how many micro-batches each rank already consumed past it."""
+        world, mb = self.job.mesh.world_size, self.job.batch.micro_batches
+        deadline = time.monotonic() + self.job.timeout_s
+        while True:
+            raw = self.r.hgetall(self.keys.resume)
+            positions = {r: json.loads(raw[f"position:{r}".encode()]) for r in range(world) if f"position:{r}".encode() in raw}
+            if len(positions) == world:
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(positions))
+                raise OverlordError(
+                    f"resuming job {self.job.name!r}: rank(s) {missing} did not report a position within "
+                    f"{self.job.timeout_s:.0f}s; every trainer must call DataLoader.load_state_dict() before iterating"
+                )
+            time.sleep(POLL_S)
+        step = min(p[0] for p in positions.values())
+        if not self.r.hexists(self.keys.ckpt, step):
+            kept = sorted(int(k) for k in self.r.hkeys(self.keys.ckpt))
+            raise OverlordError(
+                f"resuming job {self.job.name!r} at step {step}: no planner checkpoint for it "
+                f"(kept: steps {kept[:1]}..{kept[-1:]}); the trainers' state is older than what Redis kept"
+            )
+        mapping = {"step": step, **{f"skip:{r}": (p[0] - step) * mb + p[1] for r, p in positions.items()}}
+        self.r.hset(self.keys.resume, mapping=mapping)
+        log.info("resuming job %r at step %d (micro-batches already consumed per rank: %s)",
+                 self.job.name, step, {r: mapping[f"skip:{r}"] for r in positions})
+
     def _spawn(self, role: str, index: int, url: str) -> None:
         self.children[f"{role}{index}"] = fork_role(role, index, self.run_dir, url)
 
@@ -137,6 +178,8 @@ class Sidecar:
         (self.run_dir / "job.json").write_text(self.job.to_json())
         self._publish(self.r, layout)
         self._create_rings(layout)
+        if self.resume:
+            self._await_positions()
         preload()
         self.r.connection_pool.disconnect()  # children open their own connections
         self._spawn("planner", 0, url)

@@ -14,6 +14,9 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:errors               list   JSON error records (role, pid, node, message)
     overlord:{job}:counters             hash   skipped:<source>, truncated, ...
     overlord:{job}:metrics              hash   rank -> JSON {step, metrics} the trainer reported
+    overlord:{job}:ckpt                 hash   step -> planner state (JSON) before that step's plan
+    overlord:{job}:ckpt-layout          string the layout (JSON) those checkpoints belong to
+    overlord:{job}:resume               hash   position:<rank> (trainer), step and skip:<rank> (sidecar)
     overlord:{job}:job                  string the job's config (JSON)
 """
 
@@ -74,6 +77,19 @@ class Keys:
     @property
     def counters(self) -> str:
         return f"{self.base}:counters"
+
+    @property
+    def ckpt(self) -> str:
+        return f"{self.base}:ckpt"
+
+    @property
+    def ckpt_layout(self) -> str:
+        """The loader layout the checkpoints' cursors belong to."""
+        return f"{self.base}:ckpt-layout"
+
+    @property
+    def resume(self) -> str:
+        return f"{self.base}:resume"
 
     @property
     def metrics(self) -> str:

@@ -91,7 +91,9 @@ class DataLoader:
         self.batches = 0
         self.sidecar_pid: int | None = None
         self._ring: Ring | None = None
-        self._redis = None  # opened by report_metrics only
+        self._redis = None  # opened by report_metrics and resumption only
+        self._resume_at: tuple[int, int] | None = None  # (step, micro-batch) of the next batch
+        self._loaded = (-1, -1)  # (step, micro-batch) of the last batch before a resume
         self._done = False
 
     # -- connecting ----------------------------------------------------------------------
@@ -107,7 +109,8 @@ class DataLoader:
             config.write_text(self.job.to_json())
             with open(run_dir / "sidecar.log", "ab") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config), "--exit-when-idle"],
+                    [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config), "--exit-when-idle",
+                     *(["--resume"] if self._resume_at is not None else [])],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -147,7 +150,20 @@ class DataLoader:
                 )
         ring.claim_consumer()
         self.sidecar_pid = ring.creator_pid
+        if self._resume_at is not None:
+            self._report_position()
         return ring
+
+    def _report_position(self) -> None:
+        """Tell a resuming sidecar where this rank stopped (it waits for every rank)."""
+        import json
+
+        from overlord.status import redis_url_of
+        from overlord.store import Keys, connect
+
+        if self._redis is None:
+            self._redis = connect(redis_url_of(self.job), timeout_s=5)
+        self._redis.hset(Keys(self.job.name).resume, f"position:{self.rank}", json.dumps(list(self._resume_at)))
 
     # -- iterating -----------------------------------------------------------------------
 
@@ -242,24 +258,36 @@ class DataLoader:
             "job": self.job.name,
             "rank": self.rank,
             "batches": self.batches,
-            "step": self.last_meta.get("step", -1),
-            "microbatch": self.last_meta.get("microbatch", -1),
+            "step": self.last_meta.get("step", self._loaded[0]),
+            "microbatch": self.last_meta.get("microbatch", self._loaded[1]),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the batch after `state` (only a fresh position today)."""
-        if self._ring is not None:
+        """Resume at the batch after `state` (from `state_dict()`), with identical bytes.
+
+        Call it before iterating, on every rank, with a sidecar started with `--resume`
+        (a sidecar this loader spawns is). The sidecar continues from the planner
+        checkpoint of the earliest rank's step, kept in Redis across restarts.
+
+        Raises:
+            OverlordError: iteration already began.
+            ConfigError: the state belongs to another job or rank.
+        """
+        if self._ring is not None or self.batches:
             raise OverlordError("load_state_dict() must be called before iterating the DataLoader")
         if state.get("job") != self.job.name or state.get("rank") != self.rank:
             raise ConfigError(
                 f"state is for job {state.get('job')!r} rank {state.get('rank')}, "
                 f"not job {self.job.name!r} rank {self.rank}"
             )
-        if state.get("batches", 0):
-            raise OverlordError(
-                f"resuming rank {self.rank} at step {state.get('step')} is not supported yet: exact "
-                "resumption from planner checkpoints is the next piece of work; restart from step 0"
-            )
+        if not state.get("batches"):
+            return  # nothing consumed yet: a fresh start
+        self._loaded = (int(state["step"]), int(state["microbatch"]))
+        step, mb = int(state["step"]), int(state["microbatch"]) + 1
+        if mb == self.job.batch.micro_batches:
+            step, mb = step + 1, 0
+        self._resume_at = (step, mb)
+        self.batches = int(state["batches"])
 
     def __del__(self) -> None:
         try:

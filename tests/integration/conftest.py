@@ -62,9 +62,9 @@ class Cluster:
         self.sidecar: subprocess.Popen | None = None
         self.trainers: dict[int, subprocess.Popen] = {}
 
-    def start_sidecar(self) -> subprocess.Popen:
+    def start_sidecar(self, resume: bool = False) -> subprocess.Popen:
         self.sidecar = subprocess.Popen(
-            [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config)],
+            [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config), *(["--resume"] if resume else [])],
             stdout=open(self.workdir / f"{self.job.name}-sidecar.log", "ab"), stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30

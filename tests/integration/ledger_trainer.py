@@ -1,7 +1,7 @@
 """A trainer rank for integration tests: records every batch it receives.
 
     RANK=r WORLD_SIZE=w python ledger_trainer.py CONFIG OUT [--batches N] [--sleep S] [--timeout T]
-        [--pause-at K --pause S]
+        [--pause-at K --pause S] [--save-state FILE] [--load-state FILE]
 
 Writes OUT (JSON): the sample keys of every batch in order, a sha256 of each batch's
 bytes (tensor names, dtypes, shapes and data), and how it ended ("stop", "limit" or
@@ -26,6 +26,9 @@ def main() -> None:
     record = {"keys": [], "digests": [], "steps": [], "end": None}
     try:
         loader = DataLoader(config, spawn_sidecar=False, timeout_s=timeout)
+        if "--load-state" in args:
+            with open(args["--load-state"]) as fh:
+                loader.load_state_dict(json.load(fh))
         for batch in loader:
             digest = hashlib.sha256()
             for name in sorted(batch):
@@ -44,6 +47,9 @@ def main() -> None:
                 time.sleep(pause_s)  # e.g. a long checkpoint save on this rank
         else:
             record["end"] = "stop"
+        if "--save-state" in args:
+            with open(args["--save-state"], "w") as fh:
+                json.dump(loader.state_dict(), fh)
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         record["end"] = f"{type(exc).__name__}: {exc}"
     with open(out, "w") as fh:
