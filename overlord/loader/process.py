@@ -42,6 +42,7 @@ def run_loader(ctx) -> None:
     log.info("hosting streams %s", [layout.streams[i] for i in hosted])
 
     low_water = max(1, job.buffer_samples // 2)
+    demand: dict[str, int] = {}  # stream -> samples the Planner needs it to hold (beyond the bound)
     step = _resume(r, keys, layout, loaders, buffers)
     try:
         while not ctx.stop.is_set():
@@ -58,8 +59,9 @@ def run_loader(ctx) -> None:
             for i, loader in loaders.items():
                 # refill only below the low-water mark, so a step that takes one sample
                 # from each of many streams does not cost one Redis write per stream
-                room = job.buffer_samples - len(buffers[i])
-                if room < low_water or reported_final[i]:
+                wanted = demand.get(layout.streams[i], 0)
+                room = max(job.buffer_samples, wanted) - len(buffers[i])
+                if reported_final[i] or room <= 0 or (room < low_water and wanted <= len(buffers[i])):
                     continue
                 samples, ended = loader.prepare(min(CHUNK, room))
                 for s in samples:
@@ -81,6 +83,7 @@ def run_loader(ctx) -> None:
             pipe.execute()
             if not filled:
                 r.xread({keys.plans: f"{step}-0"}, block=200, count=1)
+                demand = {k.decode(): int(v) for k, v in r.hgetall(keys.demand).items()}
     except Stopped:
         return
     finally:

@@ -24,7 +24,16 @@ ITEM = np.dtype(
 
 
 class NeedMetadata(Exception):
-    """A decision needs metadata the loaders have not reported yet: plan this step later."""
+    """A decision needs metadata the loaders have not reported yet: plan this step later.
+
+    `wanted` maps a stream to how many unplanned samples it must hold for this step, so
+    the Planner can ask a loader whose read buffer is full to hold more (a step may take
+    more samples from one stream than `Job.buffer_samples`).
+    """
+
+    def __init__(self, wanted: dict[int, int]) -> None:
+        super().__init__(wanted)
+        self.wanted = wanted
 
 
 @dataclass(slots=True)
@@ -84,6 +93,11 @@ class Buffer:
     def add(self, stream: int, chunk: MetaChunk) -> None:
         self.streams[stream].add(stream, chunk)
 
+    def wanted(self, src: int, count: int) -> dict[int, int]:
+        """Samples each stream of a source must hold for `count` to be taken from it."""
+        ids = self.by_source[src]
+        return {i: -(-count // len(ids)) for i in ids}
+
     def remaining(self, src: int) -> tuple[int, bool]:
         """(reported unplanned samples of a source, whether that is all it will ever have)."""
         ids = self.by_source[src]
@@ -119,7 +133,7 @@ class Buffer:
                     if left[i] > 0:
                         break
                     if not self.streams[i].final:
-                        raise NeedMetadata(self.streams[i].name)
+                        raise NeedMetadata({j: share for j, share in zip(ids, shares)})
                 else:
                     raise AssertionError("planner: a source's remainder was miscounted")
                 left[i] -= 1

@@ -90,6 +90,7 @@ class PlannerCore:
         self.context_length, self.drop_last, self.mixing_unit = context_length, drop_last, mixing_unit
         self.rr = [0] * n_sources  # next stream (round robin) of each source
         self.deferred = np.empty(0, dtype=ITEM)
+        self.wanted: dict[int, int] = {}  # stream -> samples it must hold, while a step waits
         self.step = 0
         self.done = False
 
@@ -162,8 +163,10 @@ class PlannerCore:
             return None
         try:
             planned = self.strategy(self.step_data(), self.tree)
-        except NeedMetadata:
+        except NeedMetadata as need:
+            self.wanted = need.wanted
             return None
+        self.wanted = {}
         self._check(planned)
         self.buffer.commit(planned.take)
         self.rr, self.deferred = planned.round_robin, planned.deferred

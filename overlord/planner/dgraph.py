@@ -173,7 +173,7 @@ class DGraph:
                 if draw[src] <= have:
                     counts[src] += draw[src]
                 elif not (buf.finite and complete):
-                    raise NeedMetadata(f"source {src}")
+                    raise NeedMetadata(buf.wanted(int(src), int(counts[src] + draw[src])))
                 else:  # the source runs out: take the rest, redraw elsewhere
                     counts[src] += have
                     need += int(draw[src]) - have

@@ -53,6 +53,7 @@ def run_planner(ctx) -> None:
     else:
         r.hset(keys.ckpt, 0, json.dumps(core.state()))
     first = core.step  # 0, or the step a resume starts at
+    asked: dict[int, int] = {}  # what the loaders were last asked to hold, per stream
     index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
     last_ids = {keys.meta(name): "0-0" for name in layout.streams}
     waiting_since = time.monotonic()
@@ -84,7 +85,12 @@ def run_planner(ctx) -> None:
             # trainers are behind: poll the small progress hash, not the metadata streams
             ctx.stop.wait(AHEAD_POLL_S)
             continue
-        # the plan needs samples not yet reported: block for metadata
+        # the plan needs samples not yet reported: tell loaders how many it needs (a full
+        # read buffer may be smaller than what one step takes from a stream), then wait
+        demand = {layout.streams[i]: n for i, n in core.wanted.items() if n > asked.get(i, 0)}
+        if demand:
+            r.hset(keys.demand, mapping=demand)
+            asked.update({i: n for i, n in core.wanted.items()})
         reply = r.xread(last_ids, block=WAIT_MS, count=64)
         if reply:
             trim = r.pipeline(transaction=False)
@@ -97,7 +103,7 @@ def run_planner(ctx) -> None:
             trim.execute()
             waiting_since = time.monotonic()
         if time.monotonic() - waiting_since > job.timeout_s:
-            starving = [i for i, s in enumerate(core.streams) if s.available() == 0 and not s.final]
+            starving = [i for i, s in enumerate(core.streams) if s.count == 0 and not s.final]
             owners = sorted({layout.loader_of[i] for i in starving})
             if all(alive_within(r, keys, "loader", k, job.timeout_s) for k in owners):
                 waiting_since = time.monotonic()  # the loaders turn their loops: back-pressure, not a hang

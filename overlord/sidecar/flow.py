@@ -24,6 +24,7 @@ from overlord.shm import Ring, write_batch
 from overlord.store import Keys
 
 SLICE_S = 0.5
+HEARTBEAT_S = 1.0  # how often a role publishes its heartbeat (and loop age)
 
 
 class Stopped(Exception):
@@ -54,8 +55,10 @@ def loop_age(r: redis.Redis, keys: Keys, role: str, index: int) -> float | None:
 
 
 def alive_within(r: redis.Redis, keys: Keys, role: str, index: int, timeout_s: float) -> bool:
+    """Whether the role turned its loop within `timeout_s` (never judged finer than a
+    few heartbeats, since the heartbeat itself is that coarse)."""
     age = loop_age(r, keys, role, index)
-    return age is not None and age < timeout_s
+    return age is not None and age < max(timeout_s, 3 * HEARTBEAT_S)
 
 
 def push(ring: Ring, arrays: Mapping[str, np.ndarray], meta: dict, stop: threading.Event, beat: Beat | None = None) -> None:

@@ -26,13 +26,12 @@ from pathlib import Path
 import redis
 
 from overlord.config import Job
-from overlord.sidecar.flow import Beat
+from overlord.sidecar.flow import HEARTBEAT_S, Beat
 from overlord.sidecar.layout import Layout
 from overlord.store import Keys, connect
 
 log = logging.getLogger("overlord")
 
-HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 5
 ROLES = ("planner", "loader", "constructor")
 ROLE_TITLES = {"planner": "Planner", "loader": "SourceLoader process", "constructor": "DataConstructor host"}

@@ -14,6 +14,7 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:errors               list   JSON error records (role, pid, node, message)
     overlord:{job}:counters             hash   skipped:<source>, truncated, ...
     overlord:{job}:metrics              hash   rank -> JSON {step, metrics} the trainer reported
+    overlord:{job}:demand               hash   stream -> samples the Planner needs it to hold
     overlord:{job}:ckpt                 hash   step -> planner state (JSON) before that step's plan
     overlord:{job}:ckpt-layout          string the layout (JSON) those checkpoints belong to
     overlord:{job}:resume               hash   position:<rank> (trainer), step and skip:<rank> (sidecar)
@@ -90,6 +91,10 @@ class Keys:
     @property
     def resume(self) -> str:
         return f"{self.base}:resume"
+
+    @property
+    def demand(self) -> str:
+        return f"{self.base}:demand"
 
     @property
     def metrics(self) -> str:

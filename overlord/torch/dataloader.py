@@ -124,7 +124,7 @@ class DataLoader:
                         f"{proc.returncode}; see {run_dir / 'sidecar.log'}"
                     )
                 if time.monotonic() > deadline:
-                    raise RemoteRoleError(f"rank {self.rank}: the sidecar (pid {proc.pid}) did not start within {self.timeout_s:.0f}s")
+                    raise RemoteRoleError(f"rank {self.rank}: the sidecar (pid {proc.pid}) did not start within {self.timeout_s:g}s")
                 time.sleep(0.05)
 
     def _connect(self) -> Ring:
@@ -144,7 +144,7 @@ class DataLoader:
             if time.monotonic() > deadline:
                 raise RemoteRoleError(
                     f"rank {self.rank}: no sidecar served job {self.job.name!r} on node {self.job.node!r} "
-                    f"within {self.timeout_s:.0f}s (ring {name}); start one with "
+                    f"within {self.timeout_s:g}s (ring {name}); start one with "
                     "`overlord sidecar --config JOB.yaml` or pass spawn_sidecar=True "
                     f"(a sidecar that failed to start says why in its log; spawned ones in {self.job.run_path}/sidecar.log)"
                 )
@@ -208,15 +208,35 @@ class DataLoader:
                         "and the role logs there"
                     ) from None
                 if time.monotonic() > deadline:
+                    if self._constructor_turning():
+                        # slow, not hung: its Data Constructor waits on a role that answers for
+                        # itself the same way, so a hang upstream still reaches us as an error
+                        warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung")
+                        deadline = time.monotonic() + self.timeout_s
+                        continue
                     raise RemoteRoleError(
-                        f"{origin}: no batch within {self.timeout_s:.0f}s; the sidecar (pid {ring.creator_pid}) "
-                        "is alive but stalled: run `overlord status` and see its logs"
+                        f"{origin}: no batch within {self.timeout_s:g}s and its Data Constructor host has not "
+                        f"turned its loop for as long (sidecar pid {ring.creator_pid}): run `overlord status` "
+                        "and see the logs in the run directory"
                     ) from None
             except PeerDied as exc:
                 detail = ring.error or str(exc)
                 raise RemoteRoleError(f"{origin}: the Data Constructor feeding this rank died: {detail}") from None
             except RingError as exc:
                 raise RemoteRoleError(f"{origin}: {exc}") from None
+
+    def _constructor_turning(self) -> bool:
+        """Whether the Data Constructor host feeding this rank turned its loop recently."""
+        from overlord.sidecar.flow import alive_within
+        from overlord.status import redis_url_of
+        from overlord.store import Keys, connect
+
+        try:
+            if self._redis is None:
+                self._redis = connect(redis_url_of(self.job), timeout_s=5)
+            return alive_within(self._redis, Keys(self.job.name), "constructor", 0, self.timeout_s)
+        except OverlordError:
+            return False  # no control path either: report the stall
 
     def _finish(self) -> None:
         self._done = True

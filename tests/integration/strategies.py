@@ -8,3 +8,13 @@ def balanced_broadcast_tp(data, tree):
     g.distribute("DP").cost("attention")
     g.balance("karmarkar_karp", level="inter").balance("greedy", level="intra")
     return g.plan()
+
+
+def slow_text(row):
+    """The text transform, slowed to 50 ms a sample (a heavy decode stand-in)."""
+    import time
+
+    from overlord.transforms import text
+
+    time.sleep(0.05)
+    return text(row)

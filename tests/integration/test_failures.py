@@ -123,3 +123,19 @@ def test_a_trainer_pausing_longer_than_the_timeout_is_not_a_failure(cluster):
     assert [r["end"] for r in results.values()] == ["limit", "limit"], [r["end"] for r in results.values()]
     assert c.sidecar.poll() is None, "the sidecar and its roles are still running"
     assert c.stop() == 0
+
+
+def test_a_slow_pipeline_is_waited_for_not_reported_as_a_stall(cluster, corpus):
+    from overlord import Source
+
+    slow = Source(name="web", paths=tuple(corpus["web"]), transform="tests.integration.strategies:slow_text")
+    # a step needs 16 samples x 50 ms = 0.8 s of transforms, longer than the 0.5 s timeout;
+    # and 16 samples of one stream, more than its 8-sample read buffer (the Planner's
+    # demand lets the loader hold more, instead of both waiting forever)
+    c = cluster(sources=(slow,), timeout_s=0.5, mesh=Mesh(dp=1),
+                batch=BatchSpec(global_batch=16, context_length=256, ring_bytes=1 << 20), buffer_samples=8)
+    c.start_sidecar()
+    c.start_trainers(batches=4)
+    result = c.results(timeout=90)[0]
+    assert result["end"] == "limit", result["end"]
+    assert c.stop() == 0

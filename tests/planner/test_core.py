@@ -331,3 +331,14 @@ def test_restore_refuses_a_checkpoint_of_other_streams():
     state["cursors"] = {"other.0": [0, -1]}
     with pytest.raises(PlanError, match="cannot change across a resume"):
         make().restore(state)
+
+
+def test_a_waiting_step_says_how_many_samples_each_stream_must_hold():
+    core = make(weights=(1.0,), partitions=(2,), global_batch=16)
+    core.add(0, chunk(0, range(3)))
+    core.add(1, chunk(0, range(3)))
+    assert core.plan_step() is None
+    assert core.wanted == {0: 8, 1: 8}  # 16 samples round robin over two streams
+    core.add(0, chunk(0, range(3, 10)))
+    core.add(1, chunk(0, range(3, 10)))
+    assert core.plan_step() is not None and core.wanted == {}
