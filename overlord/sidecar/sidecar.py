@@ -110,15 +110,16 @@ class Sidecar:
             r.delete(*stale)
         if self.resume:
             previous = r.get(self.keys.ckpt_layout)
-            if previous is not None and previous.decode() != layout.to_json():
+            if previous is not None and json.loads(previous) != _streams_of(layout):
                 raise OverlordError(
-                    f"cannot resume job {self.job.name!r}: its sources, partitions or loader layout changed "
-                    "since the checkpoints were written; start it fresh (without --resume)"
+                    f"cannot resume job {self.job.name!r}: its sources or partitions changed since the "
+                    "checkpoints were written (their cursors are per source partition); start it fresh "
+                    "(without --resume)"
                 )
         pipe = r.pipeline(transaction=True)
         pipe.set(self.keys.job_config, self.job.to_json())
         pipe.set(self.keys.layout, layout.to_json())
-        pipe.set(self.keys.ckpt_layout, layout.to_json())
+        pipe.set(self.keys.ckpt_layout, json.dumps(_streams_of(layout)))
         pipe.hset(
             self.keys.nodes,
             self.job.node,
@@ -289,3 +290,8 @@ class Sidecar:
         finally:
             self.shutdown()
 
+
+def _streams_of(layout: Layout) -> dict:
+    """What planner checkpoints depend on: the streams (source partitions), not which
+    process hosts them or how many DP groups there are."""
+    return {"streams": layout.streams, "stream_source": layout.stream_source}

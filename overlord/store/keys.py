@@ -16,7 +16,7 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:metrics              hash   rank -> JSON {step, metrics} the trainer reported
     overlord:{job}:demand               hash   stream -> samples the Planner needs it to hold
     overlord:{job}:ckpt                 hash   step -> planner state (JSON) before that step's plan
-    overlord:{job}:ckpt-layout          string the layout (JSON) those checkpoints belong to
+    overlord:{job}:ckpt-layout          string the streams (JSON) those checkpoints belong to
     overlord:{job}:resume               hash   position:<rank> (trainer), step and skip:<rank> (sidecar)
     overlord:{job}:job                  string the job's config (JSON)
 """
@@ -85,7 +85,7 @@ class Keys:
 
     @property
     def ckpt_layout(self) -> str:
-        """The loader layout the checkpoints' cursors belong to."""
+        """The streams (source partitions) the checkpoints' cursors belong to."""
         return f"{self.base}:ckpt-layout"
 
     @property

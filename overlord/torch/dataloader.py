@@ -94,6 +94,8 @@ class DataLoader:
         self._redis = None  # opened by report_metrics and resumption only
         self._resume_at: tuple[int, int] | None = None  # (step, micro-batch) of the next batch
         self._loaded = (-1, -1)  # (step, micro-batch) of the last batch before a resume
+        m = self.job.mesh
+        self._mesh = [m.dp, m.pp, m.cp, m.tp]
         self._done = False
 
     # -- connecting ----------------------------------------------------------------------
@@ -280,6 +282,8 @@ class DataLoader:
             "batches": self.batches,
             "step": self.last_meta.get("step", self._loaded[0]),
             "microbatch": self.last_meta.get("microbatch", self._loaded[1]),
+            "mesh": self._mesh,
+            "micro_batches": self.job.batch.micro_batches,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -289,19 +293,35 @@ class DataLoader:
         (a sidecar this loader spawns is). The sidecar continues from the planner
         checkpoint of the earliest rank's step, kept in Redis across restarts.
 
+        A state from a different mesh (another DP size) is accepted at a step boundary:
+        the job continues exactly once from the Planner's per-source cursors, on the
+        new mesh (its bytes then differ from the old mesh's, as they must).
+
         Raises:
             OverlordError: iteration already began.
-            ConfigError: the state belongs to another job or rank.
+            ConfigError: the state belongs to another job or rank, or to another mesh
+                and not at a step boundary.
         """
         if self._ring is not None or self.batches:
             raise OverlordError("load_state_dict() must be called before iterating the DataLoader")
-        if state.get("job") != self.job.name or state.get("rank") != self.rank:
+        same_mesh = state.get("mesh", self._mesh) == self._mesh
+        if state.get("job") != self.job.name or (same_mesh and state.get("rank") != self.rank):
             raise ConfigError(
                 f"state is for job {state.get('job')!r} rank {state.get('rank')}, "
                 f"not job {self.job.name!r} rank {self.rank}"
             )
         if not state.get("batches"):
             return  # nothing consumed yet: a fresh start
+        last_mb = self.job.batch.micro_batches - 1
+        if not same_mesh and (state.get("micro_batches") != self.job.batch.micro_batches or state["microbatch"] != last_mb):
+            # the Planner's cursors are per source, not per rank: a new mesh can continue
+            # from them, but only where every old rank had finished the same step
+            raise ConfigError(
+                f"resuming job {self.job.name!r} on mesh dp/pp/cp/tp={self._mesh} from a state of mesh "
+                f"{state.get('mesh')} needs a state taken at a step boundary (after micro-batch {last_mb} of a step, "
+                f"with the same micro_batches); this one stopped at step {state['step']} micro-batch "
+                f"{state['microbatch']}. Save the loader state right after a step's last micro-batch"
+            )
         self._loaded = (int(state["step"]), int(state["microbatch"]))
         step, mb = int(state["step"]), int(state["microbatch"]) + 1
         if mb == self.job.batch.micro_batches:

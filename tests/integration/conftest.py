@@ -112,13 +112,28 @@ class Cluster:
                 proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def corpus_keys(corpus) -> set[str]:
+    """The key of every row of the corpus: what one epoch must deliver exactly once."""
+    import pyarrow.parquet as pq
+
+    keys = set()
+    for name, files in corpus.items():
+        for f, path in enumerate(sorted(files)):
+            keys |= {f"{name}:{f}:{row}" for row in range(pq.ParquetFile(path).metadata.num_rows)}
+    return keys
+
+
 @pytest.fixture
 def cluster(corpus, tmp_path):
     made: list[Cluster] = []
 
-    def factory(**overrides) -> Cluster:
-        job = make_job(corpus, tmp_path / f"run{len(made)}", **overrides)
-        made.append(Cluster(job, tmp_path))
+    def factory(job: Job | None = None, **overrides) -> Cluster:
+        """A cluster for a new job built from `overrides`, or for `job` as given."""
+        job = job or make_job(corpus, tmp_path / f"run{len(made)}", **overrides)
+        workdir = tmp_path / f"work{len(made)}"
+        workdir.mkdir()
+        made.append(Cluster(job, workdir))
         return made[-1]
 
     yield factory

@@ -48,3 +48,38 @@ def test_resume_after_a_restart_gives_identical_bytes(cluster, tmp_path, how):
         assert first[r]["digests"] + second[r]["digests"] == expected[r]["digests"]
         assert first[r]["keys"] + second[r]["keys"] == expected[r]["keys"]
     assert c.stop() == 0
+
+
+def test_resume_on_a_different_dp_size_continues_exactly_once(cluster, corpus_keys, tmp_path):
+    from dataclasses import replace
+
+    c = cluster(seed=5, epochs=1, mesh=Mesh(dp=2),
+                batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+    c.start_sidecar()
+    states = {r: tmp_path / f"dp2-rank{r}.json" for r in range(2)}
+    for r in range(2):
+        c.start_trainers(ranks=[r], batches=12, **{"save-state": states[r]})  # 6 whole steps
+    before = c.results()
+    assert c.stop() == 0
+
+    # the same job, same run directory and Redis, on one DP rank
+    narrower = cluster(job=replace(c.job, mesh=Mesh(dp=1)))
+    narrower.start_sidecar(resume=True)
+    narrower.start_trainers(ranks=[0], **{"load-state": states[0]})
+    after = narrower.results()[0]
+    assert after["end"] == "stop", after["end"]
+    assert after["steps"][0] == [6, 0]
+    delivered = [k for r in before.values() for b in r["keys"] for k in b] + [k for b in after["keys"] for k in b]
+    assert len(delivered) == len(set(delivered)) and set(delivered) == corpus_keys
+    assert narrower.stop() == 0
+
+
+def test_a_mid_step_state_of_another_mesh_is_refused(cluster):
+    from overlord.errors import ConfigError
+    from overlord.torch import DataLoader
+
+    c = cluster(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, micro_batches=2))
+    loader = DataLoader(c.job, rank=0, world_size=1, spawn_sidecar=False)
+    state = {"job": c.job.name, "rank": 1, "batches": 3, "step": 1, "microbatch": 0, "mesh": [2, 1, 1, 1], "micro_batches": 2}
+    with pytest.raises(ConfigError, match="needs a state taken at a step boundary"):
+        loader.load_state_dict(state)
