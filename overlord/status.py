@@ -41,7 +41,14 @@ def collect(job: Job) -> dict[str, Any]:
         "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
         "nodes": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.nodes).items()},
         "errors": [json.loads(e)["message"] for e in r.lrange(keys.errors, 0, -1)],
+        "checkpoints": _checkpoints(r, keys),
+        "resume": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.resume).items()},
     }
+
+
+def _checkpoints(r, keys: Keys) -> dict[str, Any]:
+    steps = sorted(int(s) for s in r.hkeys(keys.ckpt))
+    return {"count": len(steps), "oldest_step": steps[0] if steps else None, "newest_step": steps[-1] if steps else None}
 
 
 def render(status: dict[str, Any]) -> str:
@@ -57,6 +64,11 @@ def render(status: dict[str, Any]) -> str:
     lines.append("cursors (epoch, seq) per stream:")
     for name, cur in sorted(status["cursors"].items()):
         lines.append(f"  {name:<24} epoch {cur[0]} seq {cur[1]}")
+    ck = status["checkpoints"]
+    if ck["count"]:
+        lines.append(f"planner checkpoints: {ck['count']} (a trainer can resume at steps {ck['oldest_step']}..{ck['newest_step']})")
+    if status["resume"].get("step") is not None:
+        lines.append(f"resumed at step {status['resume']['step']}")
     for k, v in sorted(status["counters"].items()):
         lines.append(f"counter {k} = {v}")
     for e in status["errors"]:

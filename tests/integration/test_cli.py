@@ -34,10 +34,11 @@ def test_status_reads_a_running_job_and_external_redis_url_is_used(cluster, tmp_
         assert status["job"] == c.job.name and status["step"] >= 2
         assert {"planner:0", "loader:0", "constructor:0"} <= set(status["roles"])
         assert all(0 <= role["loop_age_s"] < 30 for role in status["roles"].values())
+        assert status["checkpoints"]["oldest_step"] == 0 and status["checkpoints"]["newest_step"] >= 3
         assert set(status["cursors"]) == {"web.0", "code.0", "books.0", "images.0"}
         assert not (c.job.run_path / "redis.sock").exists(), "no embedded server with a configured URL"
         text = overlord("status", "--config", str(c.config))
-        assert "planned step" in text.stdout and "web.0" in text.stdout
+        assert "planned step" in text.stdout and "web.0" in text.stdout and "planner checkpoints" in text.stdout
         c.stop()
     finally:
         server.stop()
