@@ -21,7 +21,8 @@ def collect(job: Job) -> dict[str, Any]:
     r = connect(redis_url_of(job), timeout_s=5)
     keys = Keys(job.name)
     planner = {k.decode(): v.decode() for k, v in r.hgetall(keys.planner).items()}
-    state = json.loads(planner.get("state", "{}") or "{}")
+    newest = max((int(k) for k in r.hkeys(keys.ckpt)), default=None)
+    state = json.loads(r.hget(keys.ckpt, newest)) if newest is not None else {}
     now = time.time()
     roles = {}
     for key in sorted(r.scan_iter(match=keys.heartbeat_pattern, count=1000)):

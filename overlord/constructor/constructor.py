@@ -188,7 +188,7 @@ class DataConstructor:
                     deadline = time.monotonic() + self.job.timeout_s  # loaders back-pressured, not hung
                     continue
                 raise PlanError(
-                    f"DataConstructor dp={self.dp} waited {self.job.timeout_s:.0f}s for step {step} samples "
+                    f"DataConstructor dp={self.dp} waited {self.job.timeout_s:g}s for step {step} samples "
                     f"from loader process(es) {waiting}, whose loops have not turned for as long (hung or dead); "
                     "see their logs, or raise Job.timeout_s"
                 )

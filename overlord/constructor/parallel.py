@@ -373,7 +373,6 @@ def needs_bytes(mesh: Mesh, rank: int, broadcast_tp: bool) -> bool:
     Raises:
         ConfigError: rank outside the mesh.
     """
-    at = mesh.coords(rank)
-    if broadcast_tp and at["tp"] > 0:
-        return False
-    return at["pp"] in (0, mesh.pp - 1)
+    from overlord.planner.tree import ClientPlaceTree  # the tree owns who receives what
+
+    return ClientPlaceTree(mesh, {"TP"} if broadcast_tp else set()).needs_bytes(rank)

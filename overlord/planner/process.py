@@ -71,9 +71,8 @@ def run_planner(ctx) -> None:
             pipe = r.pipeline(transaction=True)
             pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
             pipe.xadd(keys.plans, {"step": plan.step, "last": int(plan.last)}, id=f"{plan.step + 1}-0", maxlen=1000, approximate=True)
-            state = json.dumps(core.state())
-            pipe.hset(keys.planner, mapping={"step": plan.step, "state": state, "updated": time.time()})
-            pipe.hset(keys.ckpt, core.step, state)  # where a resume at step core.step starts
+            pipe.hset(keys.planner, mapping={"step": plan.step, "updated": time.time()})
+            pipe.hset(keys.ckpt, core.step, json.dumps(core.state()))  # where a resume at step core.step starts
             pipe.hdel(keys.ckpt, core.step - CKPT_KEEP)
             pipe.execute()
             waiting_since = time.monotonic()
@@ -110,7 +109,7 @@ def run_planner(ctx) -> None:
                 continue
             starving = [core.streams[i].name for i in starving]
             raise PlanError(
-                f"step {core.step}: no Source Loader reported new samples for {job.timeout_s:.0f}s and loader "
+                f"step {core.step}: no Source Loader reported new samples for {job.timeout_s:g}s and loader "
                 f"process(es) {owners} have not turned their loops for as long (hung or dead); streams with none "
                 f"buffered: {starving}. Check the loader logs in {ctx.run_dir}, "
                 "or raise Job.timeout_s for slow transforms"

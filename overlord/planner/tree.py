@@ -63,5 +63,10 @@ class ClientPlaceTree:
         self.broadcast.add(dim)
 
     def needs_bytes(self, rank: int) -> bool:
-        """False for a rank that receives its data by the trainer's own broadcast."""
-        return not ("TP" in self.broadcast and self.mesh.coords(rank)["tp"] > 0)
+        """Whether `rank` receives sample bytes (tokens, labels, images), not only
+        metadata: False for tp > 0 under broadcast at TP (the trainer broadcasts) and
+        for middle PP stages (they need only the packing metadata)."""
+        at = self.mesh.coords(rank)
+        if "TP" in self.broadcast and at["tp"] > 0:
+            return False
+        return at["pp"] in (0, self.mesh.pp - 1)

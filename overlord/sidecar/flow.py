@@ -96,7 +96,7 @@ def wait_plan(r: redis.Redis, keys: Keys, step: int, stop: threading.Event, time
                 deadline = time.monotonic() + timeout_s  # planning waits on trainers: healthy
                 continue
             raise PlanError(
-                f"no plan for step {step} after {timeout_s:.0f}s and the Planner's loop has not turned "
+                f"no plan for step {step} after {timeout_s:g}s and the Planner's loop has not turned "
                 f"for as long: it is hung or dead (see `overlord status` and the planner log), or raise Job.timeout_s"
             )
         # entry ids are <step+1>-0: ask for anything after <step>-0, so nothing is missed

@@ -150,7 +150,7 @@ class Sidecar:
                 missing = sorted(set(range(world)) - set(positions))
                 raise OverlordError(
                     f"resuming job {self.job.name!r}: rank(s) {missing} did not report a position within "
-                    f"{self.job.timeout_s:.0f}s; every trainer must call DataLoader.load_state_dict() before iterating"
+                    f"{self.job.timeout_s:g}s; every trainer must call DataLoader.load_state_dict() before iterating"
                 )
             time.sleep(POLL_S)
         step = min(p[0] for p in positions.values())

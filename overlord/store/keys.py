@@ -3,7 +3,7 @@
 All keys of a job share the hash tag `{<job>}` so they live in one Redis Cluster slot
 and multi-key transactions work on a managed cluster as on one server.
 
-    overlord:{job}:planner              hash   planner state: step, cursors (JSON), rng
+    overlord:{job}:planner              hash   step last planned, updated (time)
     overlord:{job}:plan:<step>          string plan of one step (JSON), expires
     overlord:{job}:plans                stream one entry per published plan (step)
     overlord:{job}:meta:<stream>        stream buffer metadata of one Source Loader

@@ -53,6 +53,8 @@ def test_tree_levels_and_consumers():
     assert [tree.needs_bytes(r) for r in range(4)] == [True, False, True, False]
     with pytest.raises(ConfigError):
         tree.buckets("PP")
+    # middle pipeline stages get only packing metadata
+    assert [ClientPlaceTree(Mesh(pp=3)).needs_bytes(r) for r in range(3)] == [True, False, True]
 
 
 def test_dynamic_schedule_follows_reported_losses_and_checkpoints_its_weights():
