@@ -211,6 +211,9 @@ class DGraph:
                 samples that fit nowhere are deferred to the next step.
             keep_order: keep the global batch's composition and order (round robin in
                 selection order); only the capacity is enforced.
+
+        Once one level is balanced, a level not named in any balance() call is
+        balanced greedily too (round robin applies only when nothing is balanced).
         """
         from overlord.planner.balance import get_balancer
 
