@@ -51,6 +51,9 @@ class Source:
             each epoch visits row groups in ascending order of that column's Parquet
             statistics (midpoint of min and max) instead of a random permutation, still
             shuffling inside the window. None: random row-group order.
+        shadow: keep a Shadow Loader (hot standby) for the loader process(es) hosting
+            this source, so that losing one does not stall the trainers while the
+            files are read again (costs the memory of a second read buffer).
     """
 
     name: str
@@ -63,6 +66,7 @@ class Source:
     partitions: int = 1
     on_error: str = "raise"
     difficulty: str | None = None
+    shadow: bool = False
 
     def __post_init__(self) -> None:
         _check_name("Source.name", self.name)
@@ -193,6 +197,8 @@ class Job:
         sample_ring_bytes: capacity of each ring from a loader process to a Data Constructor.
         plan_ahead: how many steps the Planner may run ahead of the slowest constructor.
         timeout_s: longest wait anywhere before an error is raised.
+        max_restarts: how many times the sidecar restarts one role that crashed (killed,
+            not failed with an error) before it gives up and fails the job.
         node: this node's id (shm names, membership).
         strategy: the orchestration strategy, "module:function" (overlord.planner.strategies).
         mixing: a mixing schedule (overlord.planner.schedule); None uses the source weights.
@@ -211,6 +217,7 @@ class Job:
     sample_ring_bytes: int = 8 << 20
     plan_ahead: int = 4
     timeout_s: float = 60.0
+    max_restarts: int = 10
     node: str = "node0"
     strategy: str = "overlord.planner.strategies:balanced"
     mixing: dict | None = None

@@ -6,11 +6,20 @@ another's), checks each is the one planned (stream, epoch, seq), applies the
 micro-batch transform (packing or padding) and writes every micro-batch into the ring
 of each trainer client of the group (its PP/CP/TP peers). Progress goes to Redis so
 the Planner stays at most `plan_ahead` steps ahead.
+
+Recovery. The last step written (`progress` c<dp>) is this role's checkpoint. A
+restarted Data Constructor continues at the step after it and asks the loader
+processes to replay that step's samples (`progress` r<dp>), since what its predecessor
+had read out of the rings died with it. Its rings may then hold a sample twice (sent
+before and after the restart) or samples of a later step: duplicates and samples of
+finished steps are dropped, later ones kept aside. A trainer likewise drops the
+micro-batches it already has (see overlord.torch.DataLoader).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -33,8 +42,9 @@ _WAIT_S = 0.05  # one futex wait on a loader ring when none has a record
 class DataConstructor:
     """The constructor of DP group `dp`."""
 
-    def __init__(self, job: Job, layout: Layout, dp: int, r, keys, stop: threading.Event, beat: Beat) -> None:
-        self.job, self.layout, self.dp = job, layout, dp
+    def __init__(self, job: Job, layout: Layout, dp: int, r, keys, stop: threading.Event, beat: Beat,
+                 restarted: bool = False) -> None:
+        self.job, self.layout, self.dp, self.restarted = job, layout, dp, restarted
         self.r, self.keys, self.stop, self.beat = r, keys, stop, beat
         self.inputs: list[Ring] = []
         for loader in range(layout.loaders):
@@ -48,13 +58,27 @@ class DataConstructor:
             self.outputs[rank] = ring
         self.truncated = 0
         self.skip: dict[int, int] = {}
+        self.stash: dict[tuple[int, int, int], tuple[int, dict[str, np.ndarray], str]] = {}  # samples of later steps
+        self.dropped = 0  # duplicate records seen (after a restart)
 
-    def run(self) -> None:
+    def _start(self) -> int:
+        """The first step to build: the job's (or the resume's), or after a restart the
+        step after the last one written, whose samples the loaders are asked to replay."""
         point = resume_point(self.r, self.keys)
-        step = point[0] if point else 0
+        first = point[0] if point else 0
+        if self.restarted:
+            done = self.r.hget(self.keys.progress, f"c{self.dp}")
+            step = int(done) + 1 if done is not None else first
+            self.r.hset(self.keys.progress, f"r{self.dp}", f"{os.getpid()}.{time.time():.6f}:{step}")
+            log.warning("DataConstructor dp=%d restarted at step %d; asked the loaders for a replay", self.dp, step)
+            return step
         # on a resume, micro-batches of the first steps a rank had already consumed
         raw = self.r.hgetall(self.keys.resume) if point else {}
         self.skip = {rank: int(raw.get(f"skip:{rank}".encode(), 0)) for rank in self.outputs}
+        return first
+
+    def run(self) -> None:
+        step = self._start()
         transform = pack if self.job.batch.packing else pad
         try:
             while not self.stop.is_set():
@@ -164,17 +188,20 @@ class DataConstructor:
     def _collect(self, step: int, items) -> dict[tuple[int, int, int], tuple[dict[str, np.ndarray], str]]:
         """Read this step's planned samples (`items`) from the loader rings."""
         wanted = set(items)
-        owed = [0] * len(self.inputs)
-        for s, _, _ in wanted:
-            owed[self.layout.loader_of[s]] += 1
         got: dict[tuple[int, int, int], tuple[dict[str, np.ndarray], str]] = {}
+        for ident in [i for i, (t, _, _) in self.stash.items() if t <= step]:
+            t, arrays, key = self.stash.pop(ident)
+            if t == step and ident in wanted:
+                got[ident] = (arrays, key)
+        owed = [0] * len(self.inputs)
+        for ident in wanted - set(got):
+            owed[self.layout.loader_of[ident[0]]] += 1
         deadline = time.monotonic() + self.job.timeout_s
         while any(owed):
             progressed = False
             for k, ring in enumerate(self.inputs):
-                while owed[k] and (view := ring.try_read()) is not None:
-                    self._take(step, k, view, wanted, got)
-                    owed[k] -= 1
+                while owed[k] and (view := self._try_read(ring)) is not None:
+                    owed[k] -= self._take(step, k, view, wanted, got)
                     progressed = True
             if progressed:
                 deadline = time.monotonic() + self.job.timeout_s
@@ -198,19 +225,37 @@ class DataConstructor:
                 view = self.inputs[k].read(timeout=_WAIT_S)
             except RingTimeout:
                 continue
-            self._take(step, k, view, wanted, got)
-            owed[k] -= 1
+            except PeerDied:
+                time.sleep(_WAIT_S)  # its loader process died: the sidecar starts another (or its shadow)
+                continue
+            owed[k] -= self._take(step, k, view, wanted, got)
         return got
 
-    def _take(self, step: int, loader: int, view, wanted, got) -> None:
-        """Check a sample record against the plan and copy it out of the ring."""
+    @staticmethod
+    def _try_read(ring: Ring):
+        try:
+            return ring.try_read()
+        except PeerDied:
+            return None
+
+    def _take(self, step: int, loader: int, view, wanted, got) -> int:
+        """Check a sample record against the plan and copy it out of the ring; 1 if it
+        was one this step still needed, 0 for a duplicate or a later step's sample."""
         arrays, meta = decode_batch(view)
-        ident = (meta["s"], meta["e"], meta["q"])
-        if meta["t"] != step or ident not in wanted or ident in got:
+        ident, t = (meta["s"], meta["e"], meta["q"]), meta["t"]
+        needed = 0
+        if t > step:
+            self.stash[ident] = (t, {name: a.copy() for name, a in arrays.items()}, meta["k"])
+        elif t < step or ident in got:
+            self.dropped += 1  # sent again after a restart
+        elif ident not in wanted:
             raise PlanError(
                 f"DataConstructor dp={self.dp} step {step}: loader process {loader} sent "
-                f"{meta['k']} (step {meta['t']}), which this step did not plan; this is a bug"
+                f"{meta['k']} (step {t}), which this step did not plan; this is a bug"
             )
-        # copy out: the view is released on the ring's next read
-        got[ident] = ({name: a.copy() for name, a in arrays.items()}, meta["k"])
+        else:
+            # copy out: the view is released on the ring's next read
+            got[ident] = ({name: a.copy() for name, a in arrays.items()}, meta["k"])
+            needed = 1
         self.inputs[loader].release()
+        return needed

@@ -22,7 +22,8 @@ def run_constructors(ctx) -> None:
     def one(dp: int) -> None:
         try:
             # a Redis client of its own: blocking reads of one must not delay another
-            DataConstructor(ctx.job, ctx.layout, dp, connect(ctx.redis_url), ctx.keys, ctx.stop, ctx.beat).run()
+            DataConstructor(ctx.job, ctx.layout, dp, connect(ctx.redis_url), ctx.keys, ctx.stop, ctx.beat,
+                            restarted=ctx.attempt > 0).run()
         except Stopped:
             pass
         except BaseException as exc:  # noqa: BLE001 - reported below with its DP group

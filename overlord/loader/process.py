@@ -5,134 +5,316 @@ read buffers and write them to the rings of their Data Constructors), then top u
 each stream's bounded read buffer by one chunk and report its metadata; when neither
 has work, block on the plans stream. Serving comes first so trainers never wait on a
 buffer refill that is not needed yet.
+
+Recovery. A sample sent for step t is kept until every Data Constructor has finished
+step t (their `progress`), so a restarted Data Constructor can ask for a replay of
+the steps it lost (`r<dp>` in `progress`). A process runs in one of two modes:
+
+- active: owns the rings to the Data Constructors and reports metadata.
+- shadow (a Shadow Loader, `Source.shadow`): a hot standby that follows the same plans
+  and holds the same read buffers, writing nothing. When the Planner promotes it (the
+  active's heartbeat lapsed), it claims the rings, reports its read buffers (the
+  Planner drops what it already knew) and replays to each Data Constructor the steps
+  it has not finished, from memory: no file is read again.
+
+A process started after the job began (a restart, or a new shadow) rebuilds its read
+buffers by replay from the planner checkpoint of the earliest unfinished step: reading
+order is a pure function of (seed, epoch, partition), so cursors are enough.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
-from overlord.errors import PlanError, RingFullError
+from overlord.errors import PeerDied, PlanError, RingFullError
 from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.planner import meta
+from overlord.planner.checkpoint import Checkpoints
+from overlord.planner.dgraph import Plan
 from overlord.planner.lowlevel import loader_do_plan
 from overlord.shm import Ring
-from overlord.sidecar.flow import Stopped, fetch_plan, push, resume_point
+from overlord.sidecar.flow import Stopped, push, resume_point
 from overlord.sidecar.layout import sample_ring
 
 log = logging.getLogger("overlord.loader")
 
 CHUNK = 64  # samples prepared per stream between two looks at the plans
 
+Item = tuple[int, int, int]  # (stream, epoch, seq)
 
-def run_loader(ctx) -> None:
-    job, r, keys, layout = ctx.job, ctx.r, ctx.keys, ctx.layout
-    hosted = [i for i, owner in enumerate(layout.loader_of) if owner == ctx.index]
-    loaders: dict[int, SourceLoader] = {}
-    for i in hosted:
-        src = job.sources[layout.stream_source[i]]
-        partition = int(layout.streams[i].rsplit(".", 1)[1])
-        loaders[i] = SourceLoader(src, partition, seed=job.seed, epochs=job.epochs)
-    buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in hosted}
-    reported_final = {i: False for i in hosted}
-    rings = []
-    for dp in range(job.mesh.dp):
-        ring = Ring.attach(sample_ring(job, ctx.index, dp), timeout=job.timeout_s)
-        ring.claim_producer()
-        rings.append(ring)
-    log.info("hosting streams %s", [layout.streams[i] for i in hosted])
 
-    low_water = max(1, job.buffer_samples // 2)
-    demand: dict[str, int] = {}  # stream -> samples the Planner needs it to hold (beyond the bound)
-    step = _resume(r, keys, layout, loaders, buffers)
-    try:
-        while not ctx.stop.is_set():
-            ctx.beat()
-            plan = fetch_plan(r, keys, step)
-            if plan is not None:
-                _serve(ctx, plan, buffers, rings)
-                step += 1
-                if plan.last:
-                    return
-                continue
-            filled = False
-            pipe = r.pipeline(transaction=False)  # one round trip for every chunk of this pass
-            for i, loader in loaders.items():
-                # refill only below the low-water mark, so a step that takes one sample
-                # from each of many streams does not cost one Redis write per stream
-                wanted = demand.get(layout.streams[i], 0)
-                room = max(job.buffer_samples, wanted) - len(buffers[i])
-                if reported_final[i] or room <= 0 or (room < low_water and wanted <= len(buffers[i])):
+class LoaderProcess:
+    """The Source Loaders of loader process `ctx.index`, active or shadow (`ctx.role`)."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        job, layout = ctx.job, ctx.layout
+        self.job, self.layout, self.r, self.keys = job, layout, ctx.r, ctx.keys
+        self.hosted = [i for i, owner in enumerate(layout.loader_of) if owner == ctx.index]
+        self.loaders: dict[int, SourceLoader] = {}
+        for i in self.hosted:
+            src = job.sources[layout.stream_source[i]]
+            partition = int(layout.streams[i].rsplit(".", 1)[1])
+            self.loaders[i] = SourceLoader(src, partition, seed=job.seed, epochs=job.epochs)
+        self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in self.hosted}  # not yet sent
+        self.sent: dict[int, list] = {}  # step -> its sends, kept until every constructor finished it
+        self.kept: dict[Item, Prepared] = {}  # samples of those steps
+        self.reported_final = {i: False for i in self.hosted}
+        self.active = ctx.role == "loader"
+        self.rings: list[Ring] = []
+        self.broken: set[int] = set()  # DP groups whose constructor died: they get a replay
+        self.replays: dict[int, bytes | None] = {}  # dp -> the replay request last handled
+        self.skip_upto: dict[int, int] = {}  # dp -> steps it finished before this process started
+        self.token: bytes | None = None  # the Planner's fencing token last seen
+        self.demand: dict[str, int] = {}
+        self.low_water = max(1, job.buffer_samples // 2)
+        self.last_step: int | None = None
+        self.step = 0
+        self._pipe = None  # metadata reports queued for one round trip
+
+    # -- start -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        progress = self.r.hgetall(self.keys.progress)
+        point = resume_point(self.r, self.keys)
+        first = point[0] if point else 0
+        done = {dp: int(progress.get(f"c{dp}".encode(), first - 1)) for dp in range(self.job.mesh.dp)}
+        self.replays = {dp: progress.get(f"r{dp}".encode()) for dp in done}
+        self.step = min(done.values()) + 1 if done else first
+        if self.step > 0:
+            self._rebuild(self.step, point[1] if point and self.step == first else None)
+        self.skip_upto = done
+        if self.active:
+            self._claim_rings()
+        log.info("%s loader process %d at step %d hosting streams %s", "active" if self.active else "shadow",
+                 self.ctx.index, self.step, [self.layout.streams[i] for i in self.hosted])
+
+    def _rebuild(self, step: int, state: dict | None) -> None:
+        """Start every stream after its cursor in the planner state before `step` and
+        re-prepare the samples that state deferred (they sit behind the cursors)."""
+        state = state or Checkpoints(self.keys).load(self.r, step)
+        for i, loader in self.loaders.items():
+            epoch, seq = state["cursors"][self.layout.streams[i]]
+            loader.start_at(epoch, seq + 1)
+        deferred: dict[tuple[int, int], list[int]] = {}
+        for stream, epoch, seq, *_ in state["deferred"]:
+            if stream in self.loaders:
+                deferred.setdefault((stream, epoch), []).append(seq)
+        for (stream, epoch), seqs in deferred.items():
+            for sample in self.loaders[stream].prepare_at(epoch, seqs):
+                self.buffers[stream][(sample.epoch, sample.seq)] = sample
+        log.info("rebuilt read buffers at step %d from the planner checkpoint (%d deferred samples re-read)",
+                 step, sum(len(v) for v in deferred.values()))
+
+    def _claim_rings(self) -> None:
+        for dp in range(self.job.mesh.dp):
+            ring = Ring.attach(sample_ring(self.job, self.ctx.index, dp), timeout=self.job.timeout_s)
+            ring.claim_producer()
+            self.rings.append(ring)
+
+    # -- loop --------------------------------------------------------------------------
+
+    def run(self) -> None:
+        ctx = self.ctx
+        self.start()
+        try:
+            while not ctx.stop.is_set():
+                ctx.beat()
+                pipe = self.r.pipeline(transaction=False)
+                pipe.get(self.keys.plan(self.step))
+                pipe.hgetall(self.keys.progress)
+                pipe.hget(self.keys.planner, "token")
+                pipe.hget(self.keys.active, ctx.index)
+                raw_plan, progress, token, active_pid = pipe.execute()
+                if not self.active and active_pid is not None and int(active_pid) == os.getpid():
+                    self._promote(progress)
+                self._follow(progress)
+                if token != self.token:
+                    if self.token is not None and self.active:
+                        self._report_all()  # a new Planner knows only its checkpoint
+                    self.token = token
+                if self.last_step is not None and self.step > self.last_step:
+                    if self._finished(progress):
+                        return
+                    ctx.stop.wait(0.05)
                     continue
-                samples, ended = loader.prepare(min(CHUNK, room))
-                for s in samples:
-                    buffers[i][(s.epoch, s.seq)] = s
-                chunk = meta.MetaChunk(
-                    epoch=samples[0].epoch if samples else loader.epoch,
-                    seq=[s.seq for s in samples],
-                    tokens=[s.tokens for s in samples],
-                    patches=[s.patches for s in samples],
-                    nbytes=[s.nbytes for s in samples],
-                    ended=ended,
-                    final=loader.finished,
-                )
-                pipe.xadd(keys.meta(layout.streams[i]), meta.encode(chunk), maxlen=job.buffer_samples + 64, approximate=True)
-                reported_final[i] = loader.finished
-                if loader.skipped:
-                    pipe.hset(keys.counters, f"skipped:{loader.source.name}.{loader.partition}", loader.skipped)
-                filled = True
-            pipe.execute()
-            if not filled:
-                r.xread({keys.plans: f"{step}-0"}, block=200, count=1)
-                demand = {k.decode(): int(v) for k, v in r.hgetall(keys.demand).items()}
-    except Stopped:
-        return
-    finally:
-        for ring in rings:
-            ring.close()
+                if raw_plan is not None:
+                    plan = Plan.from_json(raw_plan)
+                    self._serve(plan)
+                    self.step += 1
+                    if plan.last:
+                        self.last_step = plan.step
+                    continue
+                if not self._refill():
+                    self.r.xread({self.keys.plans: f"{self.step}-0"}, block=200, count=1)
+                    self.demand = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.demand).items()}
+        except Stopped:
+            return
+        finally:
+            for ring in self.rings:
+                ring.close()
 
+    def _finished(self, progress) -> bool:
+        """After the last plan: stay (to serve replays) until every constructor is done."""
+        return all(int(progress.get(f"c{dp}".encode(), -1)) >= self.last_step for dp in range(self.job.mesh.dp))
 
-def _resume(r, keys, layout, loaders, buffers) -> int:
-    """On a resume, start every stream after its planner cursor and re-prepare the
-    samples the checkpoint deferred (they sit behind the cursor); returns the first step."""
-    point = resume_point(r, keys)
-    if point is None:
-        return 0
-    step, state = point
-    for i, loader in loaders.items():
-        epoch, seq = state["cursors"][layout.streams[i]]
-        loader.start_at(epoch, seq + 1)
-    deferred: dict[tuple[int, int], list[int]] = {}
-    for stream, epoch, seq, *_ in state["deferred"]:
-        if stream in loaders:
-            deferred.setdefault((stream, epoch), []).append(seq)
-    for (stream, epoch), seqs in deferred.items():
-        for sample in loaders[stream].prepare_at(epoch, seqs):
-            buffers[stream][(sample.epoch, sample.seq)] = sample
-    log.info("resuming at step %d after the planner's cursors (%d deferred samples re-read)",
-             step, sum(len(v) for v in deferred.values()))
-    return step
+    def _follow(self, progress: dict) -> None:
+        """Drop what every constructor has finished; serve replay requests."""
+        done = [int(progress.get(f"c{dp}".encode(), -1)) for dp in range(self.job.mesh.dp)]
+        finished = min(done, default=-1)
+        for t in [t for t in self.sent if t <= finished]:
+            for _, _, _, item in self.sent.pop(t):
+                self.kept.pop(item, None)
+        for dp in range(self.job.mesh.dp):
+            request = progress.get(f"r{dp}".encode())
+            if request == self.replays.get(dp):
+                continue
+            self.replays[dp] = request
+            if self.active and request is not None:
+                self.broken.discard(dp)
+                self._replay(dp, int(request.split(b":")[1]))
 
+    def _replay(self, dp: int, first: int) -> None:
+        """Send again to constructor `dp` every kept sample of steps >= `first`."""
+        count = 0
+        for t in sorted(t for t in self.sent if t >= first):
+            for d, bucket, mb, item in self.sent[t]:
+                if d == dp:
+                    self._push(t, d, bucket, mb, item, self.kept[item])
+                    count += 1
+        log.info("replayed %d sample(s) of steps >= %d to Data Constructor dp=%d", count, first, dp)
 
-def _serve(ctx, plan, buffers, rings) -> None:
-    """Send this process's samples of `plan` to their Data Constructors, in plan order."""
-    sends = loader_do_plan(plan, ctx.job.mesh, set(buffers))
-    for dp, bucket, mb, (stream, epoch, seq) in sends:
-        sample = buffers[stream].get((epoch, seq))
+    def _promote(self, progress: dict) -> None:
+        """Shadow -> active: claim the rings, report the read buffers, replay unfinished steps."""
+        ctx = self.ctx
+        log.warning("promoted: shadow of loader process %d becomes active at step %d", ctx.index, self.step)
+        ctx.role = "loader"
+        ctx.publish_heartbeat()
+        self._claim_rings()
+        self.active = True
+        self._report_all()
+        for dp in range(self.job.mesh.dp):
+            self.replays[dp] = progress.get(f"r{dp}".encode())
+            self._replay(dp, int(progress.get(f"c{dp}".encode(), -1)) + 1)
+        self.skip_upto = {}
+
+    # -- serving -----------------------------------------------------------------------
+
+    def _serve(self, plan) -> None:
+        """Send this process's samples of `plan` to their Data Constructors, in plan order."""
+        sends = loader_do_plan(plan, self.job.mesh, set(self.buffers))
+        samples = []
+        for _, _, _, item in sends:  # a sample may go to two constructors (tokens and images apart)
+            if item not in self.kept:
+                self.kept[item] = self._take(plan.step, item)
+            samples.append(self.kept[item])
+        self.sent[plan.step] = sends
+        if not self.active:
+            return
+        for (dp, bucket, mb, item), sample in zip(sends, samples):
+            if dp in self.broken or plan.step <= self.skip_upto.get(dp, -1):
+                continue  # finished before this process started, or sent again on a replay request
+            self._push(plan.step, dp, bucket, mb, item, sample)
+
+    def _take(self, step: int, item: Item) -> Prepared:
+        stream, epoch, seq = item
+        sample = self.buffers[stream].pop((epoch, seq), None)
+        if sample is None:
+            self._prepare_through(stream, epoch, seq)
+            sample = self.buffers[stream].pop((epoch, seq), None)
         if sample is None:
             raise PlanError(
-                f"plan {plan.step} asks stream {ctx.layout.streams[stream]!r} for epoch {epoch} seq {seq}, "
-                "which is not in its read buffer (planner and loader disagree; this is a bug)"
+                f"plan {step} asks stream {self.layout.streams[stream]!r} for epoch {epoch} seq {seq}, "
+                "which its Source Loader does not hold (planner and loader disagree; this is a bug)"
             )
-        record_meta = {"s": stream, "e": epoch, "q": seq, "k": sample.key, "t": plan.step, "b": bucket, "m": mb}
+        return sample
+
+    def _prepare_through(self, stream: int, epoch: int, seq: int) -> None:
+        """Read on until (epoch, seq) is prepared: a rebuilt loader may be behind the plans."""
+        loader = self.loaders[stream]
+        while (loader.epoch, loader.seq) <= (epoch, seq) and not loader.finished:
+            self._prepare(stream, CHUNK)
+        self._flush_reports()
+
+    def _push(self, step: int, dp: int, bucket: int, mb: int, item: Item, sample: Prepared) -> None:
+        stream, epoch, seq = item
+        record_meta = {"s": stream, "e": epoch, "q": seq, "k": sample.key, "t": step, "b": bucket, "m": mb}
         try:
-            push(rings[dp], sample.arrays, record_meta, ctx.stop, ctx.beat)
+            push(self.rings[dp], sample.arrays, record_meta, self.ctx.stop, self.ctx.beat)
+        except PeerDied:
+            # its Data Constructor died: the restarted one asks for a replay of what it lost
+            log.warning("Data Constructor dp=%d died; holding its samples for a replay", dp)
+            self.broken.add(dp)
         except RingFullError as exc:
-            source = ctx.job.sources[ctx.layout.stream_source[stream]].name
+            source = self.job.sources[self.layout.stream_source[stream]].name
             raise RingFullError(
                 f"sample {sample.key} from source {source!r} is {sample.nbytes} B, larger than the "
-                f"loader-to-constructor ring (Job.sample_ring_bytes={ctx.job.sample_ring_bytes}); "
+                f"loader-to-constructor ring (Job.sample_ring_bytes={self.job.sample_ring_bytes}); "
                 "raise Job.sample_ring_bytes"
             ) from exc
-    # a sample may go to two constructors (tokens and images apart): drop it once all are sent
-    for _, _, _, (stream, epoch, seq) in sends:
-        buffers[stream].pop((epoch, seq), None)
+
+    # -- reading and reporting ---------------------------------------------------------
+
+    def _refill(self) -> bool:
+        """Top up every stream below its low-water mark by one chunk; True if any was."""
+        filled = False
+        for i, loader in self.loaders.items():
+            # refill only below the low-water mark, so a step that takes one sample
+            # from each of many streams does not cost one Redis write per stream
+            wanted = self.demand.get(self.layout.streams[i], 0)
+            room = max(self.job.buffer_samples, wanted) - len(self.buffers[i])
+            if self.reported_final[i] or room <= 0 or (room < self.low_water and wanted <= len(self.buffers[i])):
+                continue
+            self._prepare(i, min(CHUNK, room))
+            filled = True
+        self._flush_reports()
+        return filled
+
+    def _prepare(self, i: int, limit: int) -> None:
+        loader = self.loaders[i]
+        samples, ended = loader.prepare(limit)
+        for s in samples:
+            self.buffers[i][(s.epoch, s.seq)] = s
+        self.reported_final[i] = loader.finished
+        if self.active:
+            self._report(i, samples, ended, loader.epoch)
+
+    def _report(self, i: int, samples: list[Prepared], ended, epoch: int) -> None:
+        if self._pipe is None:
+            self._pipe = self.r.pipeline(transaction=False)
+        loader = self.loaders[i]
+        chunk = meta.MetaChunk(
+            epoch=samples[0].epoch if samples else epoch,
+            seq=[s.seq for s in samples],
+            tokens=[s.tokens for s in samples],
+            patches=[s.patches for s in samples],
+            nbytes=[s.nbytes for s in samples],
+            ended=ended,
+            final=loader.finished,
+        )
+        self._pipe.xadd(self.keys.meta(self.layout.streams[i]), meta.encode(chunk))
+        if loader.skipped:
+            self._pipe.hset(self.keys.counters, f"skipped:{loader.source.name}.{loader.partition}", loader.skipped)
+
+    def _flush_reports(self) -> None:
+        pipe = self._pipe
+        if pipe is not None:
+            self._pipe = None
+            pipe.execute()
+
+    def _report_all(self) -> None:
+        """Report every unsent sample again, in order (the Planner keeps what is new)."""
+        for i, buffer in self.buffers.items():
+            by_epoch: dict[int, list[Prepared]] = {}
+            for key in sorted(buffer):
+                by_epoch.setdefault(key[0], []).append(buffer[key])
+            for epoch, samples in sorted(by_epoch.items()):
+                self._report(i, samples, [], epoch)
+            if not by_epoch and self.loaders[i].finished:
+                self._report(i, [], [], self.loaders[i].epoch)
+        self._flush_reports()
+
+
+def run_loader(ctx) -> None:
+    LoaderProcess(ctx).run()

@@ -47,15 +47,29 @@ class Stream:
     count: int = 0  # reported and not yet planned
     final: bool = False  # the loader has reported every sample it will ever prepare
     cursor: tuple[int, int] = (0, -1)  # (epoch, seq) of the last planned sample
+    known: tuple[int, int] = (0, -1)  # (epoch, seq) of the last sample reported or planned
 
     def add(self, index: int, chunk: MetaChunk) -> None:
-        if len(chunk):
-            rows = np.empty(len(chunk), dtype=ITEM)
+        """Append a reported chunk; samples already known are dropped.
+
+        A restarted or promoted Source Loader, and every loader after a Planner took
+        over, reports again from where it stands: the order is the same, so what is
+        new is exactly what lies after `known`.
+        """
+        seq = np.asarray(chunk.seq)
+        if chunk.epoch < self.known[0]:
+            seq = seq[:0]
+        elif chunk.epoch == self.known[0]:
+            seq = seq[seq > self.known[1]]
+        fresh = len(chunk) - len(seq)
+        if len(seq):
+            rows = np.empty(len(seq), dtype=ITEM)
             rows["stream"], rows["source"], rows["epoch"] = index, self.source, chunk.epoch
-            rows["seq"], rows["tokens"] = chunk.seq, chunk.tokens
-            rows["patches"], rows["nbytes"] = chunk.patches, chunk.nbytes
+            rows["seq"], rows["tokens"] = seq, np.asarray(chunk.tokens)[fresh:]
+            rows["patches"], rows["nbytes"] = np.asarray(chunk.patches)[fresh:], np.asarray(chunk.nbytes)[fresh:]
             self.chunks.append(rows)
             self.count += len(rows)
+            self.known = (int(chunk.epoch), int(seq[-1]))
         self.final = self.final or chunk.final
 
     def peek(self, n: int) -> np.ndarray:
@@ -80,6 +94,7 @@ class Stream:
             n -= len(self.chunks.pop(0))
         self.offset = n
         self.cursor = (int(last["epoch"]), int(last["seq"]))
+        self.known = max(self.known, self.cursor)
 
 
 class Buffer:

@@ -93,6 +93,8 @@ class PlannerCore:
         self.wanted: dict[int, int] = {}  # stream -> samples it must hold, while a step waits
         self.step = 0
         self.done = False
+        self._dirty: set[int] = set()  # streams whose cursor moved since the last delta()
+        self._rr_written = list(self.rr)  # round robin as of the last delta()
 
     @property
     def streams(self):
@@ -115,6 +117,22 @@ class PlannerCore:
             "done": self.done,
         }
 
+    def delta(self) -> dict:
+        """What changed in `state()` since the last call: a differential checkpoint
+        (see checkpoint.py), O(streams touched) rather than O(streams)."""
+        cursors = {self.streams[i].name: list(self.streams[i].cursor) for i in sorted(self._dirty)}
+        rr = {str(i): v for i, (v, old) in enumerate(zip(self.rr, self._rr_written)) if v != old}
+        self._dirty.clear()
+        self._rr_written = list(self.rr)
+        return {
+            "step": self.step,
+            "cursors": cursors,
+            "round_robin": rr,
+            "deferred": [[int(r[f]) for f in _DEFERRED_FIELDS] for r in self.deferred],
+            "schedule": self.schedule.state() if hasattr(self.schedule, "state") else None,
+            "done": self.done,
+        }
+
     def restore(self, state: dict) -> None:
         """Continue from a `state()` taken after some step, before any metadata arrives.
 
@@ -128,8 +146,10 @@ class PlannerCore:
                 "a job's sources and partitions cannot change across a resume"
             )
         for stream in self.streams:
-            stream.cursor = tuple(state["cursors"][stream.name])
+            stream.cursor = stream.known = tuple(state["cursors"][stream.name])
         self.step, self.rr, self.done = int(state["step"]), list(state["round_robin"]), bool(state.get("done"))
+        self._dirty.clear()
+        self._rr_written = list(self.rr)
         rows = np.zeros(len(state["deferred"]), dtype=ITEM)
         for row, values in zip(rows, state["deferred"]):
             for field, value in zip(_DEFERRED_FIELDS, values):
@@ -169,6 +189,7 @@ class PlannerCore:
         self.wanted = {}
         self._check(planned)
         self.buffer.commit(planned.take)
+        self._dirty.update(planned.take)
         self.rr, self.deferred = planned.round_robin, planned.deferred
         self.step += 1
         self.done = planned.plan.last

@@ -1,38 +1,72 @@
 """The Planner role: reads buffer metadata from Redis, publishes one plan per step.
 
 Per step it does O(1) Redis operations: one XREAD over every loader's metadata
-stream, one HGETALL of constructor progress, and one MULTI that writes the plan
-(`plan:<step>`, expiring), notifies (`plans` stream, entry id `<step+1>-0` so a
-reader waiting for step t asks for ids after `t-0` and cannot miss it) and saves the
-planner state (step, cursors, RNG) — so the state in Redis never refers to a plan
-that was not written.
+stream, one HGETALL of constructor progress, and one fenced MULTI (see lease.py)
+that writes the plan (`plan:<step>`, expiring), notifies (`plans` stream, entry id
+`<step+1>-0` so a reader waiting for step t asks for ids after `t-0` and cannot miss
+it) and saves the differential checkpoint of the state before the next step (see
+checkpoint.py) — so the state in Redis never refers to a plan that was not written.
+
+Only the holder of the job's lease plans. A Planner that takes the lease continues
+from the newest checkpoint; publishing its token in the `planner` hash tells every
+Source Loader to report its read buffer again (the new Planner knows only cursors;
+it drops what it already has). It also promotes a Shadow Loader whose active loader's
+heartbeat lapsed.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+
+import redis
 
 from overlord.errors import PlanError
 from overlord.planner import meta
+from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.core import PlannerCore, resolve_strategy
+from overlord.planner.lease import Lease, Superseded
 from overlord.planner.schedule import Dynamic, from_config, mixing_unit
 from overlord.planner.tree import ClientPlaceTree
-from overlord.sidecar.flow import alive_within, resume_point
+from overlord.sidecar.flow import HEARTBEAT_S, alive_within
 
 log = logging.getLogger("overlord.planner")
 
 PLAN_TTL_S = 3600
-CKPT_KEEP = 1024  # planner checkpoints kept (steps a trainer may resume at, behind the newest)
 WAIT_MS = 20
 AHEAD_POLL_S = 0.002
+PROMOTE_CHECK_S = 0.1
 
 
 def run_planner(ctx) -> None:
-    """Plan steps until the job's last epoch ends (or forever); see module doc."""
-    job, r, keys, layout = ctx.job, ctx.r, ctx.keys, ctx.layout
-    core = PlannerCore(
+    """Lead (or wait to lead) the job's planning until its last step is planned."""
+    lease = Lease(ctx.r, ctx.keys, node=ctx.job.node)
+    threading.Thread(target=lease.renew_forever, args=(ctx.stop,), daemon=True, name="lease").start()
+    try:
+        while not ctx.stop.is_set():
+            try:
+                token = lease.acquire(ctx.stop, ctx.beat)
+            except Superseded:
+                return
+            try:
+                _lead(ctx, lease, token)
+                return
+            except Superseded as exc:
+                log.warning("%s; waiting to lead again", exc)
+            except redis.ConnectionError as exc:
+                log.warning("Redis unreachable while planning (%s); retrying from the newest checkpoint", exc)
+                ctx.stop.wait(0.5)
+    finally:
+        try:
+            lease.release()
+        except redis.RedisError:
+            pass
+
+
+def _core(job, layout) -> PlannerCore:
+    return PlannerCore(
         streams=layout.streams,
         stream_source=layout.stream_source,
         tree=ClientPlaceTree(job.mesh),
@@ -46,19 +80,36 @@ def run_planner(ctx) -> None:
         drop_last=job.batch.drop_last,
         mixing_unit=mixing_unit(job.mixing),
     )
-    resume = resume_point(r, keys)
-    if resume is not None:
-        core.restore(resume[1])
-        log.info("resuming at step %d from the planner checkpoint", core.step)
-    else:
-        r.hset(keys.ckpt, 0, json.dumps(core.state()))
-    first = core.step  # 0, or the step a resume starts at
+
+
+def _lead(ctx, lease: Lease, token: int) -> None:
+    """Plan from the newest checkpoint while holding the lease; returns after the last step."""
+    job, r, keys, layout = ctx.job, ctx.r, ctx.keys, ctx.layout
+    core = _core(job, layout)
+    ckpts = Checkpoints(keys)
+    newest = ckpts.newest(r)
+    if newest is not None:
+        core.restore(ckpts.load(r, newest))
+
+    def take_over(pipe) -> None:
+        pipe.hset(keys.planner, mapping={"token": token, "leader_since": time.time()})
+        if newest is None:
+            ckpts.write(pipe, 0, None, core.state)
+
+    lease.fenced(take_over)
+    log.info("leading with token %d from step %d%s", token, core.step,
+             " (from the newest checkpoint)" if newest is not None else "")
+    first = core.step
     asked: dict[int, int] = {}  # what the loaders were last asked to hold, per stream
     index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
     last_ids = {keys.meta(name): "0-0" for name in layout.streams}
     waiting_since = time.monotonic()
+    promoter = _Promoter(ctx, lease)
     while not ctx.stop.is_set():
         ctx.beat()
+        if lease.lost.is_set():
+            raise Superseded(f"the Planner lease (token {token}) lapsed")
+        promoter.check()
         progress = r.hgetall(keys.progress)
         slowest = min((int(progress.get(f"c{d}".encode(), first - 1)) for d in range(job.mesh.dp)), default=first - 1)
         ahead = core.step - slowest > job.plan_ahead
@@ -68,13 +119,16 @@ def run_planner(ctx) -> None:
             core.schedule.observe(core.step, _reported_metrics(r, keys))
         plan = None if ahead else core.plan_step()
         if plan is not None:
-            pipe = r.pipeline(transaction=True)
-            pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
-            pipe.xadd(keys.plans, {"step": plan.step, "last": int(plan.last)}, id=f"{plan.step + 1}-0", maxlen=1000, approximate=True)
-            pipe.hset(keys.planner, mapping={"step": plan.step, "updated": time.time()})
-            pipe.hset(keys.ckpt, core.step, json.dumps(core.state()))  # where a resume at step core.step starts
-            pipe.hdel(keys.ckpt, core.step - CKPT_KEEP)
-            pipe.execute()
+            delta = core.delta()
+
+            def publish(pipe, plan=plan, delta=delta) -> None:
+                pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
+                pipe.xadd(keys.plans, {"step": plan.step, "last": int(plan.last)}, id=f"{plan.step + 1}-0",
+                          maxlen=1000, approximate=True)
+                pipe.hset(keys.planner, mapping={"step": plan.step, "updated": time.time()})
+                ckpts.write(pipe, core.step, delta, core.state)  # where a resume at step core.step starts
+
+            lease.fenced(publish)
             waiting_since = time.monotonic()
             if plan.last:
                 log.info("planned the last step %d; planner done", plan.step)
@@ -114,6 +168,48 @@ def run_planner(ctx) -> None:
                 f"buffered: {starving}. Check the loader logs in {ctx.run_dir}, "
                 "or raise Job.timeout_s for slow transforms"
             )
+
+
+class _Promoter:
+    """Promotes a Shadow Loader when its active loader's heartbeat is gone."""
+
+    def __init__(self, ctx, lease: Lease) -> None:
+        self.ctx, self.lease = ctx, lease
+        self.shadowed = list(ctx.layout.shadowed)
+        self.next_check = 0.0
+        self.promoted_at: dict[int, float] = {}
+
+    def check(self) -> None:
+        if not self.shadowed or time.monotonic() < self.next_check:
+            return
+        self.next_check = time.monotonic() + PROMOTE_CHECK_S
+        r, keys = self.ctx.r, self.ctx.keys
+        pipe = r.pipeline(transaction=False)
+        for k in self.shadowed:
+            pipe.get(keys.heartbeat("loader", str(k)))
+            pipe.get(keys.heartbeat("shadow", str(k)))
+        pipe.hgetall(keys.active)
+        *beats, active = pipe.execute()
+        for n, k in enumerate(self.shadowed):
+            loader_hb, shadow_hb = beats[2 * n], beats[2 * n + 1]
+            if loader_hb is not None or shadow_hb is None:
+                continue
+            if time.monotonic() - self.promoted_at.get(k, -1e9) < 3 * HEARTBEAT_S:
+                continue  # the promoted one has not beaten as a loader yet
+            shadow = json.loads(shadow_hb)
+            previous = active.get(str(k).encode())
+            if previous is not None and int(previous) == shadow["pid"]:
+                continue
+
+            def promote(pipe, k=k, shadow=shadow, previous=previous) -> None:
+                pipe.hset(keys.active, k, shadow["pid"])
+                pipe.xadd(keys.promotions, {"loader": k, "pid": shadow["pid"], "node": shadow["node"],
+                                            "previous": previous or b"", "time": time.time(),
+                                            "reason": "active heartbeat lapsed"}, maxlen=1000, approximate=True)
+
+            self.lease.fenced(promote)
+            self.promoted_at[k] = time.monotonic()
+            log.warning("loader process %d: active heartbeat lapsed; promoted its shadow (pid %d)", k, shadow["pid"])
 
 
 def _reported_metrics(r, keys) -> dict[str, float]:

@@ -105,10 +105,9 @@ def wait_plan(r: redis.Redis, keys: Keys, step: int, stop: threading.Event, time
 
 def resume_point(r, keys) -> tuple[int, dict] | None:
     """(step, planner state) the sidecar chose to resume at, or None for a fresh start."""
+    from overlord.planner.checkpoint import Checkpoints
+
     step = r.hget(keys.resume, "step")
     if step is None:
         return None
-    raw = r.hget(keys.ckpt, int(step))
-    if raw is None:
-        raise PlanError(f"no planner checkpoint for step {int(step)}; cannot resume there")
-    return int(step), json.loads(raw)
+    return int(step), Checkpoints(keys).load(r, int(step))

@@ -28,6 +28,7 @@ class Layout:
     loaders: int
     constructor_hosts: int
     constructor_of: list[int]  # dp group -> constructor host index
+    shadowed: list[int]  # loader processes that have a Shadow Loader process
 
     @classmethod
     def plan(cls, job: Job) -> "Layout":
@@ -39,13 +40,16 @@ class Layout:
         cpus = len(os.sched_getaffinity(0))
         loaders = job.loader_processes or max(1, min(len(streams), cpus // 2 or 1))
         loaders = min(loaders, len(streams))
+        loader_of = [i % loaders for i in range(len(streams))]
+        shadowed = sorted({loader_of[i] for i, src in enumerate(stream_source) if job.sources[src].shadow})
         return cls(
             streams=streams,
             stream_source=stream_source,
-            loader_of=[i % loaders for i in range(len(streams))],
+            loader_of=loader_of,
             loaders=loaders,
             constructor_hosts=1,
             constructor_of=[0] * job.mesh.dp,
+            shadowed=shadowed,
         )
 
     def to_json(self) -> str:

@@ -1,12 +1,14 @@
 """Entry point and shared plumbing of every role process a sidecar starts.
 
-    python -m overlord.sidecar.role {planner|loader|constructor} --run-dir DIR --index N
+    python -m overlord.sidecar.role {planner|loader|shadow|constructor} --run-dir DIR --index N [--attempt K]
 
 The job comes from DIR/job.json (JSON, never a pickle) and the Redis URL from the
 OVERLORD_REDIS_URL environment variable (so a password never shows in `ps`). A role
 that fails pushes one JSON error record (role, index, node, pid, message) to
 `overlord:{job}:errors` before exiting non-zero; the sidecar forwards it to the
-trainers. Each role keeps a heartbeat key with a TTL.
+trainers. Each role keeps a heartbeat key with a TTL. `--attempt` counts the sidecar's
+restarts of this role: a restarted role recovers its position from Redis instead of
+starting the job.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from overlord.store import Keys, connect
 log = logging.getLogger("overlord")
 
 HEARTBEAT_TTL_S = 5
-ROLES = ("planner", "loader", "constructor")
-ROLE_TITLES = {"planner": "Planner", "loader": "SourceLoader process", "constructor": "DataConstructor host"}
+ROLES = ("planner", "loader", "shadow", "constructor")
+ROLE_TITLES = {"planner": "Planner", "loader": "SourceLoader process", "shadow": "ShadowLoader process",
+               "constructor": "DataConstructor host"}
 
 
 @dataclass
@@ -46,6 +49,7 @@ class RoleContext:
     job: Job
     redis_url: str
     run_dir: Path
+    attempt: int = 0
     r: redis.Redis = field(init=False)
     keys: Keys = field(init=False)
     layout: Layout = field(init=False)
@@ -62,16 +66,19 @@ class RoleContext:
     def origin(self) -> str:
         return f"{ROLE_TITLES[self.role]} {self.index} on node {self.job.node!r} (pid {os.getpid()})"
 
+    def publish_heartbeat(self) -> None:
+        """Write this role's heartbeat now (the role may change: a shadow is promoted)."""
+        self.r.set(
+            self.keys.heartbeat(self.role, str(self.index)),
+            json.dumps({"pid": os.getpid(), "node": self.job.node, "time": time.time(),
+                        "loop_age": round(self.beat.age(), 3), "attempt": self.attempt}),
+            ex=HEARTBEAT_TTL_S,
+        )
+
     def heartbeat_forever(self) -> None:
-        key = self.keys.heartbeat(self.role, str(self.index))
         while not self.stop.is_set():
             try:
-                self.r.set(
-                    key,
-                    json.dumps({"pid": os.getpid(), "node": self.job.node, "time": time.time(),
-                                "loop_age": round(self.beat.age(), 3)}),
-                    ex=HEARTBEAT_TTL_S,
-                )
+                self.publish_heartbeat()
             except redis.RedisError:
                 pass  # the control path may blip; data keeps flowing
             self.stop.wait(HEARTBEAT_S)
@@ -97,7 +104,7 @@ class RoleContext:
 def _run(ctx: RoleContext) -> None:
     if ctx.role == "planner":
         from overlord.planner.process import run_planner as main
-    elif ctx.role == "loader":
+    elif ctx.role in ("loader", "shadow"):
         from overlord.loader.process import run_loader as main
     else:
         from overlord.constructor.process import run_constructors as main
@@ -109,11 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role", choices=ROLES)
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--attempt", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("OVERLORD_LOG", "INFO"), format=f"%(asctime)s {args.role}{args.index} %(message)s", force=True)
     run_dir = Path(args.run_dir)
     job = Job.from_dict(json.loads((run_dir / "job.json").read_text()))
-    ctx = RoleContext(args.role, args.index, job, os.environ["OVERLORD_REDIS_URL"], run_dir)
+    ctx = RoleContext(args.role, args.index, job, os.environ["OVERLORD_REDIS_URL"], run_dir, args.attempt)
     signal.signal(signal.SIGTERM, lambda *_: ctx.stop.set())
     threading.Thread(target=ctx.heartbeat_forever, daemon=True, name="heartbeat").start()
     try:

@@ -8,8 +8,21 @@ host as child processes that die with the sidecar (PR_SET_PDEATHSIG).
 
 While running it watches the children. A child that fails has pushed its error record
 to Redis; the sidecar copies that message into every trainer's ring, so the trainer
-raises it with its origin, then stops the job. On the way out every ring is unlinked
-and the embedded Redis is stopped.
+raises it with its origin, then stops the job. A child that was killed (a signal, not
+an error of its own) is restarted, up to `Job.max_restarts` times per role, and
+recovers from Redis:
+
+- the Planner: its lease is dropped at once, and the new one leads from the newest
+  checkpoint;
+- a Source Loader process with a shadow: its heartbeat is dropped, so the Planner
+  promotes the shadow; a new shadow is started behind it;
+- one without a shadow (or a shadow): started again, rebuilding its read buffers
+  from the planner checkpoint of the earliest unfinished step;
+- the Data Constructor host: started again at the step after the last one written.
+
+The embedded redis-server is restarted too (from its append-only file) if it dies;
+the roles ride through the gap (see overlord.store.client). On the way out every ring
+is unlinked and the embedded Redis is stopped.
 """
 
 from __future__ import annotations
@@ -23,8 +36,12 @@ import threading
 import time
 from pathlib import Path
 
+import redis
+
 from overlord.config import Job
 from overlord.errors import OverlordError
+from overlord.planner.checkpoint import Checkpoints
+from overlord.planner.lease import release_dead
 from overlord.shm import pid_alive as _alive
 from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
@@ -74,6 +91,8 @@ class Sidecar:
         self.run_dir = job.run_path
         self.redis: EmbeddedRedis | None = None
         self.children: dict[str, RoleProcess] = {}
+        self.attempts: dict[str, int] = {}  # role<index> -> restarts so far
+        self.awaiting: dict[int, float] = {}  # loader process -> when its shadow's promotion was awaited
         self.rings: list[Ring] = []
         self.client_rings: dict[int, Ring] = {}
         self.stop = threading.Event()
@@ -104,7 +123,7 @@ class Sidecar:
 
     def _publish(self, r, layout: Layout) -> None:
         # forget the last run's plans, metadata and errors; a resume keeps the checkpoints
-        keep = {self.keys.ckpt.encode(), self.keys.ckpt_layout.encode()} if self.resume else set()
+        keep = {self.keys.ckpt.encode(), self.keys.ckpt_delta.encode(), self.keys.ckpt_layout.encode()} if self.resume else set()
         stale = [k for k in r.scan_iter(match=self.keys.pattern, count=1000) if k not in keep]
         if stale:
             r.delete(*stale)
@@ -154,19 +173,28 @@ class Sidecar:
                 )
             time.sleep(POLL_S)
         step = min(p[0] for p in positions.values())
-        if not self.r.hexists(self.keys.ckpt, step):
-            kept = sorted(int(k) for k in self.r.hkeys(self.keys.ckpt))
+        kept = Checkpoints(self.keys).steps(self.r)
+        if step not in kept:
             raise OverlordError(
                 f"resuming job {self.job.name!r} at step {step}: no planner checkpoint for it "
                 f"(kept: steps {kept[:1]}..{kept[-1:]}); the trainers' state is older than what Redis kept"
             )
+        later = [s for s in kept if s > step]  # the old run's future: the resumed run writes its own
+        if later:
+            self.r.hdel(self.keys.ckpt, *later)
+            self.r.hdel(self.keys.ckpt_delta, *later)
         mapping = {"step": step, **{f"skip:{r}": (p[0] - step) * mb + p[1] for r, p in positions.items()}}
         self.r.hset(self.keys.resume, mapping=mapping)
         log.info("resuming job %r at step %d (micro-batches already consumed per rank: %s)",
                  self.job.name, step, {r: mapping[f"skip:{r}"] for r in positions})
 
-    def _spawn(self, role: str, index: int, url: str) -> None:
-        self.children[f"{role}{index}"] = fork_role(role, index, self.run_dir, url)
+    def _spawn(self, role: str, index: int, url: str, attempt: int = 0) -> RoleProcess:
+        proc = fork_role(role, index, self.run_dir, url, attempt)
+        proc.role, proc.index = role, index
+        self.children[f"{role}{index}"] = proc
+        if role == "loader":
+            self.r.hset(self.keys.active, index, proc.pid)
+        return proc
 
     def start(self) -> None:
         self._take_lock()
@@ -174,7 +202,7 @@ class Sidecar:
         if removed:
             log.info("removed %d shared-memory segment(s) left by dead owners: %s", len(removed), removed)
         url = self._start_store()
-        self.r = connect(url)
+        self.r = connect(url, ride_through_s=1.0)  # short: the sidecar itself restarts a dead Redis
         layout = Layout.plan(self.job)
         (self.run_dir / "job.json").write_text(self.job.to_json())
         self._publish(self.r, layout)
@@ -182,10 +210,13 @@ class Sidecar:
         if self.resume:
             self._await_positions()
         preload()
+        self.url, self.layout = url, layout
         self.r.connection_pool.disconnect()  # children open their own connections
         self._spawn("planner", 0, url)
         for i in range(layout.loaders):
             self._spawn("loader", i, url)
+        for i in layout.shadowed:
+            self._spawn("shadow", i, url)
         for i in range(layout.constructor_hosts):
             self._spawn("constructor", i, url)
         log.info(
@@ -201,6 +232,12 @@ class Sidecar:
             raw = self.r.lindex(self.keys.errors, 0)
         except Exception:  # noqa: BLE001 - Redis itself may be the casualty
             raw = None
+        if code < 0 and self.attempts.get(name, 0) >= self.job.max_restarts:
+            proc = self.children[name]
+            return (
+                f"{name} (pid {proc.pid}) on node {self.job.node!r} was killed by signal {-code} after "
+                f"{self.attempts[name]} restarts (Job.max_restarts); see {self.run_dir / (name + '.log')}"
+            )
         if raw:
             return json.loads(raw)["message"]
         proc = self.children[name]
@@ -222,12 +259,73 @@ class Sidecar:
             for ring in self.client_rings.values()
         )
 
+    # -- recovery ------------------------------------------------------------------------
+
+    def _restart_redis(self) -> None:
+        log.warning("the embedded redis-server (pid %s) died; starting it again from its append-only file",
+                    self.redis.proc.pid if self.redis.proc else "?")
+        self.redis.proc = None
+        self.redis.start()
+
+    def _restartable(self, name: str, code: int) -> bool:
+        """A role killed by a signal is restarted (within its budget); one that failed
+        with an error of its own would fail again: that ends the job."""
+        return code < 0 and self.attempts.get(name, 0) < self.job.max_restarts
+
+    def _restart(self, name: str) -> None:
+        proc = self.children.pop(name)
+        role, index = proc.role, proc.index
+        attempt = self.attempts[name] = self.attempts.get(name, 0) + 1
+        self.r.hincrby(self.keys.restarts, name, 1)
+        beat = self.r.get(self.keys.heartbeat(role, str(index)))
+        if beat is not None and json.loads(beat).get("pid") == proc.pid:
+            self.r.delete(self.keys.heartbeat(role, str(index)))  # its heartbeat lapses now, not at its TTL
+        if role == "planner":
+            release_dead(self.r, self.keys, proc.pid, self.job.node)
+        shadow = self.children.get(f"shadow{index}")
+        if role == "loader" and shadow is not None and shadow.poll() is None:
+            log.warning("%s (pid %d) was killed; the Planner promotes its shadow (pid %d)", name, proc.pid, shadow.pid)
+            self.awaiting[index] = time.monotonic()
+            return
+        log.warning("%s (pid %d) was killed; restarting it (restart %d of %d)", name, proc.pid, attempt, self.job.max_restarts)
+        self._spawn(role, index, self.url, attempt)
+
+    def _promoted(self) -> None:
+        """A shadow the Planner promoted is the active loader now: start a new shadow."""
+        for k, since in list(self.awaiting.items()):
+            shadow = self.children[f"shadow{k}"]
+            active = self.r.hget(self.keys.active, k)
+            if active is not None and int(active) == shadow.pid:
+                del self.awaiting[k]
+                shadow.role = "loader"
+                self.children[f"loader{k}"] = self.children.pop(f"shadow{k}")
+                self._spawn("shadow", k, self.url, self.attempts.get(f"loader{k}", 1))
+                log.info("loader process %d: shadow pid %d promoted; new shadow pid %d", k, shadow.pid,
+                         self.children[f"shadow{k}"].pid)
+            elif time.monotonic() - since > self.job.timeout_s:
+                del self.awaiting[k]
+                log.warning("loader process %d: no promotion within %.0fs (is the Planner up?); restarting it",
+                            k, self.job.timeout_s)
+                self._spawn("loader", k, self.url, self.attempts.get(f"loader{k}", 1))
+
     def watch(self) -> int:
         """Supervise until the job ends, a role fails, or a stop is requested; 0 on success."""
         started = time.monotonic()
         finished: float | None = None
         while not self.stop.wait(POLL_S):
+            if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
+                self._restart_redis()
             codes = {name: proc.poll() for name, proc in self.children.items()}
+            killed = [n for n, c in codes.items() if c is not None and c != 0 and self._restartable(n, c)]
+            try:
+                for name in killed:
+                    self._restart(name)
+                    codes.pop(name)
+                if self.awaiting:
+                    self._promoted()
+            except redis.ConnectionError as exc:
+                log.warning("Redis unreachable while recovering a role (%s); retrying", exc)
+                continue
             failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]
             if failed:
                 message = self._failure_message(*failed[0])
@@ -236,7 +334,7 @@ class Sidecar:
                     ring.set_error(message)
                 self._grace_for_clients()
                 return 1
-            if all(c == 0 for c in codes.values()):
+            if not self.awaiting and all(c == 0 for c in codes.values()):
                 finished = finished or time.monotonic()
                 if self._drained() or time.monotonic() - finished > self.job.timeout_s:
                     return 0

@@ -7,8 +7,10 @@ children share those pages copy-on-write instead of importing their own copies, 
 is most of a Python process's memory. Nothing is pickled: a child gets its role name,
 index and run directory, and reads the job from the run directory.
 
-A forked child asks the kernel to SIGTERM it when the sidecar dies
-(PR_SET_PDEATHSIG), so `kill -9` of the sidecar takes every role with it.
+A forked child asks the kernel to SIGKILL it when the sidecar dies
+(PR_SET_PDEATHSIG), so `kill -9` of the sidecar takes every role with it at once (a
+role riding through a Redis outage would otherwise linger, holding the sidecar's
+inherited lock, while the next sidecar waits to start).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class RoleProcess:
 
     def __init__(self, name: str, pid: int) -> None:
         self.name, self.pid = name, pid
+        self.role, self.index = name.rstrip("0123456789"), int(name[len(name.rstrip("0123456789")):] or 0)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -89,8 +92,9 @@ def _set_name(name: str) -> None:
     libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
-def fork_role(role: str, index: int, run_dir: Path, redis_url: str) -> RoleProcess:
-    """Fork a child that runs `overlord.sidecar.role.main` for (role, index)."""
+def fork_role(role: str, index: int, run_dir: Path, redis_url: str, attempt: int = 0) -> RoleProcess:
+    """Fork a child that runs `overlord.sidecar.role.main` for (role, index); `attempt`
+    counts restarts (a restarted role recovers from Redis)."""
     log = run_dir / f"{role}{index}.log"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -99,7 +103,7 @@ def fork_role(role: str, index: int, run_dir: Path, redis_url: str) -> RoleProce
         return RoleProcess(f"{role}{index}", pid)
     code = 1
     try:
-        die_with_parent()
+        die_with_parent(signal.SIGKILL)
         _set_name(f"ovl-{role}{index}")
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)
@@ -113,7 +117,7 @@ def fork_role(role: str, index: int, run_dir: Path, redis_url: str) -> RoleProce
         os.environ["OVERLORD_REDIS_URL"] = redis_url
         from overlord.sidecar.role import main
 
-        code = main([role, "--run-dir", str(run_dir), "--index", str(index)])
+        code = main([role, "--run-dir", str(run_dir), "--index", str(index), "--attempt", str(attempt)])
     except BaseException:  # noqa: BLE001 - the child must never return into the sidecar's code
         traceback.print_exc()
     finally:

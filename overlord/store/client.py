@@ -1,18 +1,35 @@
-"""Connecting to the control-path Redis, embedded or external."""
+"""Connecting to the control-path Redis, embedded or external.
+
+Every client rides through a Redis outage: a command that finds the server gone
+(connection refused or reset) is retried with exponential backoff for about
+`RIDE_THROUGH_S` before the error reaches the role, which then fails with it. Writes
+are idempotent (SET, HSET, XADD whose duplicates the reader drops) or fenced (a
+Planner's MULTI fails over to a checkpoint reload), so a retried command that had in
+fact been applied does no harm.
+"""
 
 from __future__ import annotations
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from overlord.errors import StoreError
 
 SOCKET_TIMEOUT_S = 10.0
+RIDE_THROUGH_S = 30.0
+_BACKOFF_CAP_S = 0.5
 
 
-def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S) -> redis.Redis:
+def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S, ride_through_s: float = RIDE_THROUGH_S) -> redis.Redis:
     """Open a Redis client for `url` (redis://, rediss://, unix://; password in the URL).
 
     Values stay bytes (plans and metadata are binary or JSON decoded by their owners).
+
+    Args:
+        url: the server.
+        timeout_s: socket timeout of one command.
+        ride_through_s: how long a command keeps retrying while the server is gone.
 
     Raises:
         StoreError: the server does not answer a PING.
@@ -22,11 +39,15 @@ def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S) -> redis.Redis:
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         health_check_interval=30,
+        retry=Retry(ExponentialBackoff(), 1, supported_errors=(redis.ConnectionError,)),
     )
     try:
-        client.ping()
+        client.ping()  # a server that is not there at all is a configuration error: say so now
     except redis.RedisError as exc:
         raise StoreError(f"Redis at {redact(url)} is unreachable: {exc}; check Job.redis_url") from None
+    retries = max(0, int(ride_through_s / _BACKOFF_CAP_S) + 6)  # the first ~6 backoffs are short
+    client.set_retry(Retry(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.01), retries,
+                           supported_errors=(redis.ConnectionError,)))
     return client
 
 

@@ -7,7 +7,7 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:plan:<step>          string plan of one step (JSON), expires
     overlord:{job}:plans                stream one entry per published plan (step)
     overlord:{job}:meta:<stream>        stream buffer metadata of one Source Loader
-    overlord:{job}:progress             hash   constructor:<dp> -> last step written
+    overlord:{job}:progress             hash   c<dp> -> last step written; r<dp> -> replay request of a restarted Data Constructor
     overlord:{job}:hb:<role>:<id>       string heartbeat JSON (pid, node, time), TTL
     overlord:{job}:nodes                hash   node -> JSON (pid, ranks, started)
     overlord:{job}:layout               string JSON: which loader process hosts which stream
@@ -15,7 +15,13 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:counters             hash   skipped:<source>, truncated, ...
     overlord:{job}:metrics              hash   rank -> JSON {step, metrics} the trainer reported
     overlord:{job}:demand               hash   stream -> samples the Planner needs it to hold
-    overlord:{job}:ckpt                 hash   step -> planner state (JSON) before that step's plan
+    overlord:{job}:ckpt                 hash   step -> full planner state (JSON) before that step's plan
+    overlord:{job}:ckpt-delta           hash   step -> change of that state since the step before
+    overlord:{job}:leader               string the Planner's lease (JSON token, pid, node), PX TTL
+    overlord:{job}:fence                string fencing-token counter (INCR per lease taken)
+    overlord:{job}:active               hash   loader process index -> pid of its active Source Loader process
+    overlord:{job}:promotions           stream one entry per Shadow Loader promoted (loader, pid, reason)
+    overlord:{job}:restarts             hash   role<index> -> times the sidecar restarted it
     overlord:{job}:ckpt-layout          string the streams (JSON) those checkpoints belong to
     overlord:{job}:resume               hash   position:<rank> (trainer), step and skip:<rank> (sidecar)
     overlord:{job}:job                  string the job's config (JSON)
@@ -82,6 +88,30 @@ class Keys:
     @property
     def ckpt(self) -> str:
         return f"{self.base}:ckpt"
+
+    @property
+    def ckpt_delta(self) -> str:
+        return f"{self.base}:ckpt-delta"
+
+    @property
+    def leader(self) -> str:
+        return f"{self.base}:leader"
+
+    @property
+    def fence(self) -> str:
+        return f"{self.base}:fence"
+
+    @property
+    def active(self) -> str:
+        return f"{self.base}:active"
+
+    @property
+    def promotions(self) -> str:
+        return f"{self.base}:promotions"
+
+    @property
+    def restarts(self) -> str:
+        return f"{self.base}:restarts"
 
     @property
     def ckpt_layout(self) -> str:

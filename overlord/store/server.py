@@ -42,10 +42,10 @@ def redis_server_binary() -> str:
     )
 
 
-def die_with_parent() -> None:
-    """preexec_fn: ask the kernel to SIGTERM this child when its parent dies."""
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """preexec_fn: ask the kernel to send `sig` to this child when its parent dies."""
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 class EmbeddedRedis:

@@ -7,8 +7,15 @@ ring, valid until the next batch is requested; pass `copy=True` to own them (or
 
 If no sidecar serves the job on this node, the first rank to look starts one (detached,
 exiting when its trainers are gone), so a single-machine job needs no setup. Every wait
-is bounded: a sidecar that dies or stalls surfaces here as `RemoteRoleError` naming the
-role, pid and cause.
+is bounded: a sidecar that stalls, or fails with an error, surfaces here as
+`RemoteRoleError` naming the role, pid and cause.
+
+Failures it rides through: a Data Constructor restarted by the sidecar sends the
+micro-batches of its unfinished step again, and this client drops those it already
+has (batches arrive in (step, micro-batch) order, so that is a comparison). A sidecar
+that died outright (kill -9: its Redis died with it) is started again by a loader that
+may spawn one, with `--resume` at the batch after the last one delivered here: the
+planner checkpoints persist in the embedded Redis's append-only file.
 """
 
 from __future__ import annotations
@@ -94,6 +101,9 @@ class DataLoader:
         self._redis = None  # opened by report_metrics and resumption only
         self._resume_at: tuple[int, int] | None = None  # (step, micro-batch) of the next batch
         self._loaded = (-1, -1)  # (step, micro-batch) of the last batch before a resume
+        self._last = (-1, -1)  # (step, micro-batch) of the last batch delivered
+        self.dropped = 0  # micro-batches received twice (after a restart upstream) and dropped
+        self.recoveries = 0  # sidecars this loader started again after one died
         m = self.job.mesh
         self._mesh = [m.dp, m.pp, m.cp, m.tp]
         self._done = False
@@ -179,11 +189,17 @@ class DataLoader:
             raise StopIteration
         if self._ring is None:
             self._ring = self._connect()
-        view = self._read()
-        if view is None:
-            self._finish()
-            raise StopIteration
-        arrays, meta = decode_batch(view)
+        while True:
+            view = self._read()
+            if view is None:
+                self._finish()
+                raise StopIteration
+            arrays, meta = decode_batch(view)
+            position = (meta["step"], meta["microbatch"])
+            if position > self._last:
+                break
+            self.dropped += 1  # a restarted Data Constructor sent it again
+        self._last = position
         self.last_meta = meta
         self.batches += 1
         batch = {name: torch.from_numpy(a) for name, a in arrays.items()}
@@ -205,6 +221,10 @@ class DataLoader:
                 return None
             except RingTimeout:
                 if ring.creator_pid and not alive(ring.creator_pid):
+                    if self.spawn_sidecar:
+                        ring = self._recover()
+                        deadline = time.monotonic() + self.timeout_s
+                        continue
                     raise RemoteRoleError(
                         f"{origin}: the sidecar (pid {ring.creator_pid}) died; see {self.job.run_path}/sidecar.log "
                         "and the role logs there"
@@ -222,10 +242,31 @@ class DataLoader:
                         "and see the logs in the run directory"
                     ) from None
             except PeerDied as exc:
-                detail = ring.error or str(exc)
-                raise RemoteRoleError(f"{origin}: the Data Constructor feeding this rank died: {detail}") from None
+                if ring.error or not (ring.creator_pid and alive(ring.creator_pid)) or time.monotonic() > deadline:
+                    detail = ring.error or str(exc)
+                    raise RemoteRoleError(f"{origin}: the Data Constructor feeding this rank died: {detail}") from None
+                time.sleep(0.01)  # the sidecar restarts it; it sends the unfinished step again
             except RingError as exc:
                 raise RemoteRoleError(f"{origin}: {exc}") from None
+
+    def _recover(self) -> Ring:
+        """Start the dead sidecar again, resuming at the batch after the last one delivered."""
+        step, mb = max(self._last, self._loaded)
+        if step < 0:
+            step, mb = 0, 0
+        else:
+            step, mb = (step + 1, 0) if mb + 1 >= self.job.batch.micro_batches else (step, mb + 1)
+        self._resume_at = (step, mb)
+        warnings.warn(
+            f"rank {self.rank}: the sidecar (pid {self._ring.creator_pid}) died; starting another that resumes "
+            f"at step {self._resume_at[0]} micro-batch {self._resume_at[1]}"
+        )
+        self._ring.close()
+        self._ring = None
+        self._redis = None
+        self.recoveries += 1
+        self._ring = self._connect()
+        return self._ring
 
     def _constructor_turning(self) -> bool:
         """Whether the Data Constructor host feeding this rank turned its loop recently."""
@@ -322,7 +363,7 @@ class DataLoader:
                 f"with the same micro_batches); this one stopped at step {state['step']} micro-batch "
                 f"{state['microbatch']}. Save the loader state right after a step's last micro-batch"
             )
-        self._loaded = (int(state["step"]), int(state["microbatch"]))
+        self._loaded = self._last = (int(state["step"]), int(state["microbatch"]))
         step, mb = int(state["step"]), int(state["microbatch"]) + 1
         if mb == self.job.batch.micro_batches:
             step, mb = step + 1, 0

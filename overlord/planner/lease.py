@@ -1,0 +1,143 @@
+"""Planner leadership: one Planner per job, by a lease in Redis with a fencing token.
+
+    overlord:{job}:leader   JSON {"token", "pid", "node", "since"}, expires after LEASE_S
+    overlord:{job}:fence    counter; every lease taken gets the next value (its token)
+
+A Planner takes the lease with SET NX PX and renews it (only while the value is still
+its own) from a thread. Every write of a plan is fenced: WATCH the lease, check it
+still holds this Planner's token, then MULTI/EXEC. A Planner that was paused past its
+lease (or lost its connection) finds another token, or no lease, and its write is
+refused with `Superseded`; it then waits to lead again and restarts from the newest
+checkpoint, so two Planners never both publish a step.
+
+A standby Planner (on another sidecar, or the restart of a dead one) blocks in
+`acquire` until the lease is free. The sidecar that saw its own Planner die drops the
+lease at once (`release_dead`) instead of waiting out the TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import redis
+
+from overlord.store import Keys
+
+LEASE_S = 3.0
+RENEW_S = 0.5
+
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+class Superseded(Exception):
+    """This Planner no longer holds the lease: another one leads, or it lapsed."""
+
+
+class Lease:
+    """This process's claim to lead the job's planning."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, *, node: str = "", ttl_s: float = LEASE_S) -> None:
+        self.r, self.keys, self.ttl_ms = r, keys, int(ttl_s * 1000)
+        self.node = node or socket.gethostname()
+        self.token: int | None = None
+        self.value: bytes | None = None
+        self._renew = r.register_script(_RENEW)
+        self.lost = threading.Event()
+
+    def acquire(self, stop: threading.Event, beat=None) -> int:
+        """Block until this process holds the lease; returns its fencing token."""
+        while True:
+            current = self.r.get(self.keys.leader)
+            if current is not None and current == self.value:
+                self.lost.clear()  # still ours (a write failed on the way): lead on
+                return int(self.token)
+            if current is None:
+                token = int(self.r.incr(self.keys.fence))
+                value = json.dumps({"token": token, "pid": os.getpid(), "node": self.node, "since": time.time()}).encode()
+                if self.r.set(self.keys.leader, value, nx=True, px=self.ttl_ms):
+                    self.token, self.value = token, value
+                    self.lost.clear()
+                    return token
+            if beat is not None:
+                beat()  # a standby waiting to lead is healthy
+            if stop.wait(0.05):
+                raise Superseded("stopped while waiting for the lease")
+
+    def renew(self) -> bool:
+        """Extend the lease if it is still ours; False (and `lost` set) if not."""
+        if self.value is None:
+            return False
+        ok = bool(self._renew(keys=[self.keys.leader], args=[self.value, self.ttl_ms]))
+        if not ok:
+            self.lost.set()
+        return ok
+
+    def renew_forever(self, stop: threading.Event) -> None:
+        while not stop.wait(RENEW_S):
+            try:
+                self.renew()
+            except redis.RedisError:
+                pass  # Redis away: the fenced write decides; the lease may still hold when it returns
+
+    def fenced(self, write) -> list:
+        """Run `write(pipe)` in one MULTI/EXEC only if this process still leads.
+
+        Raises:
+            Superseded: the lease is another's, lapsed, or changed during the write.
+        """
+        with self.r.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(self.keys.leader)
+                if pipe.get(self.keys.leader) != self.value:
+                    self.lost.set()
+                    raise Superseded(f"the Planner lease (token {self.token}) is no longer this process's")
+                pipe.multi()
+                write(pipe)
+                return pipe.execute()
+            except redis.WatchError:
+                self.lost.set()
+                raise Superseded(f"the Planner lease changed while writing (token {self.token})") from None
+
+    def release(self) -> None:
+        if self.value is not None:
+            release_if(self.r, self.keys, lambda holder: holder == self.value)
+
+
+def holder(r: redis.Redis, keys: Keys) -> dict | None:
+    """Who holds the lease (token, pid, node, since), or None."""
+    raw = r.get(keys.leader)
+    return json.loads(raw) if raw else None
+
+
+def release_if(r: redis.Redis, keys: Keys, check) -> bool:
+    """Delete the lease if `check(value)` holds for its current value (atomically)."""
+    with r.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(keys.leader)
+            value = pipe.get(keys.leader)
+            if value is None or not check(value):
+                return False
+            pipe.multi()
+            pipe.delete(keys.leader)
+            pipe.execute()
+            return True
+        except redis.WatchError:
+            return False
+
+
+def release_dead(r: redis.Redis, keys: Keys, pid: int, node: str) -> bool:
+    """Drop the lease of a Planner this sidecar saw die (pid on this node)."""
+    def held_by_dead(value: bytes) -> bool:
+        lease = json.loads(value)
+        return lease.get("pid") == pid and lease.get("node") == node
+
+    return release_if(r, keys, held_by_dead)
