@@ -131,9 +131,9 @@ class LoaderProcess:
                     self._promote(progress)
                 self._follow(progress)
                 if token != self.token:
-                    if self.token is not None and self.active:
-                        self._report_all()  # a new Planner knows only its checkpoint
                     self.token = token
+                    if self.active:
+                        self._report_all()  # a new Planner knows only its checkpoint
                 if self.last_step is not None and self.step > self.last_step:
                     if self._finished(progress):
                         return
@@ -292,6 +292,7 @@ class LoaderProcess:
             nbytes=[s.nbytes for s in samples],
             ended=ended,
             final=loader.finished,
+            token=int(self.token or 0),
         )
         self._pipe.xadd(self.keys.meta(self.layout.streams[i]), meta.encode(chunk))
         if loader.skipped:

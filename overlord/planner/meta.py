@@ -10,6 +10,12 @@ that entered the loader's read buffer, in the loader's order. Fields:
     nbytes   bytes       int64 little-endian [n]: bytes of the prepared sample
     ended    ASCII JSON  [[epoch, samples delivered in that epoch], ...] epochs completed
     final    ASCII 0/1   1 when the loader has read every configured epoch
+    token    ASCII int   the Planner lease token the loader reported to (see below)
+
+A Planner that takes over knows only its checkpoint's cursors, so every loader, on
+seeing the new token, reports its whole unsent read buffer again tagged with it; the
+Planner reads only chunks tagged with its own token. Chunks reported to the old
+Planner would otherwise arrive ahead of the repeated ones, out of order.
 
 A chunk may carry no samples (only `ended`/`final`). Everything is a plain array or
 JSON: nothing is pickled.
@@ -34,6 +40,7 @@ class MetaChunk:
     nbytes: np.ndarray
     ended: list[tuple[int, int]] = field(default_factory=list)
     final: bool = False
+    token: int = 0
 
     def __len__(self) -> int:
         return len(self.seq)
@@ -45,6 +52,7 @@ def encode(chunk: MetaChunk) -> dict[str, bytes]:
     out["epoch"] = str(chunk.epoch).encode()
     out["ended"] = json.dumps([list(e) for e in chunk.ended]).encode()
     out["final"] = b"1" if chunk.final else b"0"
+    out["token"] = str(chunk.token).encode()
     return out
 
 
@@ -58,5 +66,6 @@ def decode(fields: dict[bytes, bytes]) -> MetaChunk:
         epoch=int(fields[b"epoch"]),
         ended=[tuple(e) for e in json.loads(fields[b"ended"])],
         final=fields[b"final"] == b"1",
+        token=int(fields.get(b"token", b"0")),
         **arrays,
     )

@@ -91,13 +91,17 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     if newest is not None:
         core.restore(ckpts.load(r, newest))
 
+    # every (re)start of planning, even under the same lease (a Redis blip), gets a new
+    # generation: loaders report their read buffers again, tagged with it (see meta.py)
+    generation = int(r.incr(keys.fence))
+
     def take_over(pipe) -> None:
-        pipe.hset(keys.planner, mapping={"token": token, "leader_since": time.time()})
+        pipe.hset(keys.planner, mapping={"token": generation, "lease": token, "leader_since": time.time()})
         if newest is None:
             ckpts.write(pipe, 0, None, core.state)
 
     lease.fenced(take_over)
-    log.info("leading with token %d from step %d%s", token, core.step,
+    log.info("leading with lease token %d (generation %d) from step %d%s", token, generation, core.step,
              " (from the newest checkpoint)" if newest is not None else "")
     first = core.step
     asked: dict[int, int] = {}  # what the loaders were last asked to hold, per stream
@@ -149,7 +153,9 @@ def _lead(ctx, lease: Lease, token: int) -> None:
             trim = r.pipeline(transaction=False)
             for stream_key, entries in reply:
                 for entry_id, fields in entries:
-                    core.add(index[stream_key], meta.decode(fields))
+                    chunk = meta.decode(fields)
+                    if chunk.token == generation:  # older ones are reported again with this one
+                        core.add(index[stream_key], chunk)
                     last_ids[stream_key.decode()] = entry_id
                 # what the Planner has read lives in its memory (and its checkpoint): drop it
                 trim.xtrim(stream_key, minid=entries[-1][0], approximate=False)

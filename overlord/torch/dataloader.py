@@ -242,7 +242,12 @@ class DataLoader:
                         "and see the logs in the run directory"
                     ) from None
             except PeerDied as exc:
-                if ring.error or not (ring.creator_pid and alive(ring.creator_pid)) or time.monotonic() > deadline:
+                sidecar_alive = bool(ring.creator_pid) and alive(ring.creator_pid)
+                if not sidecar_alive and not ring.error and self.spawn_sidecar:
+                    ring = self._recover()
+                    deadline = time.monotonic() + self.timeout_s
+                    continue
+                if ring.error or not sidecar_alive or time.monotonic() > deadline:
                     detail = ring.error or str(exc)
                     raise RemoteRoleError(f"{origin}: the Data Constructor feeding this rank died: {detail}") from None
                 time.sleep(0.01)  # the sidecar restarts it; it sends the unfinished step again

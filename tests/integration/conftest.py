@@ -6,24 +6,13 @@ shared-memory segment of its job is left behind.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
-from pathlib import Path
-
 import pytest
 
-from overlord.config import BatchSpec, Job, Mesh, Source
-from overlord.demo.corpus import IMAGE_TRANSFORM, TEXT_TRANSFORM, generate_corpus
+from overlord.config import Job
+from overlord.demo.corpus import generate_corpus
 from overlord.shm import list_segments, unlink_all
-from overlord.sidecar.sidecar import sidecar_running
 
-HERE = Path(__file__).parent
-TRAINER = HERE / "ledger_trainer.py"
+from harness import Cluster, make_job  # noqa: F401 - fixtures below, and tests, use them
 
 
 @pytest.fixture(scope="session")
@@ -32,84 +21,6 @@ def corpus(tmp_path_factory) -> dict[str, list[str]]:
         tmp_path_factory.mktemp("corpus"), seed=5, text_sources=3, image_sources=1,
         rows_per_source=240, files_per_source=2, row_group_size=32, max_image_side=96,
     )
-
-
-def make_job(corpus, run_dir: Path, **overrides) -> Job:
-    weights = {"web": 0.4, "code": 0.3, "books": 0.2, "images": 0.1}
-    sources = tuple(
-        Source(
-            name=name, paths=tuple(files), weight=weights.get(name, 0.1), shuffle_window=48,
-            transform=IMAGE_TRANSFORM if name.startswith("images") else TEXT_TRANSFORM,
-        )
-        for name, files in corpus.items()
-    )
-    args = dict(
-        name=f"t{uuid.uuid4().hex[:8]}", sources=sources, mesh=Mesh(dp=4),
-        batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=4 << 20),
-        seed=11, run_dir=str(run_dir), timeout_s=20.0, sample_ring_bytes=2 << 20, buffer_samples=128,
-    )
-    args.update(overrides)
-    return Job(**args)
-
-
-class Cluster:
-    """One sidecar and its trainer ranks, all real processes."""
-
-    def __init__(self, job: Job, workdir: Path) -> None:
-        self.job, self.workdir = job, workdir
-        self.config = workdir / f"{job.name}.json"
-        self.config.write_text(job.to_json())
-        self.sidecar: subprocess.Popen | None = None
-        self.trainers: dict[int, subprocess.Popen] = {}
-
-    def start_sidecar(self, resume: bool = False) -> subprocess.Popen:
-        self.sidecar = subprocess.Popen(
-            [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config), *(["--resume"] if resume else [])],
-            stdout=open(self.workdir / f"{self.job.name}-sidecar.log", "ab"), stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 30
-        while not sidecar_running(self.job):
-            assert self.sidecar.poll() is None, self.log()
-            assert time.monotonic() < deadline, "sidecar did not start"
-            time.sleep(0.05)
-        return self.sidecar
-
-    def start_trainers(self, ranks=None, **args) -> None:
-        world = self.job.mesh.world_size
-        for rank in ranks if ranks is not None else range(world):
-            extra = [str(x) for kv in args.items() for x in (f"--{kv[0]}", kv[1])]
-            self.trainers[rank] = subprocess.Popen(
-                [sys.executable, str(TRAINER), str(self.config), str(self.out(rank)), *extra],
-                env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world)),
-            )
-
-    def out(self, rank: int) -> Path:
-        return self.workdir / f"{self.job.name}-rank{rank}.json"
-
-    def results(self, timeout: float = 120) -> dict[int, dict]:
-        deadline = time.monotonic() + timeout
-        for rank, proc in self.trainers.items():
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
-        return {rank: json.loads(self.out(rank).read_text()) for rank in self.trainers}
-
-    def stop(self, timeout: float = 30) -> int | None:
-        if self.sidecar is None:
-            return None
-        if self.sidecar.poll() is None:
-            self.sidecar.send_signal(signal.SIGTERM)
-        return self.sidecar.wait(timeout=timeout)
-
-    def log(self) -> str:
-        text = (self.workdir / f"{self.job.name}-sidecar.log").read_text() if (self.workdir / f"{self.job.name}-sidecar.log").exists() else ""
-        for role in sorted(self.job.run_path.glob("*.log")):
-            text += f"\n== {role.name}\n" + role.read_text()[-3000:]
-        return text
-
-    def kill_all(self) -> None:
-        for proc in [*self.trainers.values(), self.sidecar]:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")

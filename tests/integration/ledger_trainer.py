@@ -1,15 +1,19 @@
 """A trainer rank for integration tests: records every batch it receives.
 
     RANK=r WORLD_SIZE=w python ledger_trainer.py CONFIG OUT [--batches N] [--sleep S] [--timeout T]
-        [--pause-at K --pause S] [--save-state FILE] [--load-state FILE]
+        [--pause-at K --pause S] [--save-state FILE] [--load-state FILE] [--save-every K] [--spawn 1]
 
 Writes OUT (JSON): the sample keys of every batch in order, a sha256 of each batch's
 bytes (tensor names, dtypes, shapes and data), and how it ended ("stop", "limit" or
-the error class and message).
+the error class and message). With --save-every K it also saves the loader state to
+OUT (with the loader state under "state") every K batches, atomically, as a trainer's
+checkpoint: after a kill -9 it holds what was consumed up to the last checkpoint.
+With --spawn 1 the loader starts (and after a kill -9, restarts) the sidecar itself.
 """
 
 import hashlib
 import json
+import os
 import sys
 import time
 
@@ -23,9 +27,10 @@ def main() -> None:
     sleep = float(args.get("--sleep", 0))
     timeout = float(args["--timeout"]) if "--timeout" in args else None
     pause_at, pause_s = int(args.get("--pause-at", -1)), float(args.get("--pause", 0))
+    every = int(args.get("--save-every", 0))
     record = {"keys": [], "digests": [], "steps": [], "end": None}
     try:
-        loader = DataLoader(config, spawn_sidecar=False, timeout_s=timeout)
+        loader = DataLoader(config, spawn_sidecar=args.get("--spawn") == "1", timeout_s=timeout)
         if "--load-state" in args:
             with open(args["--load-state"]) as fh:
                 loader.load_state_dict(json.load(fh))
@@ -38,6 +43,9 @@ def main() -> None:
             record["keys"].append(loader.last_meta["keys"])
             record["steps"].append([loader.last_meta["step"], loader.last_meta["microbatch"]])
             record["digests"].append(digest.hexdigest())
+            if every and len(record["digests"]) % every == 0:
+                # one file, one rename: the ledger and the state it belongs to agree
+                _save(out, {**record, "end": "checkpoint", "state": loader.state_dict()})
             if limit and len(record["digests"]) >= limit:
                 record["end"] = "limit"
                 break
@@ -52,8 +60,15 @@ def main() -> None:
                 json.dump(loader.state_dict(), fh)
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         record["end"] = f"{type(exc).__name__}: {exc}"
-    with open(out, "w") as fh:
-        json.dump(record, fh)
+    record["dropped"] = getattr(locals().get("loader"), "dropped", 0)
+    record["recoveries"] = getattr(locals().get("loader"), "recoveries", 0)
+    _save(out, record)
+
+
+def _save(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as fh:
+        json.dump(obj, fh)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
