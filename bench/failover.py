@@ -62,19 +62,22 @@ FAULTS = ("loader_with_shadow", "loader_no_shadow", "planner", "constructor", "s
 WORLD = 4
 
 
-def _job(corpus: dict, run_dir: Path, name: str, shadow: bool):
+def _job(corpus: dict, run_dir: Path, name: str, shadow: bool, costly: bool = False):
     from overlord import BatchSpec, Job, Mesh, Source
     from overlord.demo.corpus import IMAGE_TRANSFORM, TEXT_TRANSFORM
 
     weights = {"web": 0.4, "code": 0.3, "books": 0.2, "images": 0.1}
     sources = tuple(
         Source(name=n, paths=tuple(files), weight=weights.get(n, 0.1), shuffle_window=64, shadow=shadow,
-               transform=IMAGE_TRANSFORM if n.startswith("images") else TEXT_TRANSFORM)
+               transform=IMAGE_TRANSFORM if n.startswith("images") else
+               ("failover_transforms:costly_text" if costly else TEXT_TRANSFORM))
         for n, files in corpus.items()
     )
+    # client rings of 256 KiB hold a few micro-batches (what a ring of real 4k-token or
+    # image batches holds), so prefetch is about plan_ahead steps, not the whole job
     return Job(name=name, sources=sources, mesh=Mesh(dp=WORLD), seed=7, epochs=1, run_dir=str(run_dir),
-               loader_processes=2, plan_ahead=4, timeout_s=60.0, buffer_samples=256, sample_ring_bytes=4 << 20,
-               batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=2 << 20))
+               loader_processes=2, plan_ahead=2, timeout_s=60.0, buffer_samples=256, sample_ring_bytes=1 << 20,
+               batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=256 << 10))
 
 
 class Run:
@@ -262,13 +265,18 @@ def _redis_pid(run_dir: Path) -> int | None:
     return None
 
 
-def run_fault(corpus, base: Path, fault: str | None, repeats: int, sleep: float, total_steps: int) -> dict:
-    name = f"fo{fault.replace('_', '')[:10] if fault else 'ref'}{os.getpid() % 10000}"
-    workdir = base / (fault or "reference")
+def run_fault(corpus, base: Path, fault: str | None, repeats: int, sleep: float, total_steps: int,
+              transform_ms: float = 0.0) -> dict:
+    tag = (fault or "reference") + (f"-costly{transform_ms:g}ms" if transform_ms else "")
+    name = f"fo{tag.replace('_', '').replace('-', '').replace('.', '')[:14]}{os.getpid() % 10000}"
+    workdir = base / tag
     workdir.mkdir(parents=True, exist_ok=True)
     for stale in workdir.glob("rank*.json"):
         stale.unlink()
-    job = _job(corpus, Path(tempfile.mkdtemp(prefix="ovl-fo-")), name, shadow=fault == "loader_with_shadow")
+    job = _job(corpus, Path(tempfile.mkdtemp(prefix="ovl-fo-")), name, shadow=fault == "loader_with_shadow",
+               costly=transform_ms > 0)
+    os.environ["OVERLORD_BENCH_TRANSFORM_MS"] = str(transform_ms)  # read by the sidecar's loaders
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     run = Run(job, workdir, sleep)
     spawned = fault in ("sidecar", "trainer")
     kills, recoveries = [], []
@@ -383,7 +391,7 @@ def plot(results: dict, path: Path) -> None:
     for ax, fault in zip(axes[:, 0], faults):
         res = results[fault]
         times = np.sort(np.concatenate([np.asarray(led["time"]) for led in res["ledgers"].values()]))
-        t0 = times[0]
+        t0 = min(times[0], min(res["kills"]))
         bins = np.arange(0, times[-1] - t0 + 0.1, 0.1)
         hist, _ = np.histogram(times - t0, bins=bins)
         ax.plot(bins[:-1], hist / 0.1, lw=0.8, color="tab:blue")
@@ -391,8 +399,9 @@ def plot(results: dict, path: Path) -> None:
             ax.axvline(k - t0, color="tab:red", lw=1, ls="--")
         ax.set_ylabel("batches/s", fontsize=8)
         ax.set_title(f"kill -9 {fault} (red: injections)", fontsize=9, loc="left")
+        ax.set_ylim(bottom=0)
         ax.tick_params(labelsize=7)
-    axes[-1, 0].set_xlabel("seconds since the first batch")
+    axes[-1, 0].set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -406,6 +415,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "out"))
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint-cost measurement")
+    parser.add_argument("--transform-ms", type=float, default=4.0,
+                        help="also run both loader faults with a text transform of this CPU cost per sample "
+                             "(reported under faults_costly_transform; 0 skips)")
     args = parser.parse_args()
     faults = [f for f in args.faults.split(",") if f]
     unknown = sorted(set(faults) - set(FAULTS))
@@ -426,11 +438,20 @@ def main() -> None:
     base = out / "failover-runs"
     reference = run_fault(corpus, base, None, 0, args.sleep, total_steps)
     results = {f: run_fault(corpus, base, f, args.repeats, args.sleep, total_steps) for f in faults}
+    costly = [f for f in faults if f.startswith("loader_")] if args.transform_ms else []
+    if costly:  # same bytes: the costly transform returns what the plain one does
+        costly_ref = run_fault(corpus, base, None, 0, args.sleep, total_steps, args.transform_ms)
+        costly_res = {f: run_fault(corpus, base, f, args.repeats, args.sleep, total_steps, args.transform_ms) for f in costly}
     line = {
         "faults": {f: summarize(results[f], reference, corpus_keys) for f in faults},
         "reference": summarize(reference, None, corpus_keys),
         "repeats": args.repeats, "sleep_ms": args.sleep * 1000, "ranks": WORLD, "samples": len(corpus_keys),
     }
+    if costly:
+        line["faults_costly_transform"] = {f: summarize(costly_res[f], reference, corpus_keys) for f in costly}
+        line["reference_costly_transform"] = summarize(costly_ref, reference, corpus_keys)
+        line["transform_ms"] = args.transform_ms
+        results.update({f"{f} ({args.transform_ms:g} ms/sample transform)": costly_res[f] for f in costly})
     if not args.no_checkpoint:
         for n in (10, 1000):
             cost = checkpoint_cost(n)

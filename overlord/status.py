@@ -8,6 +8,8 @@ import time
 from typing import Any
 
 from overlord.config import Job
+from overlord.planner.checkpoint import Checkpoints
+from overlord.planner.lease import holder
 from overlord.store import Keys, connect
 from overlord.store.server import SOCKET_NAME
 
@@ -21,8 +23,9 @@ def collect(job: Job) -> dict[str, Any]:
     r = connect(redis_url_of(job), timeout_s=5)
     keys = Keys(job.name)
     planner = {k.decode(): v.decode() for k, v in r.hgetall(keys.planner).items()}
-    newest = max((int(k) for k in r.hkeys(keys.ckpt)), default=None)
-    state = json.loads(r.hget(keys.ckpt, newest)) if newest is not None else {}
+    ckpts = Checkpoints(keys)
+    newest = ckpts.newest(r)
+    state = ckpts.load(r, newest) if newest is not None else {}
     now = time.time()
     roles = {}
     for key in sorted(r.scan_iter(match=keys.heartbeat_pattern, count=1000)):
@@ -38,7 +41,13 @@ def collect(job: Job) -> dict[str, Any]:
         "step": int(planner["step"]) if "step" in planner else None,
         "cursors": state.get("cursors", {}),
         "roles": roles,
-        "progress": {k.decode(): int(v) for k, v in r.hgetall(keys.progress).items()},
+        "progress": {k.decode(): int(v) for k, v in r.hgetall(keys.progress).items() if k.startswith(b"c")},
+        "replays": {k.decode(): v.decode().rsplit(":", 1)[1] for k, v in r.hgetall(keys.progress).items() if k.startswith(b"r")},
+        "leader": holder(r, keys),
+        "generation": int(planner["token"]) if "token" in planner else None,
+        "active_loaders": {k.decode(): int(v) for k, v in r.hgetall(keys.active).items()},
+        "promotions": [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrange(keys.promotions)],
+        "restarts": {k.decode(): int(v) for k, v in r.hgetall(keys.restarts).items()},
         "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
         "nodes": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.nodes).items()},
         "errors": [json.loads(e)["message"] for e in r.lrange(keys.errors, 0, -1)],
@@ -48,12 +57,19 @@ def collect(job: Job) -> dict[str, Any]:
 
 
 def _checkpoints(r, keys: Keys) -> dict[str, Any]:
-    steps = sorted(int(s) for s in r.hkeys(keys.ckpt))
-    return {"count": len(steps), "oldest_step": steps[0] if steps else None, "newest_step": steps[-1] if steps else None}
+    steps = Checkpoints(keys).steps(r)
+    return {"count": len(steps), "oldest_step": steps[0] if steps else None, "newest_step": steps[-1] if steps else None,
+            "snapshots": r.hlen(keys.ckpt), "deltas": r.hlen(keys.ckpt_delta)}
 
 
 def render(status: dict[str, Any]) -> str:
     lines = [f"job {status['job']}: planned step {status['step']}"]
+    lease = status.get("leader")
+    if lease:
+        lines.append(f"planner lease: token {lease['token']} held by pid {lease['pid']} on node {lease['node']} "
+                     f"(planning generation {status.get('generation')})")
+    else:
+        lines.append("planner lease: free (no Planner leads)")
     lines.append("roles (heartbeat age, time since the role's main loop last turned):")
     for name, hb in status["roles"].items():
         lines.append(
@@ -67,7 +83,17 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"  {name:<24} epoch {cur[0]} seq {cur[1]}")
     ck = status["checkpoints"]
     if ck["count"]:
-        lines.append(f"planner checkpoints: {ck['count']} (a trainer can resume at steps {ck['oldest_step']}..{ck['newest_step']})")
+        lines.append(f"planner checkpoints: {ck['snapshots']} snapshot(s) + {ck['deltas']} delta(s) "
+                     f"(a trainer can resume at steps {ck['oldest_step']}..{ck['newest_step']})")
+    if status.get("active_loaders"):
+        lines.append("active Source Loader processes: " + ", ".join(f"loader{k}=pid {v}" for k, v in sorted(status["active_loaders"].items())))
+    for p in status.get("promotions", []):
+        lines.append(f"promoted: shadow pid {p['pid']} of loader{p['loader']} on {p['node']} ({p['reason']}) "
+                     f"at {time.strftime('%H:%M:%S', time.localtime(float(p['time'])))}")
+    for name, n in sorted(status.get("restarts", {}).items()):
+        lines.append(f"restarted: {name} {n} time(s) by the sidecar")
+    for dp, step in sorted(status.get("replays", {}).items()):
+        lines.append(f"replay: Data Constructor {dp[1:]} restarted at step {step}")
     if status["resume"].get("step") is not None:
         lines.append(f"resumed at step {status['resume']['step']}")
     for k, v in sorted(status["counters"].items()):

@@ -147,7 +147,9 @@ class LoaderProcess:
                         self.last_step = plan.step
                     continue
                 if not self._refill():
-                    self.r.xread({self.keys.plans: f"{self.step}-0"}, block=200, count=1)
+                    # a shadow wakes often: its promotion must not wait for a plan to arrive
+                    block = 200 if self.active else 20
+                    self.r.xread({self.keys.plans: f"{self.step}-0"}, block=block, count=1)
                     self.demand = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.demand).items()}
         except Stopped:
             return

@@ -37,7 +37,7 @@ log = logging.getLogger("overlord.planner")
 PLAN_TTL_S = 3600
 WAIT_MS = 20
 AHEAD_POLL_S = 0.002
-PROMOTE_CHECK_S = 0.1
+PROMOTE_CHECK_S = 0.05
 
 
 def run_planner(ctx) -> None:
@@ -183,7 +183,7 @@ class _Promoter:
         self.ctx, self.lease = ctx, lease
         self.shadowed = list(ctx.layout.shadowed)
         self.next_check = 0.0
-        self.promoted_at: dict[int, float] = {}
+        self.promoted: dict[int, tuple[int, float]] = {}  # loader -> (pid promoted, when), until it beats as loader
 
     def check(self) -> None:
         if not self.shadowed or time.monotonic() < self.next_check:
@@ -198,10 +198,14 @@ class _Promoter:
         *beats, active = pipe.execute()
         for n, k in enumerate(self.shadowed):
             loader_hb, shadow_hb = beats[2 * n], beats[2 * n + 1]
-            if loader_hb is not None or shadow_hb is None:
+            if loader_hb is not None:
+                if k in self.promoted and json.loads(loader_hb)["pid"] == self.promoted[k][0]:
+                    del self.promoted[k]  # the promoted one leads: a later lapse is a new failure
                 continue
-            if time.monotonic() - self.promoted_at.get(k, -1e9) < 3 * HEARTBEAT_S:
-                continue  # the promoted one has not beaten as a loader yet
+            if shadow_hb is None:
+                continue
+            if k in self.promoted and time.monotonic() - self.promoted[k][1] < 3 * HEARTBEAT_S:
+                continue  # the promoted one has not beaten as a loader yet (and a new shadow may be up)
             shadow = json.loads(shadow_hb)
             previous = active.get(str(k).encode())
             if previous is not None and int(previous) == shadow["pid"]:
@@ -214,7 +218,7 @@ class _Promoter:
                                             "reason": "active heartbeat lapsed"}, maxlen=1000, approximate=True)
 
             self.lease.fenced(promote)
-            self.promoted_at[k] = time.monotonic()
+            self.promoted[k] = (shadow["pid"], time.monotonic())
             log.warning("loader process %d: active heartbeat lapsed; promoted its shadow (pid %d)", k, shadow["pid"])
 
 

@@ -51,7 +51,7 @@ from overlord.store import EmbeddedRedis, Keys, connect
 log = logging.getLogger("overlord.sidecar")
 
 LOCK_NAME = "sidecar.lock"
-POLL_S = 0.1
+POLL_S = 0.05
 
 
 def lock_path(job: Job) -> Path:

@@ -36,9 +36,12 @@ def test_status_reads_a_running_job_and_external_redis_url_is_used(cluster, tmp_
         assert all(0 <= role["loop_age_s"] < 30 for role in status["roles"].values())
         assert status["checkpoints"]["oldest_step"] == 0 and status["checkpoints"]["newest_step"] >= 3
         assert set(status["cursors"]) == {"web.0", "code.0", "books.0", "images.0"}
+        assert status["leader"]["token"] >= 1 and status["generation"] > status["leader"]["token"]
+        assert set(status["active_loaders"]) == {"0"} and status["checkpoints"]["deltas"] >= 3
         assert not (c.job.run_path / "redis.sock").exists(), "no embedded server with a configured URL"
         text = overlord("status", "--config", str(c.config))
         assert "planned step" in text.stdout and "web.0" in text.stdout and "planner checkpoints" in text.stdout
+        assert "planner lease: token" in text.stdout
         c.stop()
     finally:
         server.stop()
