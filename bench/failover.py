@@ -254,15 +254,10 @@ def _pings(run: Run) -> bool:
 
 
 def _redis_pid(run_dir: Path) -> int | None:
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                cmd = open(f"/proc/{d}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if b"redis-server" in cmd and str(run_dir).encode() in cmd:
-                return int(d)
-    return None
+    from overlord.store.server import server_pids
+
+    pids = server_pids(run_dir)
+    return pids[0] if pids else None
 
 
 def run_fault(corpus, base: Path, fault: str | None, repeats: int, sleep: float, total_steps: int,

@@ -24,6 +24,7 @@ order is a pure function of (seed, epoch, partition), so cursors are enough.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -193,6 +194,10 @@ class LoaderProcess:
         log.warning("promoted: shadow of loader process %d becomes active at step %d", ctx.index, self.step)
         ctx.role = "loader"
         ctx.publish_heartbeat()
+        shadow_key = self.keys.heartbeat("shadow", str(ctx.index))
+        raw = self.r.get(shadow_key)
+        if raw is not None and json.loads(raw)["pid"] == os.getpid():
+            self.r.delete(shadow_key)  # no longer a standby: the Planner must not promote this pid again
         self._claim_rings()
         self.active = True
         self._report_all()

@@ -42,6 +42,12 @@ class Superseded(Exception):
     """This Planner no longer holds the lease: another one leads, or it lapsed."""
 
 
+class WriteUncertain(Exception):
+    """A fenced write was cut short (the lease key was touched, e.g. by this Planner's
+    own renewal, or the connection dropped) while the lease is still this Planner's:
+    the caller checks whether the write landed and retries it if not."""
+
+
 class Lease:
     """This process's claim to lead the job's planning."""
 
@@ -92,7 +98,8 @@ class Lease:
         """Run `write(pipe)` in one MULTI/EXEC only if this process still leads.
 
         Raises:
-            Superseded: the lease is another's, lapsed, or changed during the write.
+            Superseded: the lease is another's, lapsed, or changed hands during the write.
+            WriteUncertain: the write was cut short while the lease is still ours.
         """
         with self.r.pipeline(transaction=True) as pipe:
             try:
@@ -104,6 +111,8 @@ class Lease:
                 write(pipe)
                 return pipe.execute()
             except redis.WatchError:
+                if self.r.get(self.keys.leader) == self.value:
+                    raise WriteUncertain(f"a write under lease token {self.token} was cut short") from None
                 self.lost.set()
                 raise Superseded(f"the Planner lease changed while writing (token {self.token})") from None
 

@@ -27,7 +27,7 @@ from overlord.errors import PlanError
 from overlord.planner import meta
 from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.core import PlannerCore, resolve_strategy
-from overlord.planner.lease import Lease, Superseded
+from overlord.planner.lease import Lease, Superseded, WriteUncertain
 from overlord.planner.schedule import Dynamic, from_config, mixing_unit
 from overlord.planner.tree import ClientPlaceTree
 from overlord.sidecar.flow import HEARTBEAT_S, alive_within
@@ -37,7 +37,7 @@ log = logging.getLogger("overlord.planner")
 PLAN_TTL_S = 3600
 WAIT_MS = 20
 AHEAD_POLL_S = 0.002
-PROMOTE_CHECK_S = 0.05
+PROMOTE_CHECK_S = 0.01
 
 
 def run_planner(ctx) -> None:
@@ -100,7 +100,12 @@ def _lead(ctx, lease: Lease, token: int) -> None:
         if newest is None:
             ckpts.write(pipe, 0, None, core.state)
 
-    lease.fenced(take_over)
+    while True:
+        try:
+            lease.fenced(take_over)  # idempotent: retried if cut short
+            break
+        except WriteUncertain:
+            continue
     log.info("leading with lease token %d (generation %d) from step %d%s", token, generation, core.step,
              " (from the newest checkpoint)" if newest is not None else "")
     first = core.step
@@ -132,7 +137,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                 pipe.hset(keys.planner, mapping={"step": plan.step, "updated": time.time()})
                 ckpts.write(pipe, core.step, delta, core.state)  # where a resume at step core.step starts
 
-            lease.fenced(publish)
+            _publish_once(r, keys, lease, publish, plan.step)
             waiting_since = time.monotonic()
             if plan.last:
                 log.info("planned the last step %d; planner done", plan.step)
@@ -176,6 +181,18 @@ def _lead(ctx, lease: Lease, token: int) -> None:
             )
 
 
+def _publish_once(r, keys, lease: Lease, publish, step: int, tries: int = 5) -> None:
+    """Write a step under the lease exactly once, though a try may be cut short."""
+    for _ in range(tries):
+        try:
+            lease.fenced(publish)
+            return
+        except WriteUncertain:
+            if int(r.hget(keys.planner, "step") or -1) >= step:
+                return  # it landed before the cut
+    raise Superseded(f"could not publish step {step} under the lease in {tries} tries")
+
+
 class _Promoter:
     """Promotes a Shadow Loader when its active loader's heartbeat is gone."""
 
@@ -217,7 +234,11 @@ class _Promoter:
                                             "previous": previous or b"", "time": time.time(),
                                             "reason": "active heartbeat lapsed"}, maxlen=1000, approximate=True)
 
-            self.lease.fenced(promote)
+            try:
+                self.lease.fenced(promote)
+            except WriteUncertain:
+                self.next_check = 0.0  # look again at once; promoting twice writes the same
+                continue
             self.promoted[k] = (shadow["pid"], time.monotonic())
             log.warning("loader process %d: active heartbeat lapsed; promoted its shadow (pid %d)", k, shadow["pid"])
 

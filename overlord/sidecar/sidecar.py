@@ -51,7 +51,8 @@ from overlord.store import EmbeddedRedis, Keys, connect
 log = logging.getLogger("overlord.sidecar")
 
 LOCK_NAME = "sidecar.lock"
-POLL_S = 0.05
+POLL_S = 0.02
+SHADOW_RESPAWN_S = 1.0  # after a promotion, when the replacement shadow starts
 
 
 def lock_path(job: Job) -> Path:
@@ -93,6 +94,7 @@ class Sidecar:
         self.children: dict[str, RoleProcess] = {}
         self.attempts: dict[str, int] = {}  # role<index> -> restarts so far
         self.awaiting: dict[int, float] = {}  # loader process -> when its shadow's promotion was awaited
+        self.shadow_due: dict[int, float] = {}  # loader process -> when to start its new shadow
         self.rings: list[Ring] = []
         self.client_rings: dict[int, Ring] = {}
         self.stop = threading.Event()
@@ -299,14 +301,22 @@ class Sidecar:
                 del self.awaiting[k]
                 shadow.role = "loader"
                 self.children[f"loader{k}"] = self.children.pop(f"shadow{k}")
-                self._spawn("shadow", k, self.url, self.attempts.get(f"loader{k}", 1))
-                log.info("loader process %d: shadow pid %d promoted; new shadow pid %d", k, shadow.pid,
-                         self.children[f"shadow{k}"].pid)
+                # not at once: the new shadow's reading would take CPU from the promoted
+                # loader just when it catches up
+                self.shadow_due[k] = time.monotonic() + SHADOW_RESPAWN_S
+                log.info("loader process %d: shadow pid %d promoted; a new shadow starts in %.0fs", k, shadow.pid,
+                         SHADOW_RESPAWN_S)
             elif time.monotonic() - since > self.job.timeout_s:
                 del self.awaiting[k]
                 log.warning("loader process %d: no promotion within %.0fs (is the Planner up?); restarting it",
                             k, self.job.timeout_s)
                 self._spawn("loader", k, self.url, self.attempts.get(f"loader{k}", 1))
+
+    def _start_due_shadows(self) -> None:
+        for k, due in list(self.shadow_due.items()):
+            if time.monotonic() >= due:
+                del self.shadow_due[k]
+                self._spawn("shadow", k, self.url, self.attempts.get(f"loader{k}", 1))
 
     def watch(self) -> int:
         """Supervise until the job ends, a role fails, or a stop is requested; 0 on success."""
@@ -323,6 +333,8 @@ class Sidecar:
                     codes.pop(name)
                 if self.awaiting:
                     self._promoted()
+                if self.shadow_due:
+                    self._start_due_shadows()
             except redis.ConnectionError as exc:
                 log.warning("Redis unreachable while recovering a role (%s); retrying", exc)
                 continue

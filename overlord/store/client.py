@@ -18,7 +18,7 @@ from overlord.errors import StoreError
 
 SOCKET_TIMEOUT_S = 10.0
 RIDE_THROUGH_S = 30.0
-_BACKOFF_CAP_S = 0.5
+_BACKOFF_CAP_S = 0.1
 
 
 def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S, ride_through_s: float = RIDE_THROUGH_S) -> redis.Redis:
@@ -46,7 +46,7 @@ def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S, ride_through_s: fl
     except redis.RedisError as exc:
         raise StoreError(f"Redis at {redact(url)} is unreachable: {exc}; check Job.redis_url") from None
     retries = max(0, int(ride_through_s / _BACKOFF_CAP_S) + 6)  # the first ~6 backoffs are short
-    client.set_retry(Retry(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.01), retries,
+    client.set_retry(Retry(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.005), retries,
                            supported_errors=(redis.ConnectionError,)))
     return client
 

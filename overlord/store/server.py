@@ -125,3 +125,18 @@ class EmbeddedRedis:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.proc = None
+
+
+def server_pids(run_dir: str | os.PathLike) -> list[int]:
+    """Pids of the embedded redis-server(s) serving `run_dir` (for operators and fault
+    injection: its config path in the command line names the run directory)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                cmd = open(f"/proc/{d}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"redis-server" in cmd and str(run_dir).encode() in cmd:
+                out.append(int(d))
+    return out

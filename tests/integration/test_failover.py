@@ -99,10 +99,16 @@ def _check(c, reference, corpus_keys, results=None) -> dict:
     return out
 
 
-def _kill_role_and_check(c, reference, corpus_keys, role: str, index: int = 0) -> dict:
+def _running(c):
+    """Start the sidecar and trainers; return once every constructor passed step 8."""
     c.start_sidecar()
     c.start_trainers(sleep=SLEEP)
     _wait_step(c, 8)
+    return _redis(c), Keys(c.job.name)
+
+
+def _kill_role_and_check(c, reference, corpus_keys, role: str, index: int = 0) -> dict:
+    _running(c)
     pid = _pid_of(c, role, index)
     os.kill(pid, signal.SIGKILL)
     out = _check(c, reference, corpus_keys)
@@ -113,11 +119,8 @@ def _kill_role_and_check(c, reference, corpus_keys, role: str, index: int = 0) -
 def test_loader_with_shadow_is_replaced_by_its_promoted_shadow(cluster, corpus, reference, corpus_keys):
     sources = tuple(replace(s, shadow=True) for s in _sources(corpus))
     c = cluster(**JOB, sources=sources)
-    c.start_sidecar()
-    c.start_trainers(sleep=SLEEP)
-    _wait_step(c, 8)
+    r, keys = _running(c)
     shadow = _pid_of(c, "shadow", 0)
-    r, keys = _redis(c), Keys(c.job.name)
     os.kill(_pid_of(c, "loader", 0), signal.SIGKILL)
     _until(lambda: r.xrange(keys.promotions), c)
     promotion = r.xrange(keys.promotions)[0][1]
@@ -133,10 +136,7 @@ def test_loader_without_shadow_is_restarted_from_the_planner_cursors(cluster, re
 
 def test_planner_is_restarted_from_its_checkpoint_under_a_new_lease(cluster, reference, corpus_keys):
     c = cluster(**JOB)
-    c.start_sidecar()
-    c.start_trainers(sleep=SLEEP)
-    _wait_step(c, 8)
-    r, keys = _redis(c), Keys(c.job.name)
+    r, keys = _running(c)
     token = json.loads(r.get(keys.leader))["token"]
     generation = int(r.hget(keys.planner, "token"))
     os.kill(_pid_of(c, "planner"), signal.SIGKILL)
@@ -153,12 +153,10 @@ def test_constructor_is_restarted_and_trainers_drop_what_they_had(cluster, refer
 
 
 def test_redis_server_killed_and_restarted_loses_nothing(cluster, reference, corpus_keys):
-    from test_failures import _redis_pids
+    from overlord.store.server import server_pids as _redis_pids
 
     c = cluster(**JOB)
-    c.start_sidecar()
-    c.start_trainers(sleep=SLEEP)
-    _wait_step(c, 8)
+    _running(c)
     (pid,) = _redis_pids(c.job.run_path)
     os.kill(pid, signal.SIGKILL)
     _check(c, reference, corpus_keys)

@@ -12,23 +12,11 @@ from overlord import BatchSpec, Mesh
 from overlord.shm import pid_alive as alive
 from overlord.shm import list_segments
 from overlord.store import redis_server_binary
+from overlord.store.server import server_pids
 
 pytestmark = pytest.mark.timeout(180)
 
 SMALL = dict(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20))
-
-
-def _redis_pids(run_dir) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                cmd = open(f"/proc/{d}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if b"redis-server" in cmd and str(run_dir).encode() in cmd:
-                out.append(int(d))
-    return out
 
 
 def test_killed_sidecar_makes_trainer_raise_and_restart_cleans_up(cluster):
@@ -37,7 +25,7 @@ def test_killed_sidecar_makes_trainer_raise_and_restart_cleans_up(cluster):
     c.start_trainers(sleep=0.02, timeout=30)
     time.sleep(3)
     assert c.trainers[0].poll() is None, "the trainer should still be consuming"
-    redis_pids = _redis_pids(c.job.run_path)
+    redis_pids = server_pids(c.job.run_path)
     assert redis_pids
     os.kill(sidecar.pid, signal.SIGKILL)
     killed = time.monotonic()
