@@ -1,4 +1,4 @@
-"""The `overlord` command: `sidecar`, `demo`, `status`."""
+"""The `overlord` command: `sidecar`, `status`, `plan`, `partition`, `demo`."""
 
 from __future__ import annotations
 
@@ -44,6 +44,42 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _partition(args: argparse.Namespace) -> int:
+    """Print the auto-partitioning a job would get: costs from the profile journal of a
+    running (or stopped, embedded) job's Redis where there is one, else profiled now."""
+    import dataclasses
+
+    from overlord.autoscale.apply import budget_of
+    from overlord.autoscale.partition import partition
+    from overlord.autoscale.profile import costs_from, journaled, measure
+    from overlord.config import Job
+    from overlord.status import redis_url_of
+    from overlord.store import Keys, connect
+
+    job = Job.from_file(args.config)
+    profiled = {}
+    try:
+        profiled = costs_from(journaled(connect(redis_url_of(job), timeout_s=2, ride_through_s=0), Keys(job.name)), job)
+    except OverlordError:
+        pass  # no Redis for this job: profile every source here
+    missing = [s for s in job.sources if s.name not in profiled]
+    measured = measure(dataclasses.replace(job, sources=tuple(missing)), args.samples) if missing else {}
+    costs = [profiled.get(s.name) or measured[s.name] for s in job.sources]
+    result = partition(costs, budget_of(job))
+    if args.json:
+        print(json.dumps({"costs": [dataclasses.asdict(c) for c in costs],
+                          "sources": [dataclasses.asdict(s) for s in result.sources],
+                          "loaders": result.loaders, "loader_workers": result.loader_workers,
+                          "memory_mb": result.memory_mb, "notes": result.notes}))
+    else:
+        print(f"costs: {len(profiled)} source(s) from the profile journal, {len(measured)} profiled now "
+              f"({args.samples} samples each)")
+        for c in costs:
+            print(f"  {c.name:<20} {c.transform_ms:9.3f} ms/sample {c.sample_kb:8.1f} KiB/sample {c.state_mb:8.1f} MiB state")
+        print(result.render())
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from overlord.demo.run import run_demo
 
@@ -69,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_plan)
+    p = sub.add_parser("partition", help="show how autoscale would size the Source Loaders (workers, partitions, processes)")
+    p.add_argument("--config", required=True, help="job YAML/JSON (its autoscale: block is the budget)")
+    p.add_argument("--samples", type=int, default=32, help="samples to profile per source without a journal")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_partition)
     p = sub.add_parser("demo", help="generate a demo corpus and run a 4-rank job end to end")
     p.add_argument("--out", default="demo-data")
     p.add_argument("--ranks", type=int, default=4)

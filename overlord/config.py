@@ -202,6 +202,11 @@ class Job:
         node: this node's id (shm names, membership).
         strategy: the orchestration strategy, "module:function" (overlord.planner.strategies).
         mixing: a mixing schedule (overlord.planner.schedule); None uses the source weights.
+        autoscale: size the Source Loaders to the sources' profiled costs at start
+            (overlord.autoscale): a dict of `Budget` fields (cpus, memory_mb, limits);
+            {} takes the defaults. It sets each source's partitions and which loader
+            process hosts them, overriding `Source.partitions` and `loader_processes`.
+            None (default): the configured partitions, spread round robin.
     """
 
     name: str
@@ -221,6 +226,7 @@ class Job:
     node: str = "node0"
     strategy: str = "overlord.planner.strategies:balanced"
     mixing: dict | None = None
+    autoscale: dict | None = None
 
     def __post_init__(self) -> None:
         _check_name("Job.name", self.name)
@@ -239,6 +245,15 @@ class Job:
                 f"BatchSpec.global_batch={self.batch.global_batch} is not divisible by "
                 f"Mesh.dp={self.mesh.dp}; make it a multiple of dp"
             )
+        if self.autoscale is not None:
+            from overlord.autoscale.partition import Budget
+
+            unknown = sorted(set(self.autoscale) - set(Budget.__dataclass_fields__) - {"profile_samples"})
+            if unknown:
+                raise ConfigError(
+                    f"Job.autoscale has unknown key(s) {unknown}; use fields of overlord.autoscale.Budget "
+                    f"({sorted(Budget.__dataclass_fields__)}) or profile_samples"
+                )
         if self.epochs is not None and (not isinstance(self.epochs, int) or self.epochs < 1):
             raise ConfigError(f"Job.epochs={self.epochs!r} must be None (forever) or an int >= 1")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

@@ -27,7 +27,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
+from overlord.autoscale.profile import JOURNAL_EVERY_S
 from overlord.errors import PeerDied, PlanError, RingFullError
 from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.planner import meta
@@ -73,6 +75,7 @@ class LoaderProcess:
         self.last_step: int | None = None
         self.step = 0
         self._pipe = None  # metadata reports queued for one round trip
+        self._journaled = time.monotonic()
 
     # -- start -------------------------------------------------------------------------
 
@@ -122,6 +125,8 @@ class LoaderProcess:
         try:
             while not ctx.stop.is_set():
                 ctx.beat()
+                if self.active and time.monotonic() - self._journaled > JOURNAL_EVERY_S:
+                    self._journal()
                 pipe = self.r.pipeline(transaction=False)
                 pipe.get(self.keys.plan(self.step))
                 pipe.hgetall(self.keys.progress)
@@ -155,6 +160,11 @@ class LoaderProcess:
         except Stopped:
             return
         finally:
+            if self.active:
+                try:
+                    self._journal()
+                except Exception:  # noqa: BLE001 - a profile is never worth failing the exit
+                    pass
             for ring in self.rings:
                 ring.close()
 
@@ -310,6 +320,17 @@ class LoaderProcess:
         if pipe is not None:
             self._pipe = None
             pipe.execute()
+
+    def _journal(self) -> None:
+        """Journal what this process's samples cost, for the next auto-partitioning."""
+        self._journaled = time.monotonic()
+        mapping = {}
+        for i, loader in self.loaders.items():
+            loader.profile.state_bytes = max(loader.profile.state_bytes, loader.state_bytes())
+            if loader.profile.samples:
+                mapping[self.layout.streams[i]] = loader.profile.to_json()
+        if mapping:
+            self.r.hset(self.keys.profile, mapping=mapping)
 
     def _report_all(self) -> None:
         """Report every unsent sample again, in order (the Planner keeps what is new)."""

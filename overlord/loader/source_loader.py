@@ -10,6 +10,7 @@ with `on_error: skip` the row is dropped and counted instead.
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from overlord.autoscale.profile import Profile
 from overlord.config import Source
 from overlord.errors import SchemaError, SourceReadError
 from overlord.loader.order import EpochOrder, RowGroups
@@ -69,6 +71,7 @@ class SourceLoader:
         self.skipped = 0
         self._delivered_in_epoch = 0  # samples prepared (not skipped) in self.epoch
         self._order = self._make_order(0)
+        self.profile = Profile()  # what its samples cost (journaled for the auto-partitioner)
 
     # -- files ---------------------------------------------------------------------------
 
@@ -225,10 +228,23 @@ class SourceLoader:
         return out, ended
 
     def _prepare_one(self, seq: int) -> Prepared | None:
+        started = time.perf_counter()
+        sample = self._read_and_transform(seq)
+        if sample is not None:
+            self.profile.record(time.perf_counter() - started, sample.nbytes)
+        return sample
+
+    def state_bytes(self) -> int:
+        """Memory of the file-access state: footers of open files, row groups of the window."""
+        footers = sum(f.metadata.serialized_size for f in self._files.values())
+        return footers + sum(t.nbytes for t in self._rows.values())
+
+    def _read_and_transform(self, seq: int) -> Prepared | None:
         order = self._order
         if seq % order.window == 0:
             # entering a new window: drop row groups the new window does not touch
             keep = set(order.groups_for_window(seq // order.window))
+            self.profile.state_bytes = max(self.profile.state_bytes, self.state_bytes())
             for rg in [g for g in self._rows if g not in keep]:
                 del self._rows[rg]
         where = order.locate(seq)

@@ -31,16 +31,23 @@ class Layout:
     shadowed: list[int]  # loader processes that have a Shadow Loader process
 
     @classmethod
-    def plan(cls, job: Job) -> "Layout":
+    def plan(cls, job: Job, partitioning=None) -> "Layout":
+        """Streams round robin over `loader_processes` processes, or where an
+        auto-partitioning (overlord.autoscale) put each one."""
         streams, stream_source = [], []
         for i, src in enumerate(job.sources):
             for p in range(src.partitions):
                 streams.append(stream_name(src.name, p))
                 stream_source.append(i)
-        cpus = len(os.sched_getaffinity(0))
-        loaders = job.loader_processes or max(1, min(len(streams), cpus // 2 or 1))
-        loaders = min(loaders, len(streams))
-        loader_of = [i % loaders for i in range(len(streams))]
+        if partitioning is not None:
+            home = {stream_name(n, p): k for k, hosted in enumerate(partitioning.loaders) for n, p in hosted}
+            loader_of = [home[name] for name in streams]
+            loaders = len(partitioning.loaders)
+        else:
+            cpus = len(os.sched_getaffinity(0))
+            loaders = job.loader_processes or max(1, min(len(streams), cpus // 2 or 1))
+            loaders = min(loaders, len(streams))
+            loader_of = [i % loaders for i in range(len(streams))]
         shadowed = sorted({loader_of[i] for i, src in enumerate(stream_source) if job.sources[src].shadow})
         return cls(
             streams=streams,

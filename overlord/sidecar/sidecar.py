@@ -126,6 +126,9 @@ class Sidecar:
     def _publish(self, r, layout: Layout) -> None:
         # forget the last run's plans, metadata and errors; a resume keeps the checkpoints
         keep = {self.keys.ckpt.encode(), self.keys.ckpt_delta.encode(), self.keys.ckpt_layout.encode()} if self.resume else set()
+        keep.add(self.keys.profile.encode())  # cost profiles outlive a run: the next start partitions from them
+        if self.job.autoscale is not None:
+            keep.add(self.keys.autoscale.encode())  # written just before, from the journal or the stored one
         stale = [k for k in r.scan_iter(match=self.keys.pattern, count=1000) if k not in keep]
         if stale:
             r.delete(*stale)
@@ -205,7 +208,12 @@ class Sidecar:
             log.info("removed %d shared-memory segment(s) left by dead owners: %s", len(removed), removed)
         url = self._start_store()
         self.r = connect(url, ride_through_s=1.0)  # short: the sidecar itself restarts a dead Redis
-        layout = Layout.plan(self.job)
+        partitioning = None
+        if self.job.autoscale is not None:
+            from overlord.autoscale.apply import autoscale
+
+            self.job, partitioning = autoscale(self.job, self.r, self.keys, resume=self.resume)
+        layout = Layout.plan(self.job, partitioning)
         (self.run_dir / "job.json").write_text(self.job.to_json())
         self._publish(self.r, layout)
         self._create_rings(layout)

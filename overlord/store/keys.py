@@ -22,6 +22,8 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:active               hash   loader process index -> pid of its active Source Loader process
     overlord:{job}:promotions           stream one entry per Shadow Loader promoted (loader, pid, reason)
     overlord:{job}:restarts             hash   role<index> -> times the sidecar restarted it
+    overlord:{job}:profile              hash   stream -> JSON cost profile (samples, seconds, bytes, state), kept across runs
+    overlord:{job}:autoscale            string JSON partitions per source and loader processes chosen at start
     overlord:{job}:ckpt-layout          string the streams (JSON) those checkpoints belong to
     overlord:{job}:resume               hash   position:<rank> (trainer), step and skip:<rank> (sidecar)
     overlord:{job}:job                  string the job's config (JSON)
@@ -108,6 +110,14 @@ class Keys:
     @property
     def promotions(self) -> str:
         return f"{self.base}:promotions"
+
+    @property
+    def autoscale(self) -> str:
+        return f"{self.base}:autoscale"
+
+    @property
+    def profile(self) -> str:
+        return f"{self.base}:profile"
 
     @property
     def restarts(self) -> str:

@@ -108,3 +108,17 @@ def test_plan_dry_run_prices_the_strategy_against_vanilla(cluster):
     text = overlord("plan", "--dry-run", "--config", str(c.config), "--steps", "4")
     assert "predicted step-time speedup" in text.stdout and "dp 3" in text.stdout
     assert not c.job.run_path.exists(), "a dry run starts nothing"
+
+
+def test_partition_profiles_the_sources_and_prints_a_layout_within_budget(cluster):
+    c = cluster(autoscale={"cpus": 8, "memory_mb": 4000, "profile_samples": 8})
+    out = overlord("partition", "--config", str(c.config), "--samples", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert {s["name"] for s in result["sources"]} == {"web", "code", "books", "images"}
+    assert all(cost["transform_ms"] > 0 for cost in result["costs"])
+    assert sum(s["workers"] for s in result["sources"]) <= 8
+    hosted = sorted(tuple(x) for loader in result["loaders"] for x in loader)
+    assert hosted == sorted((s["name"], p) for s in result["sources"] for p in range(s["partitions"]))
+    text = overlord("partition", "--config", str(c.config), "--samples", "8")
+    assert "profiled now" in text.stdout and "loader 0:" in text.stdout

@@ -1,0 +1,5 @@
+"""Sizing the Source Loaders to the sources' real costs (paper, Section 5)."""
+
+from overlord.autoscale.partition import Budget, PartitionError, Partitioning, SourceCost, SourcePlan, partition
+
+__all__ = sorted(["Budget", "PartitionError", "Partitioning", "SourceCost", "SourcePlan", "partition"])

@@ -1,0 +1,78 @@
+"""Applying the auto-partitioning to a job at start (the sidecar calls `autoscale`).
+
+Costs come from the profile journal in Redis where a source was profiled before, and
+from a short in-process profile (`profile_samples` samples) where not. The result sets
+each source's partitions and the loader process of each partition, and is stored:
+
+    overlord:{job}:autoscale   JSON {"partitions": {source: n}, "loaders": [[[source, partition], ...], ...]}
+
+A resume reuses the stored result: planner cursors are per partition, so the partitions
+of a resumed job cannot change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+from overlord.autoscale.partition import Budget, Partitioning, SourcePlan, partition
+from overlord.autoscale.profile import costs_from, journaled, measure
+from overlord.config import Job
+
+log = logging.getLogger("overlord.autoscale")
+
+PROFILE_SAMPLES = 32
+
+
+def budget_of(job: Job) -> Budget:
+    """The job's budget: its `autoscale` fields over defaults from this machine."""
+    cfg = {k: v for k, v in (job.autoscale or {}).items() if k != "profile_samples"}
+    cpus = float(cfg.get("cpus", len(os.sched_getaffinity(0))))
+    defaults = {
+        "cpus": cpus,
+        # the Data Constructors and the Planner take a slice that grows with the node, so
+        # a small machine still has a loader worker left
+        "constructor_cpus": max(0.25, min(1.0, cpus / 8)),
+        "planner_cpus": max(0.1, min(0.5, cpus / 16)),
+        "memory_mb": _available_mb() / 2,
+        "buffer_samples": job.buffer_samples,
+        "max_workers_per_loader": 1,  # a loader process runs one transform at a time today
+    }
+    return Budget(**{**defaults, **cfg})
+
+
+def _available_mb() -> float:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    return 4096.0
+
+
+def autoscale(job: Job, r, keys, *, resume: bool = False) -> tuple[Job, Partitioning]:
+    """The job with auto-partitioned sources, and the partitioning (logged, and stored)."""
+    stored = r.get(keys.autoscale) if resume else None
+    if stored is not None:
+        part = _from_stored(json.loads(stored))
+        how = "as stored by the run being resumed"
+    else:
+        profiled = costs_from(journaled(r, keys), job)
+        missing = [s for s in job.sources if s.name not in profiled]
+        samples = int((job.autoscale or {}).get("profile_samples", PROFILE_SAMPLES))
+        measured = measure(dataclasses.replace(job, sources=tuple(missing)), samples) if missing else {}
+        costs = [profiled.get(s.name) or measured[s.name] for s in job.sources]
+        part = partition(costs, budget_of(job))
+        how = f"{len(profiled)} source(s) from the profile journal, {len(measured)} profiled now"
+    log.info("auto-partitioned the sources (%s):\n%s", how, part.render())
+    r.set(keys.autoscale, json.dumps({"partitions": {s.name: s.partitions for s in part.sources},
+                                      "loaders": [[list(x) for x in hosted] for hosted in part.loaders]}))
+    sources = tuple(dataclasses.replace(s, partitions=part.of(s.name).partitions) for s in job.sources)
+    return dataclasses.replace(job, sources=sources), part
+
+
+def _from_stored(data: dict) -> Partitioning:
+    sources = [SourcePlan(n, 0, 0.0, 0.0, p, 0.0) for n, p in data["partitions"].items()]
+    loaders = [[(n, int(p)) for n, p in hosted] for hosted in data["loaders"]]
+    return Partitioning(sources=sources, loaders=loaders, loader_workers=[0.0] * len(loaders), memory_mb=0.0)
