@@ -206,6 +206,9 @@ class Job:
             (overlord.autoscale): a dict of `Budget` fields (cpus, memory_mb, limits);
             {} takes the defaults. It sets each source's partitions and which loader
             process hosts them, overriding `Source.partitions` and `loader_processes`.
+            Extra keys: profile_samples (short profile of unjournaled sources), online
+            (default true: the Planner scales transform threads with the mixture),
+            max_threads (per partition, default 4), scale_interval (steps, default 8).
             None (default): the configured partitions, spread round robin.
     """
 
@@ -248,11 +251,12 @@ class Job:
         if self.autoscale is not None:
             from overlord.autoscale.partition import Budget
 
-            unknown = sorted(set(self.autoscale) - set(Budget.__dataclass_fields__) - {"profile_samples"})
+            extras = {"profile_samples", "online", "max_threads", "scale_interval"}
+            unknown = sorted(set(self.autoscale) - set(Budget.__dataclass_fields__) - extras)
             if unknown:
                 raise ConfigError(
                     f"Job.autoscale has unknown key(s) {unknown}; use fields of overlord.autoscale.Budget "
-                    f"({sorted(Budget.__dataclass_fields__)}) or profile_samples"
+                    f"({sorted(Budget.__dataclass_fields__)}) or {sorted(extras)}"
                 )
         if self.epochs is not None and (not isinstance(self.epochs, int) or self.epochs < 1):
             raise ConfigError(f"Job.epochs={self.epochs!r} must be None (forever) or an int >= 1")

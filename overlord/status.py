@@ -48,6 +48,9 @@ def collect(job: Job) -> dict[str, Any]:
         "active_loaders": {k.decode(): int(v) for k, v in r.hgetall(keys.active).items()},
         "promotions": [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrange(keys.promotions)],
         "restarts": {k.decode(): int(v) for k, v in r.hgetall(keys.restarts).items()},
+        "workers": {k.decode(): int(v) for k, v in r.hgetall(keys.workers).items()},
+        "scaling": [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrevrange(keys.scaling, count=10)][::-1],
+        "autoscale": json.loads(r.get(keys.autoscale) or "null"),
         "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
         "nodes": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.nodes).items()},
         "errors": [json.loads(e)["message"] for e in r.lrange(keys.errors, 0, -1)],
@@ -92,6 +95,12 @@ def render(status: dict[str, Any]) -> str:
                      f"at {time.strftime('%H:%M:%S', time.localtime(float(p['time'])))}")
     for name, n in sorted(status.get("restarts", {}).items()):
         lines.append(f"restarted: {name} {n} time(s) by the sidecar")
+    if status.get("autoscale"):
+        lines.append("auto-partitioned: " + ", ".join(f"{n}={p} partition(s)" for n, p in status["autoscale"]["partitions"].items()))
+    if status.get("workers"):
+        lines.append("transform workers: " + ", ".join(f"{k}={v}" for k, v in sorted(status["workers"].items())))
+    for e in status.get("scaling", []):
+        lines.append(f"scaled: step {e['step']} source {e['source']} -> {e['workers']} worker(s) (share {e['share']}, {e['cost_ms']} ms/sample)")
     for dp, step in sorted(status.get("replays", {}).items()):
         lines.append(f"replay: Data Constructor {dp[1:]} restarted at step {step}")
     if status["resume"].get("step") is not None:

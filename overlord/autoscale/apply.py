@@ -4,7 +4,8 @@ Costs come from the profile journal in Redis where a source was profiled before,
 from a short in-process profile (`profile_samples` samples) where not. The result sets
 each source's partitions and the loader process of each partition, and is stored:
 
-    overlord:{job}:autoscale   JSON {"partitions": {source: n}, "loaders": [[[source, partition], ...], ...]}
+    overlord:{job}:autoscale   JSON {"partitions": {source: n}, "loaders": [[[source, partition], ...], ...],
+                                     "costs_ms": {source: ms per sample}}
 
 A resume reuses the stored result: planner cursors are per partition, so the partitions
 of a resumed job cannot change.
@@ -28,7 +29,7 @@ PROFILE_SAMPLES = 32
 
 def budget_of(job: Job) -> Budget:
     """The job's budget: its `autoscale` fields over defaults from this machine."""
-    cfg = {k: v for k, v in (job.autoscale or {}).items() if k != "profile_samples"}
+    cfg = {k: v for k, v in (job.autoscale or {}).items() if k in Budget.__dataclass_fields__}
     cpus = float(cfg.get("cpus", len(os.sched_getaffinity(0))))
     defaults = {
         "cpus": cpus,
@@ -55,7 +56,8 @@ def autoscale(job: Job, r, keys, *, resume: bool = False) -> tuple[Job, Partitio
     """The job with auto-partitioned sources, and the partitioning (logged, and stored)."""
     stored = r.get(keys.autoscale) if resume else None
     if stored is not None:
-        part = _from_stored(json.loads(stored))
+        data = json.loads(stored)
+        part, costs_ms = _from_stored(data), data.get("costs_ms", {})
         how = "as stored by the run being resumed"
     else:
         profiled = costs_from(journaled(r, keys), job)
@@ -64,10 +66,12 @@ def autoscale(job: Job, r, keys, *, resume: bool = False) -> tuple[Job, Partitio
         measured = measure(dataclasses.replace(job, sources=tuple(missing)), samples) if missing else {}
         costs = [profiled.get(s.name) or measured[s.name] for s in job.sources]
         part = partition(costs, budget_of(job))
+        costs_ms = {c.name: c.transform_ms for c in costs}
         how = f"{len(profiled)} source(s) from the profile journal, {len(measured)} profiled now"
     log.info("auto-partitioned the sources (%s):\n%s", how, part.render())
     r.set(keys.autoscale, json.dumps({"partitions": {s.name: s.partitions for s in part.sources},
-                                      "loaders": [[list(x) for x in hosted] for hosted in part.loaders]}))
+                                      "loaders": [[list(x) for x in hosted] for hosted in part.loaders],
+                                      "costs_ms": costs_ms}))
     sources = tuple(dataclasses.replace(s, partitions=part.of(s.name).partitions) for s in job.sources)
     return dataclasses.replace(job, sources=sources), part
 

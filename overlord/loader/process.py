@@ -132,7 +132,10 @@ class LoaderProcess:
                 pipe.hgetall(self.keys.progress)
                 pipe.hget(self.keys.planner, "token")
                 pipe.hget(self.keys.active, ctx.index)
-                raw_plan, progress, token, active_pid = pipe.execute()
+                pipe.hgetall(self.keys.workers)
+                raw_plan, progress, token, active_pid, workers = pipe.execute()
+                if workers:
+                    self._scale(workers)
                 if not self.active and active_pid is not None and int(active_pid) == os.getpid():
                     self._promote(progress)
                 self._follow(progress)
@@ -167,6 +170,8 @@ class LoaderProcess:
                     pass
             for ring in self.rings:
                 ring.close()
+            for loader in self.loaders.values():
+                loader.close()
 
     def _finished(self, progress) -> bool:
         """After the last plan: stay (to serve replays) until every constructor is done."""
@@ -320,6 +325,14 @@ class LoaderProcess:
         if pipe is not None:
             self._pipe = None
             pipe.execute()
+
+    def _scale(self, workers: dict) -> None:
+        """Run each stream's transforms on the workers the Planner's scaler set."""
+        for i, loader in self.loaders.items():
+            n = workers.get(self.layout.streams[i].encode())
+            if n is not None and int(n) != loader.workers:
+                log.info("stream %s: %d -> %d transform worker(s)", self.layout.streams[i], loader.workers, int(n))
+                loader.set_workers(int(n))
 
     def _journal(self) -> None:
         """Journal what this process's samples cost, for the next auto-partitioning."""

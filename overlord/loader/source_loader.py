@@ -10,7 +10,9 @@ with `on_error: skip` the row is dropped and counted instead.
 from __future__ import annotations
 
 import collections
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,6 +74,9 @@ class SourceLoader:
         self._delivered_in_epoch = 0  # samples prepared (not skipped) in self.epoch
         self._order = self._make_order(0)
         self.profile = Profile()  # what its samples cost (journaled for the auto-partitioner)
+        self.workers = 1
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
 
     # -- files ---------------------------------------------------------------------------
 
@@ -201,6 +206,27 @@ class SourceLoader:
 
     # -- preparing samples ---------------------------------------------------------------
 
+    def set_workers(self, workers: int) -> None:
+        """Run transforms on `workers` threads (1: inline).
+
+        Worker parallelism (paper, Section 5.1): rows are still read in order by this
+        thread, and only the transforms overlap, so the samples, their order and their
+        bytes do not depend on the worker count, which can change at any call.
+        Transforms that release the GIL (image decode, numpy) gain the most.
+        """
+        workers = max(1, int(workers))
+        if workers == self.workers:
+            return
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"transform-{self.name}") if workers > 1 else None
+        self.workers = workers
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     def prepare(self, limit: int) -> tuple[list[Prepared], list[tuple[int, int]]]:
         """Prepare up to `limit` samples in order.
 
@@ -220,26 +246,31 @@ class SourceLoader:
                 if out:
                     break  # one call never mixes epochs, so a metadata chunk has one epoch
                 continue
-            sample = self._prepare_one(self.seq)
-            self.seq += 1
-            if sample is not None:
-                self._delivered_in_epoch += 1
-                out.append(sample)
+            # read a run of rows in order, then transform them (overlapping on workers)
+            seqs = range(self.seq, min(self.seq + limit - len(out), self.epoch_length))
+            reads = [self._read(q) for q in seqs]
+            self.seq = seqs.stop
+            if self._pool is not None and len(reads) > 1:
+                samples = list(self._pool.map(self._transform, reads))
+            else:
+                samples = [self._transform(r) for r in reads]
+            for sample in samples:
+                if sample is not None:
+                    self._delivered_in_epoch += 1
+                    out.append(sample)
         return out, ended
 
     def _prepare_one(self, seq: int) -> Prepared | None:
-        started = time.perf_counter()
-        sample = self._read_and_transform(seq)
-        if sample is not None:
-            self.profile.record(time.perf_counter() - started, sample.nbytes)
-        return sample
+        return self._transform(self._read(seq))
 
     def state_bytes(self) -> int:
         """Memory of the file-access state: footers of open files, row groups of the window."""
         footers = sum(f.metadata.serialized_size for f in self._files.values())
         return footers + sum(t.nbytes for t in self._rows.values())
 
-    def _read_and_transform(self, seq: int) -> Prepared | None:
+    def _read(self, seq: int) -> tuple[int, object, dict, float]:
+        """(seq, where, row, seconds): one row, read in order (the file state is this thread's)."""
+        started = time.perf_counter()
         order = self._order
         if seq % order.window == 0:
             # entering a new window: drop row groups the new window does not touch
@@ -249,6 +280,12 @@ class SourceLoader:
                 del self._rows[rg]
         where = order.locate(seq)
         row = self._read_group(where.rg).slice(where.row_in_group, 1).to_pylist()[0]
+        return seq, where, row, time.perf_counter() - started
+
+    def _transform(self, read) -> Prepared | None:
+        """The sample transform of one row (thread-safe: touches no file state)."""
+        seq, where, row, read_s = read
+        started = time.perf_counter()
         key = f"{self.source.name}:{where.file}:{where.row_in_file}"
         try:
             arrays = self.transform(row)
@@ -256,7 +293,8 @@ class SourceLoader:
                 raise TypeError(f"returned {type(arrays).__name__}; a transform must return dict[str, numpy.ndarray]")
         except Exception as exc:  # noqa: BLE001 - any user transform failure is reported the same way
             if self.source.on_error == "skip":
-                self.skipped += 1
+                with self._lock:
+                    self.skipped += 1
                 return None
             raise SourceReadError(
                 f"{self._where(where.file)} row {where.row_in_file}: transform "
@@ -264,4 +302,6 @@ class SourceLoader:
                 "Fix the data or the transform, or set on_error: skip on the source"
             ) from exc
         tokens, patches, nbytes = sample_metadata(arrays)
+        with self._lock:
+            self.profile.record(read_s + time.perf_counter() - started, nbytes)
         return Prepared(self.epoch, seq, key, arrays, tokens, patches, nbytes)

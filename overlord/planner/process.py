@@ -114,6 +114,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     last_ids = {keys.meta(name): "0-0" for name in layout.streams}
     waiting_since = time.monotonic()
     promoter = _Promoter(ctx, lease)
+    scaling = _Scaling(ctx) if job.autoscale is not None and job.autoscale.get("online", True) else None
     while not ctx.stop.is_set():
         ctx.beat()
         if lease.lost.is_set():
@@ -138,6 +139,8 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                 ckpts.write(pipe, core.step, delta, core.state)  # where a resume at step core.step starts
 
             _publish_once(r, keys, lease, publish, plan.step)
+            if scaling is not None:
+                scaling.observe(plan)
             waiting_since = time.monotonic()
             if plan.last:
                 log.info("planned the last step %d; planner done", plan.step)
@@ -179,6 +182,58 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                 f"buffered: {starving}. Check the loader logs in {ctx.run_dir}, "
                 "or raise Job.timeout_s for slow transforms"
             )
+
+
+class _Scaling:
+    """Feeds each plan's per-source sample counts to the Scaler; publishes its decisions."""
+
+    COSTS_EVERY = 64  # steps between two reads of the profile journal
+
+    def __init__(self, ctx) -> None:
+        from overlord.autoscale.scaler import Scaler
+
+        self.ctx = ctx
+        job, layout = ctx.job, ctx.layout
+        self.names = [job.sources[i].name for i in layout.stream_source]  # stream -> source
+        current = {s.name: 1 for s in job.sources}
+        for stream, n in ctx.r.hgetall(ctx.keys.workers).items():
+            current[stream.decode().rsplit(".", 1)[0]] = int(n)
+        self.scaler = Scaler(costs_ms={}, current=current, max_workers=int(job.autoscale.get("max_threads", 4)),
+                             interval=int(job.autoscale.get("scale_interval", 8)))
+        self._costs()
+
+    def _costs(self) -> None:
+        from overlord.autoscale.profile import costs_from, journaled
+
+        if not self.scaler.costs_ms:  # what the start-up partitioning measured, until loaders journal
+            stored = self.ctx.r.get(self.ctx.keys.autoscale)
+            self.scaler.costs_ms.update(json.loads(stored).get("costs_ms", {}) if stored else {})
+        costs = costs_from(journaled(self.ctx.r, self.ctx.keys), self.ctx.job)
+        self.scaler.costs_ms.update({name: c.transform_ms for name, c in costs.items()})
+
+    def observe(self, plan) -> None:
+        if plan.step % self.COSTS_EVERY == 0:
+            self._costs()
+        counts: dict[str, int] = {}
+        for bucket in plan.buckets:
+            for mb in bucket:
+                for stream, _, _ in mb:
+                    counts[self.names[stream]] = counts.get(self.names[stream], 0) + 1
+        changed = self.scaler.observe(plan.step, counts)
+        if not changed:
+            return
+        r, keys, layout = self.ctx.r, self.ctx.keys, self.ctx.layout
+        pipe = r.pipeline(transaction=True)
+        pipe.hset(keys.workers, mapping={stream: changed[self.names[i]] for i, stream in enumerate(layout.streams)
+                                         if self.names[i] in changed})
+        for name, workers in changed.items():
+            pipe.xadd(keys.scaling, {"step": plan.step, "source": name, "workers": workers,
+                                     "share": round(self.scaler.average.get(name, 0.0), 4),
+                                     "cost_ms": round(self.scaler.costs_ms.get(name, 0.0), 4), "time": time.time()},
+                      maxlen=10000, approximate=True)
+        pipe.execute()
+        log.info("step %d: transform workers per partition now %s (moving-average shares %s)", plan.step, changed,
+                 {n: round(v, 3) for n, v in self.scaler.average.items()})
 
 
 def _publish_once(r, keys, lease: Lease, publish, step: int, tries: int = 5) -> None:

@@ -24,6 +24,8 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:restarts             hash   role<index> -> times the sidecar restarted it
     overlord:{job}:profile              hash   stream -> JSON cost profile (samples, seconds, bytes, state), kept across runs
     overlord:{job}:autoscale            string JSON partitions per source and loader processes chosen at start
+    overlord:{job}:workers              hash   stream -> transform workers (threads) the Planner's scaler set
+    overlord:{job}:scaling              stream one entry per scaling decision (step, source, workers, share, cost)
     overlord:{job}:ckpt-layout          string the streams (JSON) those checkpoints belong to
     overlord:{job}:resume               hash   position:<rank> (trainer), step and skip:<rank> (sidecar)
     overlord:{job}:job                  string the job's config (JSON)
@@ -110,6 +112,14 @@ class Keys:
     @property
     def promotions(self) -> str:
         return f"{self.base}:promotions"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.base}:workers"
+
+    @property
+    def scaling(self) -> str:
+        return f"{self.base}:scaling"
 
     @property
     def autoscale(self) -> str:

@@ -60,3 +60,38 @@ def _check_choice(r, keys) -> None:
     assert len(layout.streams) == sum(chosen["partitions"].values()) and layout.loaders == len(chosen["loaders"])
     profiles = journaled(r, keys)
     assert set(profiles) == set(layout.streams) and all(p.samples > 0 for p in profiles.values())
+
+
+SHIFT = {"kind": "piecewise", "points": [[0, {"web": 1, "code": 1, "books": 1, "images": 0}],
+                                         [24, {"web": 0.05, "code": 0.05, "books": 0.05, "images": 1}]]}
+
+
+def _shifting(cluster, online: bool):
+    c = cluster(seed=9, mesh=Mesh(dp=2), mixing=SHIFT,
+                batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+                autoscale={"cpus": 2, "memory_mb": 8000, "profile_samples": 8, "online": online,
+                           "scale_interval": 2, "max_threads": 3})
+    c.start_sidecar()
+    c.start_trainers(batches=120)
+    return c
+
+
+def test_live_scaling_with_the_mixture_keeps_every_sample_and_the_order(cluster):
+    """Transform workers follow the mixture while the job runs; the batches are the
+    bytes of the same job without scaling."""
+    fixed = _shifting(cluster, online=False)
+    expected = fixed.results()
+    assert fixed.stop() == 0
+    c = _shifting(cluster, online=True)
+    got = c.results()
+    server_r = connect(f"unix://{c.job.run_path / 'redis.sock'}")
+    events = [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in server_r.xrange(Keys(c.job.name).scaling)]
+    assert c.stop() == 0
+    for rank in range(2):
+        assert got[rank]["end"] == "limit", got[rank]["end"]
+        assert got[rank]["digests"] == expected[rank]["digests"]
+    images = [int(e["workers"]) for e in events if e["source"] == "images"]
+    text = [(int(e["step"]), int(e["workers"])) for e in events if e["source"] == "web"]
+    assert images and images[-1] == 3, events  # the mixture shifted to images: they get the most workers
+    assert text and text[0][1] == 3 and text[-1][1] == 1, events  # text led first, then gave its workers back
+    assert "transform worker(s)" in c.log()

@@ -126,3 +126,20 @@ def test_start_at_and_prepare_at_give_the_same_samples_as_reading_through(tmp_pa
     for s in resumed.prepare_at(0, [3, 9]):
         ref = by_pos[(0, s.seq)]
         assert s.key == ref.key and np.array_equal(s.arrays["input_ids"], ref.arrays["input_ids"])
+
+
+def test_worker_threads_change_neither_samples_nor_order_even_when_resized(tmp_path):
+    texts = [f"t{i}" * (i % 7 + 1) if i % 9 else None for i in range(60)]
+    path = write(tmp_path / "a.parquet", texts)
+    reference = [(s.epoch, s.seq, s.key, s.arrays["input_ids"].tobytes()) for s in drain(loader([path], epochs=2, on_error="skip"))]
+    ld = loader([path], epochs=2, on_error="skip")
+    got, step = [], 0
+    while not ld.finished:
+        ld.set_workers([1, 4, 2, 3][step % 4])  # scaled up and down between calls, as the Planner may
+        batch, _ = ld.prepare(7)
+        got += [(s.epoch, s.seq, s.key, s.arrays["input_ids"].tobytes()) for s in batch]
+        step += 1
+    ld.close()
+    assert got == reference
+    assert ld.skipped == 2 * sum(t is None for t in texts)
+    assert ld.profile.samples == len(reference) and ld.profile.seconds > 0
