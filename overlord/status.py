@@ -100,7 +100,8 @@ def render(status: dict[str, Any]) -> str:
     if status.get("workers"):
         lines.append("transform workers: " + ", ".join(f"{k}={v}" for k, v in sorted(status["workers"].items())))
     for e in status.get("scaling", []):
-        lines.append(f"scaled: step {e['step']} source {e['source']} -> {e['workers']} worker(s) (share {e['share']}, {e['cost_ms']} ms/sample)")
+        lines.append(f"scaled: step {e['step']} source {e['source']} -> {e['workers']} worker(s) "
+                     f"({e['rate']} samples/s x {e['cost_ms']} ms = {e['demand']} busy workers)")
     for dp, step in sorted(status.get("replays", {}).items()):
         lines.append(f"replay: Data Constructor {dp[1:]} restarted at step {step}")
     if status["resume"].get("step") is not None:

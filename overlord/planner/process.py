@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 
+import numpy as np
 import redis
 
 from overlord.errors import PlanError
@@ -140,7 +141,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
 
             _publish_once(r, keys, lease, publish, plan.step)
             if scaling is not None:
-                scaling.observe(plan)
+                scaling.observe(plan, core)
             waiting_since = time.monotonic()
             if plan.last:
                 log.info("planned the last step %d; planner done", plan.step)
@@ -198,7 +199,9 @@ class _Scaling:
         current = {s.name: 1 for s in job.sources}
         for stream, n in ctx.r.hgetall(ctx.keys.workers).items():
             current[stream.decode().rsplit(".", 1)[0]] = int(n)
-        self.scaler = Scaler(costs_ms={}, current=current, max_workers=int(job.autoscale.get("max_threads", 4)),
+        partitions = {s.name: s.partitions for s in job.sources}
+        self.scaler = Scaler(costs_ms={}, current=current, partitions=partitions,
+                             max_workers=int(job.autoscale.get("max_threads", 4)),
                              interval=int(job.autoscale.get("scale_interval", 8)))
         self._costs()
 
@@ -211,15 +214,21 @@ class _Scaling:
         costs = costs_from(journaled(self.ctx.r, self.ctx.keys), self.ctx.job)
         self.scaler.costs_ms.update({name: c.transform_ms for name, c in costs.items()})
 
-    def observe(self, plan) -> None:
+    def observe(self, plan, core) -> None:
         if plan.step % self.COSTS_EVERY == 0:
             self._costs()
+        ahead = None
+        if hasattr(core.schedule, "weights"):  # the mix of the steps about to be planned
+            w = np.asarray(core.schedule.weights(plan.step + self.scaler.interval), dtype=np.float64)
+            if w.sum() > 0:
+                share = w / w.sum() * core.global_batch
+                ahead = {s.name: float(share[i]) for i, s in enumerate(self.ctx.job.sources)}
         counts: dict[str, int] = {}
         for bucket in plan.buckets:
             for mb in bucket:
                 for stream, _, _ in mb:
                     counts[self.names[stream]] = counts.get(self.names[stream], 0) + 1
-        changed = self.scaler.observe(plan.step, counts)
+        changed = self.scaler.observe(plan.step, counts, time.monotonic(), ahead)
         if not changed:
             return
         r, keys, layout = self.ctx.r, self.ctx.keys, self.ctx.layout
@@ -228,12 +237,13 @@ class _Scaling:
                                          if self.names[i] in changed})
         for name, workers in changed.items():
             pipe.xadd(keys.scaling, {"step": plan.step, "source": name, "workers": workers,
-                                     "share": round(self.scaler.average.get(name, 0.0), 4),
+                                     "rate": round(self.scaler.rate.get(name, 0.0), 2),
+                                     "demand": round(self.scaler.demand(name), 3),
                                      "cost_ms": round(self.scaler.costs_ms.get(name, 0.0), 4), "time": time.time()},
                       maxlen=10000, approximate=True)
         pipe.execute()
-        log.info("step %d: transform workers per partition now %s (moving-average shares %s)", plan.step, changed,
-                 {n: round(v, 3) for n, v in self.scaler.average.items()})
+        log.info("step %d: transform workers per partition now %s (busy workers demanded %s)", plan.step, changed,
+                 {n: round(self.scaler.demand(n), 2) for n in self.scaler.current})
 
 
 def _publish_once(r, keys, lease: Lease, publish, step: int, tries: int = 5) -> None:

@@ -62,36 +62,42 @@ def _check_choice(r, keys) -> None:
     assert set(profiles) == set(layout.streams) and all(p.samples > 0 for p in profiles.values())
 
 
-SHIFT = {"kind": "piecewise", "points": [[0, {"web": 1, "code": 1, "books": 1, "images": 0}],
-                                         [24, {"web": 0.05, "code": 0.05, "books": 0.05, "images": 1}]]}
+SHIFT = {"kind": "piecewise", "points": [[0, {"web": 0.2, "code": 0.2, "books": 1, "images": 0}],
+                                         [12, {"web": 1, "code": 1, "books": 0, "images": 0.2}]]}
 
 
-def _shifting(cluster, online: bool):
-    c = cluster(seed=9, mesh=Mesh(dp=2), mixing=SHIFT,
-                batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
-                autoscale={"cpus": 2, "memory_mb": 8000, "profile_samples": 8, "online": online,
+def _shifting(cluster, corpus, online: bool):
+    from dataclasses import replace
+
+    from harness import make_job
+
+    # books decodes slowly (50 ms a sample) and dominates the first steps, then leaves the mix
+    sources = tuple(replace(s, transform="tests.integration.strategies:slow_text") if s.name == "books" else s
+                    for s in make_job(corpus, "/tmp/unused").sources)
+    c = cluster(seed=9, mesh=Mesh(dp=2), mixing=SHIFT, sources=sources,
+                batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+                autoscale={"cpus": 2, "memory_mb": 8000, "profile_samples": 4, "online": online,
                            "scale_interval": 2, "max_threads": 3})
     c.start_sidecar()
-    c.start_trainers(batches=120)
+    c.start_trainers(batches=80)
     return c
 
 
-def test_live_scaling_with_the_mixture_keeps_every_sample_and_the_order(cluster):
+def test_live_scaling_with_the_mixture_keeps_every_sample_and_the_order(cluster, corpus):
     """Transform workers follow the mixture while the job runs; the batches are the
     bytes of the same job without scaling."""
-    fixed = _shifting(cluster, online=False)
+    fixed = _shifting(cluster, corpus, online=False)
     expected = fixed.results()
     assert fixed.stop() == 0
-    c = _shifting(cluster, online=True)
+    c = _shifting(cluster, corpus, online=True)
     got = c.results()
-    server_r = connect(f"unix://{c.job.run_path / 'redis.sock'}")
-    events = [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in server_r.xrange(Keys(c.job.name).scaling)]
+    r = connect(f"unix://{c.job.run_path / 'redis.sock'}")
+    events = [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrange(Keys(c.job.name).scaling)]
     assert c.stop() == 0
     for rank in range(2):
         assert got[rank]["end"] == "limit", got[rank]["end"]
         assert got[rank]["digests"] == expected[rank]["digests"]
-    images = [int(e["workers"]) for e in events if e["source"] == "images"]
-    text = [(int(e["step"]), int(e["workers"])) for e in events if e["source"] == "web"]
-    assert images and images[-1] == 3, events  # the mixture shifted to images: they get the most workers
-    assert text and text[0][1] == 3 and text[-1][1] == 1, events  # text led first, then gave its workers back
+    books = [(int(e["step"]), int(e["workers"])) for e in events if e["source"] == "books"]
+    assert books and max(w for _, w in books) == 3, events  # starved by its slow decode: scaled up
+    assert books[-1][1] == 1 and books[-1][0] > 12, events  # the mixture moved away: workers reclaimed
     assert "transform worker(s)" in c.log()
