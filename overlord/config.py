@@ -51,6 +51,11 @@ class Source:
             each epoch visits row groups in ascending order of that column's Parquet
             statistics (midpoint of min and max) instead of a random permutation, still
             shuffling inside the window. None: random row-group order.
+        decode: a second transform "module:callable" the Data Constructor applies to each
+            sample (dict of arrays in, dict of arrays out) before packing, so a heavy
+            decode runs there and compressed bytes travel instead of pixels
+            (transformation reordering), e.g. transform image_text_deferred with decode
+            overlord.transforms:decode_image. None: the transform does everything.
         shadow: keep a Shadow Loader (hot standby) for the loader process(es) hosting
             this source, so that losing one does not stall the trainers while the
             files are read again (costs the memory of a second read buffer).
@@ -66,6 +71,7 @@ class Source:
     partitions: int = 1
     on_error: str = "raise"
     difficulty: str | None = None
+    decode: str | None = None
     shadow: bool = False
 
     def __post_init__(self) -> None:

@@ -49,6 +49,7 @@ def collect(job: Job) -> dict[str, Any]:
         "promotions": [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrange(keys.promotions)],
         "restarts": {k.decode(): int(v) for k, v in r.hgetall(keys.restarts).items()},
         "workers": {k.decode(): int(v) for k, v in r.hgetall(keys.workers).items()},
+        "pressure": float(planner["pressure"]) if "pressure" in planner else None,
         "scaling": [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrevrange(keys.scaling, count=10)][::-1],
         "autoscale": json.loads(r.get(keys.autoscale) or "null"),
         "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
@@ -97,6 +98,9 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"restarted: {name} {n} time(s) by the sidecar")
     if status.get("autoscale"):
         lines.append("auto-partitioned: " + ", ".join(f"{n}={p} partition(s)" for n, p in status["autoscale"]["partitions"].items()))
+    if status.get("pressure") is not None:
+        lines.append(f"loader CPU pressure: {status['pressure']} (busy workers demanded / CPU budget; over 1, "
+                     "loading holds the trainers back)")
     if status.get("workers"):
         lines.append("transform workers: " + ", ".join(f"{k}={v}" for k, v in sorted(status["workers"].items())))
     for e in status.get("scaling", []):

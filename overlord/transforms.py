@@ -149,15 +149,25 @@ def image_text(row: dict[str, object]) -> dict[str, np.ndarray]:
         TypeError: A column has the wrong type.
         ValueError: The image bytes do not decode.
     """
-    from PIL import Image, UnidentifiedImageError  # imported here: text-only workers skip it
-
     caption = _column(row, "caption", str, "image_text")
     data = _column(row, "image", (bytes, bytearray, memoryview), "image_text")
+    patches, hp, wp = _decode_patches(bytes(data), "image_text")
+    return {
+        "input_ids": _with_bos_eos(tokenize(caption)),
+        "pixel_values": patches,
+        "image_grid": np.array([[hp, wp]], dtype=np.int32),
+    }
+
+
+def _decode_patches(data: bytes, where: str) -> tuple[np.ndarray, int, int]:
+    """Encoded image -> (uint8 [hp * wp, 768] patches, hp, wp), as `image_text` describes."""
+    from PIL import Image, UnidentifiedImageError  # imported here: text-only workers skip it
+
     try:
         with Image.open(io.BytesIO(data)) as img:
             img = img.convert("RGB")
     except (UnidentifiedImageError, OSError) as exc:
-        raise ValueError(f"transform 'image_text': image bytes do not decode: {exc}") from exc
+        raise ValueError(f"transform {where!r}: image bytes do not decode: {exc}") from exc
     hp, wp = _patch_grid(img.width, img.height)
     if (img.width, img.height) != (wp * PATCH, hp * PATCH):
         img = img.resize((wp * PATCH, hp * PATCH), Image.Resampling.BILINEAR)
@@ -168,11 +178,48 @@ def image_text(row: dict[str, object]) -> dict[str, np.ndarray]:
         .transpose(0, 2, 1, 3, 4)
         .reshape(hp * wp, PATCH * PATCH * 3)
     )
+    return np.ascontiguousarray(patches), hp, wp
+
+
+def image_text_deferred(row: dict[str, object]) -> dict[str, np.ndarray]:
+    """`image_text` with the decode left to the Data Constructor (transformation reordering).
+
+    The Source Loader reads only the image header (its size gives the patch grid, which
+    the Planner needs) and passes the encoded bytes on: the rings carry the compressed
+    image instead of its pixels. Pair it with `Source.decode: overlord.transforms:decode_image`.
+
+    Returns:
+        ``{"input_ids": int32 [n], "image_bytes": uint8 [encoded size],
+        "image_grid": int32 [1, 2]}``.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    caption = _column(row, "caption", str, "image_text_deferred")
+    data = bytes(_column(row, "image", (bytes, bytearray, memoryview), "image_text_deferred"))
+    try:
+        with Image.open(io.BytesIO(data)) as img:  # lazy: reads the header, not the pixels
+            width, height = img.size
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"transform 'image_text_deferred': image header does not parse: {exc}") from exc
+    hp, wp = _patch_grid(width, height)
     return {
         "input_ids": _with_bos_eos(tokenize(caption)),
-        "pixel_values": np.ascontiguousarray(patches),
+        "image_bytes": np.frombuffer(data, dtype=np.uint8).copy(),
         "image_grid": np.array([[hp, wp]], dtype=np.int32),
     }
+
+
+def decode_image(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The deferred half of `image_text_deferred`, run by the Data Constructor: the
+    encoded `image_bytes` become `pixel_values`, exactly as `image_text` makes them."""
+    out = {k: v for k, v in sample.items() if k != "image_bytes"}
+    patches, hp, wp = _decode_patches(sample["image_bytes"].tobytes(), "decode_image")
+    out["pixel_values"] = patches
+    if not np.array_equal(out["image_grid"], [[hp, wp]]):
+        raise ValueError(f"decode_image: the decoded image has patch grid {(hp, wp)}, its header said "
+                         f"{tuple(out['image_grid'][0])}")
+    return {"input_ids": out["input_ids"], "pixel_values": out["pixel_values"], "image_grid": out["image_grid"],
+            **{k: v for k, v in out.items() if k not in ("input_ids", "pixel_values", "image_grid")}}
 
 
 def sample_metadata(sample: dict[str, np.ndarray]) -> tuple[int, int, int]:
@@ -183,12 +230,17 @@ def sample_metadata(sample: dict[str, np.ndarray]) -> tuple[int, int, int]:
 
     Returns:
         ``(tokens, image_patches, nbytes)``: ``len(input_ids)`` (0 if absent),
-        ``pixel_values.shape[0]`` (0 if absent) and the bytes of all arrays.
+        ``pixel_values.shape[0]`` (or, with the decode deferred, the patches its
+        ``image_grid`` announces; 0 if neither) and the bytes of all arrays.
     """
     ids = sample.get("input_ids")
     pixels = sample.get("pixel_values")
+    grid = sample.get("image_grid")
     tokens = int(ids.shape[0]) if ids is not None else 0
-    patches = int(pixels.shape[0]) if pixels is not None else 0
+    if pixels is not None:
+        patches = int(pixels.shape[0])
+    else:  # decode deferred to the Data Constructor: the grid says how many patches will come
+        patches = int(np.prod(grid.reshape(-1, 2), axis=1).sum()) if grid is not None else 0
     nbytes = sum(int(a.nbytes) for a in sample.values())
     return tokens, patches, nbytes
 

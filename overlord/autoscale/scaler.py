@@ -12,6 +12,12 @@ workers double. Scaling up applies at once; scaling down only after the lower co
 has been the target for `patience` consecutive intervals, so a brief swing of the
 mixture does not take workers away that are needed again right after.
 
+Against the node's budget (`cpus` for the loaders) it reports `pressure`: the busy
+workers demanded over the CPUs there are. Above 1 the node cannot keep up with the
+mixture however workers are dealt; the read buffers, bounded, then hold the trainers
+back (back-pressure), and the Planner publishes the pressure for an operator or, later,
+a remote fallback to act on.
+
 Workers change who transforms a sample, never which sample comes next or its bytes:
 scaling keeps exactly-once delivery and the deterministic order. Pure: no I/O (time
 comes in as an argument).
@@ -35,6 +41,8 @@ class Scaler:
     patience: int = 3  # intervals a lower count must hold before workers are reclaimed (up: 1)
     alpha: float = 0.5
     headroom: float = 1.5
+    cpus: float = 0.0  # the loaders' CPU budget (0: unbounded)
+    pressure: float = 0.0  # busy workers demanded over the budget, last interval (> 1: over)
     rate: dict[str, float] = field(default_factory=dict)  # moving average, samples/s
     best_pace: float = 0.0  # steps/s the job reached lately (decaying maximum)
     pace_decay: float = 0.95  # per interval
@@ -71,6 +79,8 @@ class Scaler:
             if ahead is not None:  # projected: what the schedule will ask at the pace the job can go
                 self.rate[name] = max(self.rate[name], self.best_pace * ahead.get(name, 0.0))
         self._counts = {}
+        total = sum(self.demand(n) for n in self.current)
+        self.pressure = total / self.cpus if self.cpus > 0 else 0.0
         changed = {}
         for name, now_workers in self.current.items():
             per_partition = self.demand(name) / max(1, self.partitions.get(name, 1))

@@ -28,11 +28,12 @@ import numpy as np
 from overlord.config import Job
 from overlord.constructor.packing import pack, pad
 from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
-from overlord.errors import PeerDied, PlanError, RingTimeout
+from overlord.errors import PeerDied, PlanError, RingTimeout, SourceReadError
 from overlord.planner.lowlevel import constructor_do_plan, encoder_destinations
 from overlord.shm import Ring, decode_batch
 from overlord.sidecar.flow import Beat, alive_within, push, resume_point, wait_plan
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
+from overlord.transforms import resolve
 
 log = logging.getLogger("overlord.constructor")
 
@@ -58,6 +59,9 @@ class DataConstructor:
             self.outputs[rank] = ring
         self.truncated = 0
         self.skip: dict[int, int] = {}
+        # transformation reordering: the deferred half of a source's transform runs here
+        self.decoders = {i: (job.sources[src].decode, resolve(job.sources[src].decode))
+                         for i, src in enumerate(layout.stream_source) if job.sources[src].decode}
         self.stash: dict[tuple[int, int, int], tuple[int, dict[str, np.ndarray], str]] = {}  # samples of later steps
         self.dropped = 0  # duplicate records seen (after a restart)
 
@@ -238,6 +242,24 @@ class DataConstructor:
         except PeerDied:
             return None
 
+    def _decoded(self, meta: dict, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Apply the source's deferred decode (`Source.decode`), if it has one."""
+        decoder = self.decoders.get(meta["s"])
+        if decoder is None:
+            return arrays
+        spec, fn = decoder
+        try:
+            out = fn(arrays)
+            if not isinstance(out, dict) or not all(isinstance(v, np.ndarray) for v in out.values()):
+                raise TypeError(f"returned {type(out).__name__}; a decode must return dict[str, numpy.ndarray]")
+            return out
+        except Exception as exc:  # noqa: BLE001 - any user decode failure names its sample
+            source, file, row = meta["k"].rsplit(":", 2)
+            raise SourceReadError(
+                f"source {source!r} file {self.job.sources[self.layout.stream_source[meta['s']]].files()[int(file)]!r} "
+                f"row {row}: decode {spec} raised {type(exc).__name__}: {exc}. Fix the data or Source.decode"
+            ) from exc
+
     def _take(self, step: int, loader: int, view, wanted, got) -> int:
         """Check a sample record against the plan and copy it out of the ring; 1 if it
         was one this step still needed, 0 for a duplicate or a later step's sample."""
@@ -245,7 +267,7 @@ class DataConstructor:
         ident, t = (meta["s"], meta["e"], meta["q"]), meta["t"]
         needed = 0
         if t > step:
-            self.stash[ident] = (t, {name: a.copy() for name, a in arrays.items()}, meta["k"])
+            self.stash[ident] = (t, self._decoded(meta, {name: a.copy() for name, a in arrays.items()}), meta["k"])
         elif t < step or ident in got:
             self.dropped += 1  # sent again after a restart
         elif ident not in wanted:
@@ -255,7 +277,7 @@ class DataConstructor:
             )
         else:
             # copy out: the view is released on the ring's next read
-            got[ident] = ({name: a.copy() for name, a in arrays.items()}, meta["k"])
+            got[ident] = (self._decoded(meta, {name: a.copy() for name, a in arrays.items()}), meta["k"])
             needed = 1
         self.inputs[loader].release()
         return needed

@@ -199,10 +199,13 @@ class _Scaling:
         current = {s.name: 1 for s in job.sources}
         for stream, n in ctx.r.hgetall(ctx.keys.workers).items():
             current[stream.decode().rsplit(".", 1)[0]] = int(n)
+        from overlord.autoscale.apply import budget_of
+
         partitions = {s.name: s.partitions for s in job.sources}
-        self.scaler = Scaler(costs_ms={}, current=current, partitions=partitions,
+        self.scaler = Scaler(costs_ms={}, current=current, partitions=partitions, cpus=budget_of(job).loader_cpus,
                              max_workers=int(job.autoscale.get("max_threads", 4)),
                              interval=int(job.autoscale.get("scale_interval", 8)))
+        self.warned = False
         self._costs()
 
     def _costs(self) -> None:
@@ -229,6 +232,18 @@ class _Scaling:
                 for stream, _, _ in mb:
                     counts[self.names[stream]] = counts.get(self.names[stream], 0) + 1
         changed = self.scaler.observe(plan.step, counts, time.monotonic(), ahead)
+        if (plan.step + 1) % self.scaler.interval == 0:
+            pressure = round(self.scaler.pressure, 3)
+            pipe = self.ctx.r.pipeline(transaction=False)
+            pipe.hset(self.ctx.keys.planner, "pressure", pressure)
+            if pressure > 1:
+                pipe.hincrby(self.ctx.keys.counters, "over_budget_intervals", 1)
+                if not self.warned:
+                    log.warning("step %d: the sources demand %.1fx the loaders' CPU budget (%.1f CPUs); trainers "
+                                "will wait on loading: raise Job.autoscale cpus or lower the costly sources' weights",
+                                plan.step, pressure, self.scaler.cpus)
+                    self.warned = True
+            pipe.execute()
         if not changed:
             return
         r, keys, layout = self.ctx.r, self.ctx.keys, self.ctx.layout

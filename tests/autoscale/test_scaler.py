@@ -60,3 +60,11 @@ def test_projected_demand_scales_before_the_shift_is_consumed():
     # so far still hold the old mix
     changed = s.observe(43, {"text": 31, "images": 1}, now=43 * 0.04, ahead={"text": 6.0, "images": 26.0})
     assert changed == {"images": 4}
+
+
+def test_pressure_says_when_the_mixture_needs_more_than_the_budget():
+    s = _scaler(cpus=2.0)
+    _run(s, 8, {"text": 31, "images": 1})
+    assert s.pressure < 0.1
+    _run(s, 16, {"text": 6, "images": 26}, start=8)  # 3.2 busy workers for 2 CPUs
+    assert 1.4 < s.pressure < 1.7
