@@ -10,7 +10,7 @@ with ``samples_per_s``, ``stall_s`` (after warm-up), ``pss_mb``, plus details, a
 ``bench/out/autoscale.png`` (transform workers per source, and trainer stall, over time).
 
 The job: 3 text sources (~0.03 ms a sample) and 1 image source whose transform adds
-``--heavy-ms`` of latency that does not hold the GIL (bench/autoscale_transforms.py);
+``--heavy-ms`` of latency that does not hold the GIL (bench/bench_transforms.py);
 2 ranks that each take ``--step-ms`` per micro-batch; weights move at the middle step
 from text-heavy (images 2%) to image-heavy (images 80%).
 
@@ -56,7 +56,7 @@ def _job(corpus, run_dir: Path, name: str, how: str, args):
     for n, files in corpus.items():
         heavy = n.startswith("images")
         sources.append(Source(name=n, paths=tuple(files), shuffle_window=64,
-                              transform="autoscale_transforms:heavy_image" if heavy else TEXT_TRANSFORM,
+                              transform="bench_transforms:heavy_image" if heavy else TEXT_TRANSFORM,
                               partitions=args.worst_partitions if how == "worst_case" else 1))
     half = args.steps // 2
     text_heavy = {"web": 0.4, "code": 0.3, "books": 0.28, "images": 0.02}

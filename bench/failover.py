@@ -70,7 +70,7 @@ def _job(corpus: dict, run_dir: Path, name: str, shadow: bool, costly: bool = Fa
     sources = tuple(
         Source(name=n, paths=tuple(files), weight=weights.get(n, 0.1), shuffle_window=64, shadow=shadow,
                transform=IMAGE_TRANSFORM if n.startswith("images") else
-               ("failover_transforms:costly_text" if costly else TEXT_TRANSFORM))
+               ("bench_transforms:costly_text" if costly else TEXT_TRANSFORM))
         for n, files in corpus.items()
     )
     # client rings of 256 KiB hold a few micro-batches (what a ring of real 4k-token or
