@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20.0, help="each rank's training time per micro-batch")
     parser.add_argument("--heavy-ms", type=float, default=5.0, help="the image transform's added latency")
     parser.add_argument("--cpus", type=float, default=4.0, help="autoscale's CPU budget for the sidecar")
-    parser.add_argument("--max-threads", type=int, default=4)
+    parser.add_argument("--max-threads", type=int, default=8, help="transform workers per partition at most (autoscale cap; worst case uses all)")
     parser.add_argument("--worst-partitions", type=int, default=4)
     parser.add_argument("--warmup", type=float, default=0.1, help="fraction of the run not counted for stalls")
     parser.add_argument("--rows", type=int, default=3000)

@@ -206,6 +206,8 @@ class _Scaling:
                              max_workers=int(job.autoscale.get("max_threads", 4)),
                              interval=int(job.autoscale.get("scale_interval", 8)))
         self.warned = False
+        # far enough ahead that workers are up before the read buffers of the old mix drain
+        self.lookahead = 2 * self.scaler.interval + job.plan_ahead
         self._costs()
 
     def _costs(self) -> None:
@@ -222,7 +224,7 @@ class _Scaling:
             self._costs()
         ahead = None
         if hasattr(core.schedule, "weights"):  # the mix of the steps about to be planned
-            w = np.asarray(core.schedule.weights(plan.step + self.scaler.interval), dtype=np.float64)
+            w = np.asarray(core.schedule.weights(plan.step + self.lookahead), dtype=np.float64)
             if w.sum() > 0:
                 share = w / w.sum() * core.global_batch
                 ahead = {s.name: float(share[i]) for i, s in enumerate(self.ctx.job.sources)}
