@@ -203,6 +203,10 @@ class Job:
         sample_ring_bytes: capacity of each ring from a loader process to a Data Constructor.
         plan_ahead: how many steps the Planner may run ahead of the slowest constructor.
         timeout_s: longest wait anywhere before an error is raised.
+        flight_port: serve the trainers' micro-batches over Arrow Flight on this TCP port
+            (overlord.remote), for trainers without a sidecar on their node; requests
+            carry the job's token ($OVERLORD_FLIGHT_TOKEN, or the run directory's
+            flight.token). None: no remote path.
         max_restarts: how many times the sidecar restarts one role that crashed (killed,
             not failed with an error) before it gives up and fails the job.
         node: this node's id (shm names, membership).
@@ -232,6 +236,7 @@ class Job:
     plan_ahead: int = 4
     timeout_s: float = 60.0
     max_restarts: int = 10
+    flight_port: int | None = None
     node: str = "node0"
     strategy: str = "overlord.planner.strategies:balanced"
     mixing: dict | None = None

@@ -99,6 +99,7 @@ class Sidecar:
         self.client_rings: dict[int, Ring] = {}
         self.stop = threading.Event()
         self._lock_fh = None
+        self.flight = None  # the Flight endpoint (Job.flight_port)
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -229,6 +230,11 @@ class Sidecar:
             self._spawn("shadow", i, url)
         for i in range(layout.constructor_hosts):
             self._spawn("constructor", i, url)
+        if self.job.flight_port:
+            from overlord.remote.flight import job_token, serve
+
+            self.flight = serve(self.job, self.job.flight_port, job_token(self.job, create=True))
+            log.info("serving micro-batches over Arrow Flight on port %d", self.job.flight_port)
         log.info(
             "sidecar for job %r on node %r: %d stream(s) in %d loader process(es), %d DP group(s), redis %s",
             self.job.name, self.job.node, len(layout.streams), layout.loaders, self.job.mesh.dp,
@@ -380,6 +386,8 @@ class Sidecar:
     # -- shutdown ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        if self.flight is not None:
+            self.flight.shutdown()
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.terminate()

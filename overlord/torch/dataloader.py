@@ -65,6 +65,10 @@ class DataLoader:
         copy: yield tensors that own their memory instead of views into the ring.
         pin_memory: yield pinned copies (CUDA machines only; ignored with a warning elsewhere).
         spawn_sidecar: start a sidecar for the job if none runs on this node.
+        remote: read this rank's micro-batches over Arrow Flight from a sidecar at this
+            location (e.g. "grpc://node0:8815", its Job.flight_port) instead of from a
+            local ring; defaults to $OVERLORD_REMOTE. The job's token comes from
+            $OVERLORD_FLIGHT_TOKEN (or the run directory on the sidecar's node).
 
     Each item is one micro-batch: a dict of tensors (see overlord.constructor.packing).
     `last_meta` holds the current batch's step, micro-batch index and sample keys.
@@ -80,6 +84,7 @@ class DataLoader:
         copy: bool = False,
         pin_memory: bool = False,
         spawn_sidecar: bool = True,
+        remote: str | None = None,
     ) -> None:
         self.config_path = None if isinstance(job, Job) else Path(job)
         self.job = job if isinstance(job, Job) else Job.from_file(job)
@@ -107,6 +112,8 @@ class DataLoader:
         m = self.job.mesh
         self._mesh = [m.dp, m.pp, m.cp, m.tp]
         self._done = False
+        self.remote = remote or os.environ.get("OVERLORD_REMOTE") or None
+        self._remote_reader = None
 
     # -- connecting ----------------------------------------------------------------------
 
@@ -180,17 +187,17 @@ class DataLoader:
     # -- iterating -----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self._ring is None and not self._done:
+        if self.remote is None and self._ring is None and not self._done:
             self._ring = self._connect()
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._done:
             raise StopIteration
-        if self._ring is None:
+        if self.remote is None and self._ring is None:
             self._ring = self._connect()
         while True:
-            view = self._read()
+            view = self._read_remote() if self.remote is not None else self._read()
             if view is None:
                 self._finish()
                 raise StopIteration
@@ -254,6 +261,24 @@ class DataLoader:
             except RingError as exc:
                 raise RemoteRoleError(f"{origin}: {exc}") from None
 
+    def _read_remote(self):
+        """The next record over Flight, or None at the end of the job."""
+        from overlord.remote.flight import RemoteReader, job_token
+
+        if self._remote_reader is None:
+            if self._resume_at is not None:
+                raise ConfigError("load_state_dict() with a remote DataLoader is not supported yet; read from the local ring")
+            self._remote_reader = RemoteReader(self.job, self.remote, self.rank, token=job_token(self.job),
+                                               after=self._last, timeout_s=self.timeout_s)
+        try:
+            return next(self._remote_reader)
+        except StopIteration:
+            return None
+        except Exception as exc:  # noqa: BLE001 - pyarrow.flight errors, with their message
+            raise RemoteRoleError(
+                f"rank {self.rank} of job {self.job.name!r}: reading from {self.remote} over Flight failed: {exc}"
+            ) from None
+
     def _recover(self) -> Ring:
         """Start the dead sidecar again, resuming at the batch after the last one delivered."""
         step, mb = max(self._last, self._loaded)
@@ -288,6 +313,9 @@ class DataLoader:
 
     def _finish(self) -> None:
         self._done = True
+        if self._remote_reader is not None:
+            self._remote_reader.close()
+            self._remote_reader = None
         if self._ring is not None:
             self._ring.close()
             self._ring = None

@@ -1,7 +1,7 @@
 """A trainer rank for integration tests: records every batch it receives.
 
     RANK=r WORLD_SIZE=w python ledger_trainer.py CONFIG OUT [--batches N] [--sleep S] [--timeout T]
-        [--pause-at K --pause S] [--save-state FILE] [--load-state FILE] [--save-every K] [--spawn 1]
+        [--pause-at K --pause S] [--save-state FILE] [--load-state FILE] [--save-every K] [--spawn 1] [--remote grpc://HOST:PORT]
 
 Writes OUT (JSON): the sample keys of every batch in order, a sha256 of each batch's
 bytes (tensor names, dtypes, shapes and data), and how it ended ("stop", "limit" or
@@ -30,7 +30,8 @@ def main() -> None:
     every = int(args.get("--save-every", 0))
     record = {"keys": [], "digests": [], "steps": [], "end": None}
     try:
-        loader = DataLoader(config, spawn_sidecar=args.get("--spawn") == "1", timeout_s=timeout)
+        loader = DataLoader(config, spawn_sidecar=args.get("--spawn") == "1", timeout_s=timeout,
+                            remote=args.get("--remote"))
         if "--load-state" in args:
             with open(args["--load-state"]) as fh:
                 loader.load_state_dict(json.load(fh))

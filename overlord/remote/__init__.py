@@ -1,0 +1,5 @@
+"""The remote data path over Arrow Flight (see flight.py)."""
+
+from overlord.remote.flight import BatchServer, RemoteReader, job_token, serve
+
+__all__ = sorted(["BatchServer", "RemoteReader", "job_token", "serve"])

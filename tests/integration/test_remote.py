@@ -1,0 +1,73 @@
+"""The remote data path: a trainer reads its micro-batches over Arrow Flight from a
+sidecar, with the bytes of the local ring; requests for another job or with a wrong
+token are refused."""
+
+from __future__ import annotations
+
+import socket
+
+import pyarrow.flight as flight
+import pytest
+
+from overlord import BatchSpec, Mesh
+from overlord.remote.flight import RemoteReader, job_token
+
+pytestmark = pytest.mark.timeout(180)
+
+JOB = dict(seed=12, epochs=1, mesh=Mesh(dp=2),
+           batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_rank_over_flight_gets_the_bytes_of_the_local_ring(cluster, corpus_keys):
+    local = cluster(**JOB)
+    local.start_sidecar()
+    local.start_trainers()
+    expected = local.results()
+    assert local.stop() == 0
+
+    port = _free_port()
+    c = cluster(**JOB, flight_port=port)
+    c.start_sidecar()
+    c.start_trainers(ranks=[0])
+    c.start_trainers(ranks=[1], remote=f"grpc://127.0.0.1:{port}")
+    got = c.results()
+    for rank in range(2):
+        assert got[rank]["end"] == "stop", got[rank]["end"]
+        assert got[rank]["digests"] == expected[rank]["digests"]
+    seen = [k for rec in got.values() for batch in rec["keys"] for k in batch]
+    assert len(seen) == len(set(seen)) and set(seen) == corpus_keys
+    assert c.stop() == 0
+
+
+def _wait_port(port: int, timeout: float = 30) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert time.monotonic() < deadline, f"nothing listens on port {port}"
+        time.sleep(0.05)
+
+
+def test_a_wrong_token_or_job_is_refused(cluster):
+    from dataclasses import replace
+
+    port = _free_port()
+    c = cluster(**JOB, flight_port=port)
+    c.start_sidecar()
+    _wait_port(port)
+    location = f"grpc://127.0.0.1:{port}"
+    with pytest.raises(flight.FlightUnauthenticatedError, match="wrong token"):
+        next(iter(RemoteReader(c.job, location, 0, token="not-the-token")))
+    other = replace(c.job, name="otherjob")
+    with pytest.raises(flight.FlightUnauthenticatedError, match="serves job"):
+        next(iter(RemoteReader(other, location, 0, token=job_token(c.job))))
+    assert c.stop() == 0
