@@ -80,6 +80,12 @@ def render(status: dict[str, Any]) -> str:
             f"  {name:<16} pid {hb['pid']:<8} node {hb['node']:<10} heartbeat {hb['age_s']:.1f}s ago, "
             f"loop {hb['loop_age_s']:.1f}s ago"
         )
+    for node, info in sorted(status["nodes"].items()):
+        beat = status["roles"].get(f"sidecar:{node}")
+        alive = f"heartbeat {beat['age_s']:.1f}s ago" if beat else "NO heartbeat (lapsed)"
+        lines.append(f"node {node}: sidecar pid {info.get('pid')} on {info.get('host', '?')}, {alive}, "
+                     f"ranks {info.get('ranks')}, budget {info.get('cpus')} CPUs / {info.get('memory_mb')} MiB"
+                     + (f", Flight {info['flight']}" if info.get("flight") else ""))
     if status["progress"]:
         lines.append("constructors (last step written): " + ", ".join(f"{k}={v}" for k, v in sorted(status["progress"].items())))
     lines.append("cursors (epoch, seq) per stream:")

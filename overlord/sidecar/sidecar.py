@@ -44,7 +44,9 @@ from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.lease import release_dead
 from overlord.shm import pid_alive as _alive
 from overlord.shm import Ring, cleanup_stale, unlink_all
+from overlord.sidecar.flow import HEARTBEAT_S
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
+from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload
 from overlord.store import EmbeddedRedis, Keys, connect
 
@@ -148,9 +150,39 @@ class Sidecar:
         pipe.hset(
             self.keys.nodes,
             self.job.node,
-            json.dumps({"pid": os.getpid(), "ranks": list(range(self.job.mesh.world_size)), "started": time.time()}),
+            json.dumps(self._membership()),
         )
         pipe.execute()
+
+    def _membership(self) -> dict:
+        """What this node offers the job (`nodes` hash): ranks, Flight address, budget."""
+        import socket
+
+        from overlord.autoscale.apply import budget_of
+
+        budget = budget_of(self.job)
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "ranks": list(range(self.job.mesh.world_size)),
+            "flight": f"grpc://{socket.gethostname()}:{self.job.flight_port}" if self.job.flight_port else None,
+            "cpus": budget.cpus,
+            "memory_mb": round(budget.memory_mb),
+            "started": time.time(),
+        }
+
+    def _beat(self) -> None:
+        """The node's heartbeat (`hb:sidecar:<node>`, TTL): membership lapses with it."""
+        now = time.monotonic()
+        if now - getattr(self, "_beaten", 0.0) < HEARTBEAT_S:
+            return
+        self._beaten = now
+        try:
+            self.r.set(self.keys.heartbeat("sidecar", self.job.node),
+                       json.dumps({"pid": os.getpid(), "node": self.job.node, "time": time.time(), "loop_age": 0.0}),
+                       ex=HEARTBEAT_TTL_S)
+        except redis.RedisError:
+            pass  # Redis away: the watch loop restarts an embedded one
 
     def _create_rings(self, layout: Layout) -> None:
         for loader in range(layout.loaders):
@@ -339,6 +371,7 @@ class Sidecar:
         while not self.stop.wait(POLL_S):
             if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
                 self._restart_redis()
+            self._beat()
             codes = {name: proc.poll() for name, proc in self.children.items()}
             killed = [n for n, c in codes.items() if c is not None and c != 0 and self._restartable(n, c)]
             try:

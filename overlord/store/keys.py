@@ -9,7 +9,7 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:meta:<stream>        stream buffer metadata of one Source Loader
     overlord:{job}:progress             hash   c<dp> -> last step written; r<dp> -> replay request of a restarted Data Constructor
     overlord:{job}:hb:<role>:<id>       string heartbeat JSON (pid, node, time), TTL
-    overlord:{job}:nodes                hash   node -> JSON (pid, ranks, started)
+    overlord:{job}:nodes                hash   node -> JSON (pid, host, ranks, flight address, cpus, memory_mb, started)
     overlord:{job}:layout               string JSON: which loader process hosts which stream
     overlord:{job}:errors               list   JSON error records (role, pid, node, message)
     overlord:{job}:counters             hash   skipped:<source>, truncated, ...

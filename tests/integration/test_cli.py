@@ -38,10 +38,11 @@ def test_status_reads_a_running_job_and_external_redis_url_is_used(cluster, tmp_
         assert set(status["cursors"]) == {"web.0", "code.0", "books.0", "images.0"}
         assert status["leader"]["token"] >= 1 and status["generation"] > status["leader"]["token"]
         assert set(status["active_loaders"]) == {"0"} and status["checkpoints"]["deltas"] >= 3
+        assert "sidecar:node0" in status["roles"] and status["nodes"]["node0"]["cpus"] > 0
         assert not (c.job.run_path / "redis.sock").exists(), "no embedded server with a configured URL"
         text = overlord("status", "--config", str(c.config))
         assert "planned step" in text.stdout and "web.0" in text.stdout and "planner checkpoints" in text.stdout
-        assert "planner lease: token" in text.stdout
+        assert "planner lease: token" in text.stdout and "node node0: sidecar pid" in text.stdout
         c.stop()
     finally:
         server.stop()
