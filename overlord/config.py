@@ -207,6 +207,9 @@ class Job:
             (overlord.remote), for trainers without a sidecar on their node; requests
             carry the job's token ($OVERLORD_FLIGHT_TOKEN, or the run directory's
             flight.token). None: no remote path.
+        flight_cert, flight_key: PEM certificate chain and private key: the Flight
+            endpoint then speaks TLS only (grpc+tls://). Readers verify the server against
+            $OVERLORD_FLIGHT_CA, else against flight_cert itself (a self-signed one).
         max_restarts: how many times the sidecar restarts one role that crashed (killed,
             not failed with an error) before it gives up and fails the job.
         node: this node's id (shm names, membership).
@@ -237,6 +240,8 @@ class Job:
     timeout_s: float = 60.0
     max_restarts: int = 10
     flight_port: int | None = None
+    flight_cert: str | None = None
+    flight_key: str | None = None
     node: str = "node0"
     strategy: str = "overlord.planner.strategies:balanced"
     mixing: dict | None = None
@@ -259,6 +264,8 @@ class Job:
                 f"BatchSpec.global_batch={self.batch.global_batch} is not divisible by "
                 f"Mesh.dp={self.mesh.dp}; make it a multiple of dp"
             )
+        if (self.flight_cert is None) != (self.flight_key is None):
+            raise ConfigError("Job.flight_cert and Job.flight_key go together: give both for TLS, or neither")
         if self.autoscale is not None:
             from overlord.autoscale.partition import Budget
 

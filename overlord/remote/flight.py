@@ -11,6 +11,9 @@ takes the consumer side of that rank's client ring and streams each record, unch
 
     ticket: JSON {"job": name, "rank": int, "token": str, "lz4": bool, "after": [step, mb]}
 
+With `Job.flight_cert`/`flight_key` the endpoint speaks only TLS (grpc+tls://) and
+readers verify it against $OVERLORD_FLIGHT_CA (or the certificate itself).
+
 The ticket's job must be the one this sidecar serves and its token the job's (compared
 in constant time), or the request is refused with FlightUnauthenticatedError. Records
 at or before `after` are skipped server-side (a client resuming its stream), and the
@@ -43,6 +46,7 @@ log = logging.getLogger("overlord.remote")
 SCHEMA = pa.schema([pa.field("record", pa.binary())])
 RECORDS_PER_BATCH = 4  # ring records per Arrow record batch: small, so a trainer never waits on a fill
 TOKEN_ENV = "OVERLORD_FLIGHT_TOKEN"
+CA_ENV = "OVERLORD_FLIGHT_CA"
 TOKEN_FILE = "flight.token"
 
 
@@ -125,8 +129,12 @@ class BatchServer(flight.FlightServerBase):
 
 
 def serve(job: Job, port: int, token: str, host: str = "0.0.0.0") -> BatchServer:
-    """Start a BatchServer on `port` in a background thread."""
-    server = BatchServer(job, f"grpc://{host}:{port}", token)
+    """Start a BatchServer on `port` in a background thread (TLS when the job has a cert)."""
+    if job.flight_cert:
+        pair = flight.CertKeyPair(cert=Path(job.flight_cert).read_bytes(), key=Path(job.flight_key).read_bytes())
+        server = BatchServer(job, f"grpc+tls://{host}:{port}", token, tls_certificates=[pair])
+    else:
+        server = BatchServer(job, f"grpc://{host}:{port}", token)
     threading.Thread(target=server.serve, daemon=True, name="flight").start()
     return server
 
@@ -137,7 +145,13 @@ class RemoteReader:
     def __init__(self, job: Job, location: str, rank: int, *, token: str, lz4: bool = True,
                  after: tuple[int, int] = (-1, -1), timeout_s: float = 60.0) -> None:
         self.location, self.timeout_s = location, timeout_s
-        self.client = flight.FlightClient(location)
+        if location.startswith("grpc+tls://"):
+            ca = os.environ.get(CA_ENV) or job.flight_cert
+            if not ca:
+                raise ConfigError(f"{location} is TLS: set ${CA_ENV} to the CA that signed the sidecar's certificate")
+            self.client = flight.FlightClient(location, tls_root_certs=Path(ca).read_bytes())
+        else:
+            self.client = flight.FlightClient(location)
         self.ticket = flight.Ticket(json.dumps({"job": job.name, "rank": rank, "token": token, "lz4": lz4,
                                                 "after": list(after)}).encode())
         self.reader = None

@@ -165,7 +165,8 @@ class Sidecar:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "ranks": list(range(self.job.mesh.world_size)),
-            "flight": f"grpc://{socket.gethostname()}:{self.job.flight_port}" if self.job.flight_port else None,
+            "flight": (f"grpc{'+tls' if self.job.flight_cert else ''}://{socket.gethostname()}:{self.job.flight_port}"
+                       if self.job.flight_port else None),
             "cpus": budget.cpus,
             "memory_mb": round(budget.memory_mb),
             "started": time.time(),
@@ -266,7 +267,8 @@ class Sidecar:
             from overlord.remote.flight import job_token, serve
 
             self.flight = serve(self.job, self.job.flight_port, job_token(self.job, create=True))
-            log.info("serving micro-batches over Arrow Flight on port %d", self.job.flight_port)
+            log.info("serving micro-batches over Arrow Flight on port %d%s", self.job.flight_port,
+                     " (TLS)" if self.job.flight_cert else "")
         log.info(
             "sidecar for job %r on node %r: %d stream(s) in %d loader process(es), %d DP group(s), redis %s",
             self.job.name, self.job.node, len(layout.streams), layout.loaders, self.job.mesh.dp,

@@ -71,3 +71,28 @@ def test_a_wrong_token_or_job_is_refused(cluster):
     with pytest.raises(flight.FlightUnauthenticatedError, match="serves job"):
         next(iter(RemoteReader(other, location, 0, token=job_token(c.job))))
     assert c.stop() == 0
+
+
+def _self_signed(tmp_path):
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return str(cert), str(key)
+
+
+def test_flight_over_tls_serves_the_same_bytes_and_refuses_plain_text(cluster, tmp_path):
+    cert, key = _self_signed(tmp_path)
+    port = _free_port()
+    c = cluster(**JOB, flight_port=port, flight_cert=cert, flight_key=key)
+    c.start_sidecar()
+    _wait_port(port)
+    with pytest.raises(flight.FlightError):  # a plain-text client cannot talk to a TLS endpoint
+        next(iter(RemoteReader(c.job, f"grpc://127.0.0.1:{port}", 0, token=job_token(c.job), timeout_s=3)))
+    c.start_trainers(ranks=[0])
+    c.start_trainers(ranks=[1], remote=f"grpc+tls://localhost:{port}")
+    got = c.results()
+    assert all(rec["end"] == "stop" for rec in got.values()), {r: rec["end"] for r, rec in got.items()}
+    assert c.stop() == 0
