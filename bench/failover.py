@@ -90,6 +90,7 @@ class Run:
         self.sidecar: subprocess.Popen | None = None
         self.trainers: dict[int, subprocess.Popen] = {}
         self.segments: dict[int, list[dict]] = {r: [] for r in range(WORLD)}  # finished ledgers per rank
+        self._redis = None
 
     def out(self, rank: int) -> Path:
         return self.workdir / f"rank{rank}.json"
@@ -116,11 +117,14 @@ class Run:
             )
 
     def redis(self):
-        from overlord.status import redis_url_of
-        from overlord.store import connect
+        """One client for the run (it reconnects by itself after a restart of Redis)."""
+        if self._redis is None:
+            from overlord.status import redis_url_of
+            from overlord.store import connect
 
-        _until(lambda: (self.job.run_path / "redis.sock").exists(), 60, "no Redis socket")
-        return connect(redis_url_of(self.job), timeout_s=5, ride_through_s=5)
+            _until(lambda: (self.job.run_path / "redis.sock").exists(), 60, "no Redis socket")
+            self._redis = connect(redis_url_of(self.job), timeout_s=5, ride_through_s=5)
+        return self._redis
 
     def progress(self) -> int:
         """The slowest Data Constructor's last written step (-1 if Redis is away)."""

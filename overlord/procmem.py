@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from overlord.shm._proc import proc_stat_fields
+
 _KIB = 1024
 
 
@@ -83,15 +85,8 @@ def rss_bytes(pid: int) -> int:
 
 def _parent_of(pid: int) -> int | None:
     """Parent pid from ``/proc/<pid>/stat``, or None if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name (field 2) may hold spaces and ")"; the fields after the last
-    # ")" are "state ppid ...".
-    rest = stat[stat.rfind(b")") + 1 :].split()
-    return int(rest[1])
+    fields = proc_stat_fields(pid)
+    return None if fields is None else int(fields[1])
 
 
 def tree_pids(pid: int) -> list[int]:

@@ -63,7 +63,6 @@ class LoaderProcess:
         self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in self.hosted}  # not yet sent
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every constructor finished it
         self.kept: dict[Item, Prepared] = {}  # samples of those steps
-        self.reported_final = {i: False for i in self.hosted}
         self.active = ctx.role == "loader"
         self.rings: list[Ring] = []
         self.broken: set[int] = set()  # DP groups whose constructor died: they get a replay
@@ -286,7 +285,7 @@ class LoaderProcess:
             # from each of many streams does not cost one Redis write per stream
             wanted = self.demand.get(self.layout.streams[i], 0)
             room = max(self.job.buffer_samples, wanted) - len(self.buffers[i])
-            if self.reported_final[i] or room <= 0 or (room < self.low_water and wanted <= len(self.buffers[i])):
+            if loader.finished or room <= 0 or (room < self.low_water and wanted <= len(self.buffers[i])):
                 continue
             self._prepare(i, min(CHUNK, room))
             filled = True
@@ -298,7 +297,6 @@ class LoaderProcess:
         samples, ended = loader.prepare(limit)
         for s in samples:
             self.buffers[i][(s.epoch, s.seq)] = s
-        self.reported_final[i] = loader.finished
         if self.active:
             self._report(i, samples, ended, loader.epoch)
 

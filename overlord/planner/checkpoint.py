@@ -109,6 +109,9 @@ class Checkpoints:
         raw = r.hmget(self.keys.ckpt_delta, list(range(base + 1, step + 1)))
         for s, delta in zip(range(base + 1, step + 1), raw):
             if delta is None:
-                raise PlanError(f"planner checkpoint delta of step {s} is missing (snapshot {base}); cannot rebuild step {step}")
+                raise PlanError(
+                    f"planner checkpoint delta of step {s} is missing (snapshot {base}), so step {step} cannot be "
+                    "rebuilt; resume from a trainer state at or after the next snapshot, or start the job fresh"
+                )
             state = apply(state, json.loads(delta))
         return state

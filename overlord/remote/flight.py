@@ -94,9 +94,10 @@ class BatchServer(flight.FlightServerBase):
         try:
             request = json.loads(ticket.ticket)
         except ValueError:
-            raise flight.FlightServerError("the ticket is not JSON") from None
+            raise flight.FlightServerError(
+                "the ticket is not JSON {job, rank, token, lz4, after}; read with overlord.remote.RemoteReader") from None
         rank = self._check(request)
-        after = tuple(request.get("after") or (-1, -1))
+        after = tuple(request["after"]) if request.get("after") and tuple(request["after"]) >= (0, 0) else None
         ring = Ring.attach(client_ring(self.job, rank), timeout=self.job.timeout_s)
         ring.claim_consumer()  # the remote trainer is this rank's consumer now
         log.info("rank %d served over Flight to %s", rank, context.peer())
@@ -116,9 +117,12 @@ class BatchServer(flight.FlightServerBase):
                     continue
                 except RingClosed:
                     break
-                _, meta = decode_batch(view)
-                if (meta["step"], meta["microbatch"]) > after:
-                    records.append(bytes(view))
+                if after is not None:  # resuming: skip what the reader has (decoding only until then)
+                    _, meta = decode_batch(view)
+                    if (meta["step"], meta["microbatch"]) <= after:
+                        continue
+                    after = None
+                records.append(bytes(view))
                 if len(records) >= RECORDS_PER_BATCH:
                     yield pa.record_batch([pa.array(records, pa.binary())], schema=SCHEMA)
                     records = []

@@ -15,14 +15,19 @@ _identity: tuple[int, int, int] | None = None
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
     """(state, start time in clock ticks) of a process from procfs, None if gone."""
+    fields = proc_stat_fields(pid)
+    return None if fields is None else (fields[0].decode(), int(fields[19]))
+
+
+def proc_stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
     # The command name may contain spaces or ')': fields resume after the last ')'.
-    rest = data[data.rfind(b")") + 2 :].split()
-    return rest[0].decode(), int(rest[19])
+    return data[data.rfind(b")") + 2 :].split()
 
 
 def pid_alive(pid: int, start: int = 0) -> bool:

@@ -102,6 +102,7 @@ class Sidecar:
         self.stop = threading.Event()
         self._lock_fh = None
         self.flight = None  # the Flight endpoint (Job.flight_port)
+        self._beaten = 0.0  # when the node heartbeat was last written (monotonic)
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -175,7 +176,7 @@ class Sidecar:
     def _beat(self) -> None:
         """The node's heartbeat (`hb:sidecar:<node>`, TTL): membership lapses with it."""
         now = time.monotonic()
-        if now - getattr(self, "_beaten", 0.0) < HEARTBEAT_S:
+        if now - self._beaten < HEARTBEAT_S:
             return
         self._beaten = now
         try:

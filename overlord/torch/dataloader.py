@@ -226,9 +226,9 @@ class DataLoader:
                 return ring.read(timeout=min(_SLICE_S, max(0.001, deadline - time.monotonic())))
             except RingClosed:
                 return None
-            except RingTimeout:
-                if ring.creator_pid and not alive(ring.creator_pid):
-                    if self.spawn_sidecar:
+            except (RingTimeout, PeerDied) as exc:
+                if ring.creator_pid and not alive(ring.creator_pid) and not ring.error:
+                    if self.spawn_sidecar:  # killed outright: start another that resumes here
                         ring = self._recover()
                         deadline = time.monotonic() + self.timeout_s
                         continue
@@ -236,6 +236,12 @@ class DataLoader:
                         f"{origin}: the sidecar (pid {ring.creator_pid}) died; see {self.job.run_path}/sidecar.log "
                         "and the role logs there"
                     ) from None
+                if isinstance(exc, PeerDied):
+                    if ring.error or time.monotonic() > deadline:
+                        detail = ring.error or str(exc)
+                        raise RemoteRoleError(f"{origin}: the Data Constructor feeding this rank died: {detail}") from None
+                    time.sleep(0.01)  # the sidecar restarts it; it sends the unfinished step again
+                    continue
                 if time.monotonic() > deadline:
                     if self._constructor_turning():
                         # slow, not hung: its Data Constructor waits on a role that answers for
@@ -248,16 +254,6 @@ class DataLoader:
                         f"turned its loop for as long (sidecar pid {ring.creator_pid}): run `overlord status` "
                         "and see the logs in the run directory"
                     ) from None
-            except PeerDied as exc:
-                sidecar_alive = bool(ring.creator_pid) and alive(ring.creator_pid)
-                if not sidecar_alive and not ring.error and self.spawn_sidecar:
-                    ring = self._recover()
-                    deadline = time.monotonic() + self.timeout_s
-                    continue
-                if ring.error or not sidecar_alive or time.monotonic() > deadline:
-                    detail = ring.error or str(exc)
-                    raise RemoteRoleError(f"{origin}: the Data Constructor feeding this rank died: {detail}") from None
-                time.sleep(0.01)  # the sidecar restarts it; it sends the unfinished step again
             except RingError as exc:
                 raise RemoteRoleError(f"{origin}: {exc}") from None
 

@@ -133,6 +133,15 @@ def test_worker_threads_change_neither_samples_nor_order_even_when_resized(tmp_p
     path = write(tmp_path / "a.parquet", texts)
     reference = [(s.epoch, s.seq, s.key, s.arrays["input_ids"].tobytes()) for s in drain(loader([path], epochs=2, on_error="skip"))]
     ld = loader([path], epochs=2, on_error="skip")
+    threads, transform = set(), ld.transform
+
+    def recording(row):
+        import threading
+
+        threads.add(threading.get_ident())
+        return transform(row)
+
+    ld.transform = recording
     got, step = [], 0
     while not ld.finished:
         ld.set_workers([1, 4, 2, 3][step % 4])  # scaled up and down between calls, as the Planner may
@@ -141,5 +150,6 @@ def test_worker_threads_change_neither_samples_nor_order_even_when_resized(tmp_p
         step += 1
     ld.close()
     assert got == reference
+    assert len(threads) > 1, "the transforms ran on worker threads"
     assert ld.skipped == 2 * sum(t is None for t in texts)
     assert ld.profile.samples == len(reference) and ld.profile.seconds > 0
