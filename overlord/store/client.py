@@ -6,9 +6,14 @@ Every client rides through a Redis outage: a command that finds the server gone
 are idempotent (SET, HSET, XADD whose duplicates the reader drops) or fenced (a
 Planner's MULTI fails over to a checkpoint reload), so a retried command that had in
 fact been applied does no harm.
+
+A TLS server (rediss://) is verified against the system's CAs, or against the CA file
+named by `OVERLORD_REDIS_CA` (set it for the sidecar and the trainer; forked roles inherit it).
 """
 
 from __future__ import annotations
+
+import os
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -16,15 +21,21 @@ from redis.retry import Retry
 
 from overlord.errors import StoreError
 
+CA_ENV = "OVERLORD_REDIS_CA"
 SOCKET_TIMEOUT_S = 10.0
 RIDE_THROUGH_S = 30.0
 _BACKOFF_CAP_S = 0.1
 
 
 def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S, ride_through_s: float = RIDE_THROUGH_S) -> redis.Redis:
-    """Open a Redis client for `url` (redis://, rediss://, unix://; password in the URL).
+    """Open a Redis client for `url` (redis://, rediss://, unix://; ACL user and password in
+    the URL: `rediss://user:password@host:port/0`).
 
     Values stay bytes (plans and metadata are binary or JSON decoded by their owners).
+    A rediss:// server's certificate must verify (and name the host): against the CA file
+    in `$OVERLORD_REDIS_CA` if set, else the system's CAs. redis-py's own URL query
+    parameters also work and win over the environment, e.g.
+    `rediss://user:pw@host:6380/0?ssl_ca_certs=/etc/overlord/ca.pem&ssl_cert_reqs=required`.
 
     Args:
         url: the server.
@@ -32,10 +43,14 @@ def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S, ride_through_s: fl
         ride_through_s: how long a command keeps retrying while the server is gone.
 
     Raises:
-        StoreError: the server does not answer a PING.
+        StoreError: the server does not answer a PING (unreachable, TLS or login refused).
     """
+    tls = {}
+    if url.startswith("rediss://") and os.environ.get(CA_ENV):
+        tls = {"ssl_ca_certs": os.environ[CA_ENV], "ssl_cert_reqs": "required"}
     client = redis.Redis.from_url(
         url,
+        **tls,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         health_check_interval=30,
@@ -56,4 +71,4 @@ def redact(url: str) -> str:
     if "@" not in url:
         return url
     scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"  # the last @: a password may hold one

@@ -1,0 +1,180 @@
+"""Overlord against a Redis that requires an ACL user, a password and TLS (rediss://).
+
+A real redis-server (the embedded one) gets an ACL user `overlord` limited to
+`overlord:*` keys and no dangerous commands, and its default user switched off; a TLS
+front (tls_proxy.py) with a certificate from a test CA sits before it. Only
+`rediss://overlord:<password>@...` with that CA gets in.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+import redis
+
+from overlord.errors import StoreError
+from overlord.planner.lease import Lease
+from overlord.store import EmbeddedRedis, Keys, connect
+from overlord.store.client import CA_ENV
+from tls_proxy import TlsProxy, issue_certs
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make test certificates"),
+]
+
+USER, PASSWORD = "overlord", "s3cret"
+ADMIN, ADMIN_PASSWORD = "admin", "adm1n-pw"
+
+
+class SecuredRedis:
+    """The TLS port, the CA that signed it, and an admin client on the server's socket."""
+
+    def __init__(self, port: int, ca: str, admin: redis.Redis, proxy: TlsProxy) -> None:
+        self.port, self.ca, self.admin, self.proxy = port, ca, admin, proxy
+
+    def url(self, userinfo: str = f"{USER}:{PASSWORD}@", scheme: str = "rediss") -> str:
+        return f"{scheme}://{userinfo}127.0.0.1:{self.port}/0"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    certs = issue_certs(tmp_path_factory.mktemp("tls"))
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
+    try:
+        setup = redis.Redis(unix_socket_path=str(server.socket), socket_timeout=5)
+        setup.acl_setuser(ADMIN, enabled=True, passwords=[f"+{ADMIN_PASSWORD}"], keys=["*"], commands=["+@all"])
+        # what an operator grants Overlord: its own keys, every command but the dangerous ones
+        setup.execute_command("ACL", "SETUSER", USER, "on", f">{PASSWORD}", "~overlord:*", "+@all", "-@dangerous")
+        setup.execute_command("ACL", "SETUSER", "default", "off")
+        setup.close()
+        admin = redis.Redis(unix_socket_path=str(server.socket), username=ADMIN, password=ADMIN_PASSWORD,
+                            socket_timeout=5)
+        with TlsProxy(certs, server.socket) as proxy:
+            yield SecuredRedis(proxy.port, str(certs.ca), admin, proxy)
+        admin.close()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def ca_env(secured, monkeypatch):
+    monkeypatch.setenv(CA_ENV, secured.ca)
+
+
+@pytest.fixture
+def no_ca_env(monkeypatch):
+    monkeypatch.delenv(CA_ENV, raising=False)
+
+
+def _overlord_operations(r: redis.Redis, other: redis.Redis, keys: Keys) -> None:
+    """The commands Overlord's roles send, each checked by its result."""
+    r.set(keys.layout, b'{"streams": 2}', ex=60)
+    assert r.get(keys.layout) == b'{"streams": 2}'
+
+    r.hset(keys.nodes, mapping={"n0": b"{}", "n1": b'{"pid": 7}'})
+    assert r.hgetall(keys.nodes) == {b"n0": b"{}", b"n1": b'{"pid": 7}'}
+
+    first = r.xadd(keys.plans, {"step": 0})
+    r.xadd(keys.plans, {"step": 1})
+    [(stream, entries)] = r.xread({keys.plans: first}, count=10, block=100)
+    assert stream == keys.plans.encode() and [e[1] for e in entries] == [{b"step": b"1"}]
+
+    with r.pipeline(transaction=True) as pipe:  # MULTI/EXEC
+        pipe.hincrby(keys.counters, "truncated", 2).hset(keys.progress, "c0", 3).hget(keys.counters, "truncated")
+        assert pipe.execute() == [2, 1, b"2"]
+
+    with r.pipeline() as pipe:  # WATCH: a write by another client between WATCH and EXEC aborts it
+        pipe.watch(keys.progress)
+        other.hset(keys.progress, "c0", 5)
+        pipe.multi()
+        pipe.hset(keys.progress, "c0", 4)
+        with pytest.raises(redis.WatchError):
+            pipe.execute()
+    assert r.hget(keys.progress, "c0") == b"5"
+
+    assert r.eval("return redis.call('INCRBY', KEYS[1], ARGV[1])", 1, keys.fence, 41) == 41
+
+    lease = Lease(r, keys, node="n0")  # SET NX PX, INCR, and the renewal script by EVALSHA
+    token = lease.acquire(threading.Event())
+    assert token == 42 and lease.renew()
+
+    found = set(r.scan_iter(match=f"{keys.base}:*", count=2))
+    assert {keys.layout, keys.nodes, keys.plans, keys.counters, keys.progress, keys.leader}.issubset(
+        {k.decode() for k in found})
+
+
+def test_acl_user_over_tls_with_ca_from_env_runs_overlord_commands(secured, ca_env):
+    before = len(secured.proxy.tls_versions)
+    r = connect(secured.url(), timeout_s=5)
+    other = connect(secured.url(), timeout_s=5)
+    try:
+        _overlord_operations(r, other, Keys("tls-env"))
+        assert sum(c["user"] == USER for c in secured.admin.client_list()) >= 2  # both logged in as the ACL user
+    finally:
+        r.close()
+        other.close()
+    negotiated = secured.proxy.tls_versions[before:]
+    assert len(negotiated) >= 2 and set(negotiated) <= {"TLSv1.2", "TLSv1.3"}
+
+
+def test_ca_in_url_query_works_without_env(secured, no_ca_env):
+    url = f"{secured.url()}?ssl_ca_certs={secured.ca}&ssl_cert_reqs=required"
+    r = connect(url, timeout_s=5)
+    try:
+        r.set(Keys("tls-url").layout, b"x")
+        assert r.get(Keys("tls-url").layout) == b"x"
+        pool = r.connection_pool
+        assert pool.connection_class is redis.SSLConnection
+        assert pool.connection_kwargs["ssl_ca_certs"] == secured.ca
+        assert pool.connection_kwargs["ssl_cert_reqs"] == "required"
+    finally:
+        r.close()
+
+
+def test_wrong_password_is_refused_without_showing_it(secured, ca_env):
+    wrong = "Wr0ng-s3cret"
+    with pytest.raises(StoreError) as err:
+        connect(secured.url(f"{USER}:{wrong}@"), timeout_s=5)
+    message = str(err.value)
+    assert wrong not in message and PASSWORD not in message
+    assert f"rediss://***@127.0.0.1:{secured.port}/0 is unreachable" in message
+    assert "invalid username-password pair" in message
+
+
+def test_default_user_is_refused(secured, ca_env):
+    # redis-py 8 opens with HELLO, which the server refuses before any AUTH
+    with pytest.raises(StoreError, match="Authentication required|already authenticated"):
+        connect(secured.url(userinfo=""), timeout_s=5)
+    with pytest.raises(StoreError, match="invalid username-password pair or user is disabled"):
+        connect(secured.url(userinfo="default:@"), timeout_s=5)
+
+
+def test_plain_client_cannot_talk_to_the_tls_port(secured, ca_env):
+    with pytest.raises(StoreError, match=rf"redis://\*\*\*@127\.0\.0\.1:{secured.port}/0 is unreachable"):
+        connect(secured.url(scheme="redis"), timeout_s=2)
+
+
+def test_tls_to_an_unknown_ca_is_refused(secured, no_ca_env):
+    with pytest.raises(StoreError, match="certificate verify failed"):
+        connect(secured.url(), timeout_s=5)
+
+
+def test_acl_refuses_keys_outside_the_overlord_prefix(secured, ca_env):
+    r = connect(secured.url(), timeout_s=5)
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            r.set("other:key", b"v")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            r.get("other:key")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            r.eval("return redis.call('SET', KEYS[1], 'v')", 1, "other:key")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            r.flushall()  # a @dangerous command
+        r.set(Keys("acl").layout, b"v")  # its own prefix still works on the same connection
+    finally:
+        r.close()
+    assert secured.admin.exists("other:key") == 0
+    assert secured.admin.get(Keys("acl").layout) == b"v"
