@@ -6,8 +6,10 @@ Usage::
 
 prints ONE JSON line: ``local_gb_per_s``, ``remote_gb_per_s``, ``remote_lz4_gb_per_s``
 (image-like batches, the heavy case) and, per kind (``text``, ``image``), GB/s and
-batches/s of each path, plus ``switchover_ms`` (null: switching a running trainer
-between the local ring and Flight is not built yet).
+batches/s of each path, plus ``switchover_ms``: the longest gap a trainer sees when its
+node's sidecar is killed and it goes on reading its batches over Flight from the node
+that takes over its Data Constructor (``switchback_ms``: when its sidecar is back and
+it returns to its ring).
 
 A producer process writes the same pre-built batch records, in the batch wire format,
 into a trainer's client ring as fast as the ring takes them (as a Data Constructor
@@ -18,6 +20,13 @@ and position_ids of 16 packed rows of 4,096 int64 (Zipf-distributed token ids; 1
 MiB); image-like: 1,024 patches of 16x16x3 uint8 from smooth gradients with noise plus
 8,192 token ids (832 KiB). Bytes count the batch records delivered per second of wall
 time; every record is decoded (bounds-checked) by the consumer.
+
+Switch-over: a real one-epoch job on three nodes of this machine (three sidecars with
+distinct node ids and loopback Flight ports, one redis-server, one trainer rank per
+node sleeping 20 ms per batch, as a training step). Part-way, node n1's sidecar is
+killed (kill -9); 3 s later it is started again, as systemd would. Rank 1's gaps
+between batches give the switch-over and switch-back times; every rank must still
+get every batch once (checked).
 """
 
 from __future__ import annotations
@@ -131,19 +140,119 @@ def measure(kind: str, path: str, count: int, ring_bytes: int) -> dict:
             "batch_kib": round(nbytes / got / 1024, 1)}
 
 
+def switchover(rows: int = 480, restart_after_s: float = 3.0, sleep_s: float = 0.02) -> dict:
+    """Kill one node's sidecar under a running 3-node job; the gaps its trainer sees."""
+    import signal
+    import subprocess
+    import sys
+
+    from overlord import BatchSpec, Job, Mesh, Source
+    from overlord.demo.corpus import IMAGE_TRANSFORM, TEXT_TRANSFORM, generate_corpus
+    from overlord.shm import unlink_all
+    from overlord.sidecar.sidecar import sidecar_running
+    from overlord.store import EmbeddedRedis, Keys, connect
+
+    here = Path(__file__).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        corpus = generate_corpus(tmp / "corpus", seed=5, text_sources=3, image_sources=1, rows_per_source=rows,
+                                 files_per_source=2, row_group_size=32, max_image_side=96)
+        red = EmbeddedRedis(tmp / "redis").start()
+        nodes = ("n0", "n1", "n2")
+        job = Job(name=f"sw{os.getpid()}", sources=tuple(
+            Source(name=n, paths=tuple(f), shuffle_window=48, transform=IMAGE_TRANSFORM if n.startswith("images") else TEXT_TRANSFORM)
+            for n, f in corpus.items()), mesh=Mesh(dp=3), nodes=nodes, redis_url=red.url, flight_port=1,
+            batch=BatchSpec(global_batch=30, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+            seed=5, epochs=1, loader_processes=3, plan_ahead=2, timeout_s=30.0, run_dir=str(tmp / "run"),
+            sample_ring_bytes=2 << 20, buffer_samples=128)
+        config = tmp / "job.json"
+        config.write_text(job.to_json())
+        ports = {n: _free_port() for n in nodes}
+        env = dict(os.environ, OVERLORD_FLIGHT_HOST="127.0.0.1")
+        procs: dict[str, subprocess.Popen] = {}
+
+        def start(node: str) -> None:
+            procs[node] = subprocess.Popen(
+                [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config), "--node", node,
+                 "--flight-port", str(ports[node])], env=env, stdout=open(tmp / f"{node}.log", "ab"),
+                stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 30
+            while not sidecar_running(job.on_node(node)):
+                if time.monotonic() > deadline or procs[node].poll() is not None:
+                    raise RuntimeError(f"sidecar {node} did not start: {(tmp / f'{node}.log').read_text()}")
+                time.sleep(0.05)
+
+        trainers = []
+        try:
+            for node in nodes:
+                start(node)
+            for rank in range(3):
+                trainers.append(subprocess.Popen(
+                    [sys.executable, str(here / "switchover_trainer.py"), str(config), str(tmp / f"rank{rank}.json"),
+                     str(sleep_s)], env=dict(os.environ, RANK=str(rank), WORLD_SIZE="3")))
+            r, keys = connect(red.url), Keys(job.name)
+            deadline = time.monotonic() + 120
+            while int(r.hget(keys.progress, "c1") or -1) < 10:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the job did not reach step 10")
+                time.sleep(0.02)
+            procs["n1"].send_signal(signal.SIGKILL)
+            procs["n1"].wait(timeout=10)
+            killed = time.monotonic()
+            time.sleep(restart_after_s)
+            start("n1")
+            for t in trainers:
+                t.wait(timeout=300)
+            runs = [json.loads((tmp / f"rank{rank}.json").read_text()) for rank in range(3)]
+        finally:
+            for p in [*trainers, *procs.values()]:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=10)
+            unlink_all(job.name)
+            red.stop()
+    for rank, run in enumerate(runs):
+        want = [[s, m] for s in range(len(run["steps"]) // 2) for m in range(2)]
+        if run["end"] != "stop" or run["steps"] != want:
+            raise RuntimeError(f"rank {rank}: ended {run['end']!r}; batches not each once in order")
+    one = runs[1]
+    gaps = np.diff(one["arrivals"]) * 1000 - sleep_s * 1000  # the wait beyond the trainer's own step
+    away = [i for i in range(1, len(one["nodes"])) if one["nodes"][i] != one["nodes"][i - 1]]
+    # batches the trainer still read from its node's ring after the kill (built before it)
+    drained = sum(1 for i, t in enumerate(one["arrivals"]) if t > killed and (not away or i < away[0]))
+    out = {"switchover_ms": round(float(gaps[away[0] - 1]), 1) if away else None,
+           "drained_after_kill": drained,
+           "switchback_ms": round(float(gaps[away[-1] - 1]), 1) if len(away) >= 2 else None,
+           "served_by": sorted(set(one["nodes"])), "median_wait_ms": round(float(np.median(gaps)), 1),
+           "rank1_switches": one["switches"], "batches_per_rank": len(one["steps"])}
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=int, default=2000, help="batches per measurement")
     parser.add_argument("--ring-mib", type=int, default=16)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--no-switchover", action="store_true", help="skip the 3-node switch-over run")
     args = parser.parse_args()
+    switch = None if args.no_switchover else switchover()
     results = {kind: {path: measure(kind, path, args.count, args.ring_mib << 20)
                       for path in ("local", "flight", "flight_lz4")} for kind in ("text", "image")}
     line = {
         "local_gb_per_s": results["image"]["local"]["gb_per_s"],
         "remote_gb_per_s": results["image"]["flight"]["gb_per_s"],
         "remote_lz4_gb_per_s": results["image"]["flight_lz4"]["gb_per_s"],
-        "switchover_ms": None,
+        "switchover_ms": switch["switchover_ms"] if switch else None,
+        "switchback_ms": switch["switchback_ms"] if switch else None,
+        "switchover": switch,
         **results,
         "count": args.count,
     }

@@ -16,6 +16,12 @@ def _sidecar(args: argparse.Namespace) -> int:
     from overlord.sidecar.sidecar import Sidecar
 
     job = Job.from_file(args.config)
+    if args.node:
+        job = job.on_node(args.node)
+    if args.flight_port:
+        import dataclasses
+
+        job = dataclasses.replace(job, flight_port=args.flight_port)
     return Sidecar(job, exit_when_idle=args.exit_when_idle, resume=args.resume).run()
 
 
@@ -94,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exit-when-idle", action="store_true", help="exit once the job's trainers are gone")
     p.add_argument("--resume", action="store_true",
                    help="continue where the trainers' load_state_dict positions say (planner checkpoints in Redis)")
+    p.add_argument("--node", help="this node's id, one of the job's `nodes` (default: $OVERLORD_NODE, or the config's node)")
+    p.add_argument("--flight-port", type=int,
+                   help="serve Arrow Flight on this port instead of the config's flight_port (several nodes on one host)")
     p.set_defaults(fn=_sidecar)
     p = sub.add_parser("status", help="show a running job's state from Redis")
     p.add_argument("--config", required=True, help="job YAML/JSON")

@@ -212,7 +212,14 @@ class Job:
             $OVERLORD_FLIGHT_CA, else against flight_cert itself (a self-signed one).
         max_restarts: how many times the sidecar restarts one role that crashed (killed,
             not failed with an error) before it gives up and fails the job.
-        node: this node's id (shm names, membership).
+        node: this node's id (shm names, membership). Unset: $OVERLORD_NODE, else the
+            first of `nodes`, else "node0"; a sidecar's `--node` overrides it, so every
+            node can share one config file.
+        nodes: the job's node ids in node-rank order, for a job on several nodes
+            (torchrun's --nnodes/--node_rank): node i hosts the trainer ranks
+            [i*W/N, (i+1)*W/N). Every sidecar and trainer derives from it where each
+            rank lives and, with the live membership, where each role runs. Needs an
+            external `redis_url` every node reaches and a `flight_port`. Empty: one node.
         strategy: the orchestration strategy, "module:function" (overlord.planner.strategies).
         mixing: a mixing schedule (overlord.planner.schedule); None uses the source weights.
         autoscale: size the Source Loaders to the sources' profiled costs at start
@@ -242,14 +249,19 @@ class Job:
     flight_port: int | None = None
     flight_cert: str | None = None
     flight_key: str | None = None
-    node: str = "node0"
+    node: str = ""
+    nodes: tuple[str, ...] = ()
     strategy: str = "overlord.planner.strategies:balanced"
     mixing: dict | None = None
     autoscale: dict | None = None
 
     def __post_init__(self) -> None:
         _check_name("Job.name", self.name)
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+        if not self.node:
+            object.__setattr__(self, "node", os.environ.get("OVERLORD_NODE") or (self.nodes[0] if self.nodes else "node0"))
         _check_name("Job.node", self.node)
+        self._check_nodes()
         object.__setattr__(self, "sources", tuple(self.sources))
         if not self.sources:
             raise ConfigError("Job.sources is empty; declare at least one Source")
@@ -297,21 +309,74 @@ class Job:
         if self.buffer_samples < 1 or self.plan_ahead < 1 or self.timeout_s <= 0:
             raise ConfigError("Job.buffer_samples, Job.plan_ahead and Job.timeout_s must be positive")
 
+    def _check_nodes(self) -> None:
+        if not self.nodes:
+            return
+        for n in self.nodes:
+            _check_name("Job.nodes[]", n)
+        if len(set(self.nodes)) != len(self.nodes):
+            raise ConfigError(f"Job.nodes={list(self.nodes)} repeats a node id; node ids must be unique")
+        if self.node not in self.nodes:
+            raise ConfigError(
+                f"Job.node={self.node!r} is not one of Job.nodes={list(self.nodes)}; start each sidecar with "
+                "--node <one of them> (or $OVERLORD_NODE)"
+            )
+        if self.mesh.world_size % len(self.nodes):
+            raise ConfigError(
+                f"the mesh's {self.mesh.world_size} ranks do not split evenly over {len(self.nodes)} nodes "
+                f"(Job.nodes); every node hosts the same number of trainer ranks"
+            )
+        if len(self.nodes) > 1 and any(s.shadow for s in self.sources):
+            raise ConfigError("Source.shadow runs on one node only for now; on several nodes a dead node's loaders "
+                              "are restarted on another node instead (drop shadow: true)")
+        if len(self.nodes) > 1 and (self.redis_url is None or self.flight_port is None):
+            raise ConfigError(
+                f"a job on {len(self.nodes)} nodes needs one Redis every node reaches (Job.redis_url) and an "
+                "Arrow Flight port for the data between nodes (Job.flight_port); set both"
+            )
+
+    # -- nodes -------------------------------------------------------------------------
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """The job's nodes (just this one for a single-node job)."""
+        return self.nodes or (self.node,)
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.node_ids) > 1
+
+    def ranks_of_node(self, node: str) -> list[int]:
+        """Global trainer ranks hosted by `node` (contiguous blocks, as torchrun places them)."""
+        per = self.mesh.world_size // len(self.node_ids)
+        i = self.node_ids.index(node)
+        return list(range(i * per, (i + 1) * per))
+
+    def node_of_rank(self, rank: int) -> str:
+        return self.node_ids[rank // (self.mesh.world_size // len(self.node_ids))]
+
+    def on_node(self, node: str) -> "Job":
+        """This job as seen by the sidecar or trainer of `node`."""
+        return dataclasses.replace(self, node=node)
+
     # -- where things live -------------------------------------------------------------
 
     @property
     def run_path(self) -> Path:
         """The job's run directory (socket, logs, embedded Redis data)."""
         if self.run_dir:
-            return Path(self.run_dir)
+            # several nodes may share a machine (tests) or a network file system
+            return Path(self.run_dir) / self.node if self.multi_node else Path(self.run_dir)
         base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/overlord-{os.getuid()}"
-        return Path(base) / self.name
+        path = Path(base) / self.name
+        return path / self.node if self.multi_node else path
 
     def make_run_path(self) -> Path:
         """Create the run directory (and a default parent) private to this user (0700)."""
         path = self.run_path
         if not self.run_dir:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
+            base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/overlord-{os.getuid()}"
+            Path(base).mkdir(mode=0o700, exist_ok=True)
         path.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(path, 0o700)
         return path

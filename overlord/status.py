@@ -54,6 +54,8 @@ def collect(job: Job) -> dict[str, Any]:
         "autoscale": json.loads(r.get(keys.autoscale) or "null"),
         "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
         "nodes": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.nodes).items()},
+        "placement": {k.decode(): v.decode() for k, v in r.hgetall(keys.placement).items()},
+        "moves": [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrevrange(keys.placements, count=10)][::-1],
         "errors": [json.loads(e)["message"] for e in r.lrange(keys.errors, 0, -1)],
         "checkpoints": _checkpoints(r, keys),
         "resume": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.resume).items()},
@@ -86,6 +88,10 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"node {node}: sidecar pid {info.get('pid')} on {info.get('host', '?')}, {alive}, "
                      f"ranks {info.get('ranks')}, budget {info.get('cpus')} CPUs / {info.get('memory_mb')} MiB"
                      + (f", Flight {info['flight']}" if info.get("flight") else ""))
+    if status["placement"]:
+        lines.append("placement: " + ", ".join(f"{u}@{n}" for u, n in sorted(status["placement"].items())))
+    for move in status["moves"]:
+        lines.append(f"  moved {move['unit']} {move['from']} -> {move['to']} ({move['reason']})")
     if status["progress"]:
         lines.append("constructors (last step written): " + ", ".join(f"{k}={v}" for k, v in sorted(status["progress"].items())))
     lines.append("cursors (epoch, seq) per stream:")

@@ -31,7 +31,7 @@ from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout, SourceReadError
 from overlord.planner.lowlevel import constructor_do_plan, encoder_destinations
 from overlord.shm import Ring, decode_batch
-from overlord.sidecar.flow import Beat, alive_within, push, resume_point, wait_plan
+from overlord.sidecar.flow import Beat, Stopped, alive_within, push, resume_point, wait_plan
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
 from overlord.transforms import resolve
 
@@ -44,14 +44,18 @@ class DataConstructor:
     """The constructor of DP group `dp`."""
 
     def __init__(self, job: Job, layout: Layout, dp: int, r, keys, stop: threading.Event, beat: Beat,
-                 restarted: bool = False) -> None:
+                 restarted: bool = False, bridges: dict[int, object] | None = None) -> None:
         self.job, self.layout, self.dp, self.restarted = job, layout, dp, restarted
         self.r, self.keys, self.stop, self.beat = r, keys, stop, beat
-        self.inputs: list[Ring] = []
+        # per loader process: its ring on this node, and on several nodes a Bridge that
+        # carries its samples when it runs elsewhere (overlord.remote.bridge)
+        self.inputs: list[list] = []
         for loader in range(layout.loaders):
             ring = Ring.attach(sample_ring(job, loader, dp), timeout=job.timeout_s)
-            ring.claim_consumer()
-            self.inputs.append(ring)
+            # on several nodes this node's Flight endpoint may have served the ring to this
+            # group's constructor elsewhere; it stops when it sees the claim change
+            ring.claim_consumer(take_over=bool(bridges))
+            self.inputs.append([ring] + ([bridges[loader]] if bridges else []))
         self.outputs: dict[int, Ring] = {}
         for rank in job.mesh.ranks_of_dp(dp):
             ring = Ring.attach(client_ring(job, rank), timeout=job.timeout_s)
@@ -64,6 +68,7 @@ class DataConstructor:
                          for i, src in enumerate(layout.stream_source) if job.sources[src].decode}
         self.stash: dict[tuple[int, int, int], tuple[int, dict[str, np.ndarray], str]] = {}  # samples of later steps
         self.dropped = 0  # duplicate records seen (after a restart)
+        self._turn = 0
 
     def _start(self) -> int:
         """The first step to build: the job's (or the resume's), or after a restart the
@@ -130,7 +135,7 @@ class DataConstructor:
                         ring.close_writer()
                     return
         finally:
-            for ring in [*self.inputs, *self.outputs.values()]:
+            for ring in [*(i for rings in self.inputs for i in rings), *self.outputs.values()]:
                 ring.close()
 
     def _for_rank(self, arrays: dict[str, np.ndarray], rank: int, plan, cp_parts: dict) -> dict[str, np.ndarray]:
@@ -203,15 +208,16 @@ class DataConstructor:
         deadline = time.monotonic() + self.job.timeout_s
         while any(owed):
             progressed = False
-            for k, ring in enumerate(self.inputs):
-                while owed[k] and (view := self._try_read(ring)) is not None:
-                    owed[k] -= self._take(step, k, view, wanted, got)
-                    progressed = True
+            for k, rings in enumerate(self.inputs):
+                for ring in rings:
+                    while owed[k] and (view := self._try_read(ring)) is not None:
+                        owed[k] -= self._take(step, k, ring, view, wanted, got)
+                        progressed = True
             if progressed:
                 deadline = time.monotonic() + self.job.timeout_s
                 continue
             if self.stop.is_set():
-                return got
+                raise Stopped()  # stopped mid-step (moving to another node, or shutting down)
             self.beat()
             if time.monotonic() > deadline:
                 waiting = [k for k, n in enumerate(owed) if n]
@@ -223,16 +229,20 @@ class DataConstructor:
                     f"from loader process(es) {waiting}, whose loops have not turned for as long (hung or dead); "
                     "see their logs, or raise Job.timeout_s"
                 )
-            # nothing ready anywhere: sleep on the ring that owes the most (a futex wait)
+            # nothing ready anywhere: sleep on the input that owes the most (a futex wait;
+            # with a bridge too, the two are polled in turn)
             k = max(range(len(owed)), key=owed.__getitem__)
+            rings = self.inputs[k]
+            ring = rings[self._turn % len(rings)]
+            self._turn += 1
             try:
-                view = self.inputs[k].read(timeout=_WAIT_S)
+                view = ring.read(timeout=_WAIT_S / len(rings))
             except RingTimeout:
                 continue
             except PeerDied:
-                time.sleep(_WAIT_S)  # its loader process died: the sidecar starts another (or its shadow)
+                time.sleep(_WAIT_S / len(rings))  # its loader process died: the sidecar starts another (or its shadow)
                 continue
-            owed[k] -= self._take(step, k, view, wanted, got)
+            owed[k] -= self._take(step, k, ring, view, wanted, got)
         return got
 
     @staticmethod
@@ -260,7 +270,7 @@ class DataConstructor:
                 f"row {row}: decode {spec} raised {type(exc).__name__}: {exc}. Fix the data or Source.decode"
             ) from exc
 
-    def _take(self, step: int, loader: int, view, wanted, got) -> int:
+    def _take(self, step: int, loader: int, ring, view, wanted, got) -> int:
         """Check a sample record against the plan and copy it out of the ring; 1 if it
         was one this step still needed, 0 for a duplicate or a later step's sample."""
         arrays, meta = decode_batch(view)
@@ -279,5 +289,5 @@ class DataConstructor:
             # copy out: the view is released on the ring's next read
             got[ident] = (self._decoded(meta, {name: a.copy() for name, a in arrays.items()}), meta["k"])
             needed = 1
-        self.inputs[loader].release()
+        ring.release()
         return needed

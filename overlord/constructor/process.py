@@ -11,6 +11,7 @@ import threading
 
 from overlord.constructor.constructor import DataConstructor
 from overlord.errors import OverlordError
+from overlord.remote.bridge import Bridge, Directory
 from overlord.sidecar.flow import Stopped
 from overlord.store import connect
 
@@ -18,12 +19,20 @@ from overlord.store import connect
 def run_constructors(ctx) -> None:
     hosted = [dp for dp, host in enumerate(ctx.layout.constructor_of) if host == ctx.index]
     failures: list[tuple[int, BaseException]] = []
+    bridges: dict[int, dict[int, Bridge]] = {dp: {} for dp in hosted}
+    if ctx.job.multi_node:  # loaders on other nodes reach these constructors over Flight
+        from overlord.remote.flight import job_token
+
+        directory = Directory(ctx.r, ctx.keys, ctx.stop)
+        token = job_token(ctx.job, r=ctx.r)
+        bridges = {dp: {k: Bridge(ctx.job, ctx.r, ctx.keys, k, dp, directory, ctx.stop, token)
+                        for k in range(ctx.layout.loaders)} for dp in hosted}
 
     def one(dp: int) -> None:
         try:
             # a Redis client of its own: blocking reads of one must not delay another
             DataConstructor(ctx.job, ctx.layout, dp, connect(ctx.redis_url), ctx.keys, ctx.stop, ctx.beat,
-                            restarted=ctx.attempt > 0).run()
+                            restarted=ctx.attempt > 0, bridges=bridges[dp]).run()
         except Stopped:
             pass
         except BaseException as exc:  # noqa: BLE001 - reported below with its DP group

@@ -45,12 +45,19 @@ def run_planner(ctx) -> None:
     """Lead (or wait to lead) the job's planning until its last step is planned."""
     lease = Lease(ctx.r, ctx.keys, node=ctx.job.node)
     threading.Thread(target=lease.renew_forever, args=(ctx.stop,), daemon=True, name="lease").start()
+    if ctx.job.multi_node:
+        # every node runs a Planner; those that do not lead wait silently, and leave when
+        # the job's last step is planned
+        threading.Thread(target=_until_done, args=(ctx,), daemon=True, name="done").start()
     try:
         while not ctx.stop.is_set():
+            ctx.silent = True
             try:
                 token = lease.acquire(ctx.stop, ctx.beat)
             except Superseded:
                 return
+            ctx.silent = False
+            ctx.publish_heartbeat()
             try:
                 _lead(ctx, lease, token)
                 return
@@ -62,6 +69,16 @@ def run_planner(ctx) -> None:
     finally:
         try:
             lease.release()
+        except redis.RedisError:
+            pass
+
+
+def _until_done(ctx) -> None:
+    """Stop a standby Planner once the leader planned the last step."""
+    while not ctx.stop.wait(0.5):
+        try:
+            if ctx.silent and ctx.r.hget(ctx.keys.planner, "done"):
+                ctx.stop.set()
         except redis.RedisError:
             pass
 
@@ -86,6 +103,8 @@ def _core(job, layout) -> PlannerCore:
 def _lead(ctx, lease: Lease, token: int) -> None:
     """Plan from the newest checkpoint while holding the lease; returns after the last step."""
     job, r, keys, layout = ctx.job, ctx.r, ctx.keys, ctx.layout
+    if r.hget(keys.planner, "done"):
+        return  # took the lease after the last step was planned
     core = _core(job, layout)
     ckpts = Checkpoints(keys)
     newest = ckpts.newest(r)
@@ -115,12 +134,15 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     last_ids = {keys.meta(name): "0-0" for name in layout.streams}
     waiting_since = time.monotonic()
     promoter = _Promoter(ctx, lease)
+    placer = _Placer(ctx, lease) if job.multi_node else None
     scaling = _Scaling(ctx) if job.autoscale is not None and job.autoscale.get("online", True) else None
     while not ctx.stop.is_set():
         ctx.beat()
         if lease.lost.is_set():
             raise Superseded(f"the Planner lease (token {token}) lapsed")
         promoter.check()
+        if placer is not None:
+            placer.check()
         progress = r.hgetall(keys.progress)
         slowest = min((int(progress.get(f"c{d}".encode(), first - 1)) for d in range(job.mesh.dp)), default=first - 1)
         ahead = core.step - slowest > job.plan_ahead
@@ -136,7 +158,8 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                 pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
                 pipe.xadd(keys.plans, {"step": plan.step, "last": int(plan.last)}, id=f"{plan.step + 1}-0",
                           maxlen=1000, approximate=True)
-                pipe.hset(keys.planner, mapping={"step": plan.step, "updated": time.time()})
+                pipe.hset(keys.planner, mapping={"step": plan.step, "updated": time.time(),
+                                                 **({"done": 1} if plan.last else {})})
                 ckpts.write(pipe, core.step, delta, core.state)  # where a resume at step core.step starts
 
             _publish_once(r, keys, lease, publish, plan.step)
@@ -323,6 +346,57 @@ class _Promoter:
                 continue
             self.promoted[k] = (shadow["pid"], time.monotonic())
             log.warning("loader process %d: active heartbeat lapsed; promoted its shadow (pid %d)", k, shadow["pid"])
+
+
+class _Placer:
+    """Places the job's units on its nodes as the membership changes (see placement.py)."""
+
+    CHECK_S = 0.1
+
+    def __init__(self, ctx, lease: Lease) -> None:
+        from overlord.planner.placement import homes
+
+        self.ctx, self.lease = ctx, lease
+        self.home = homes(ctx.job, ctx.layout)
+        self.next_check = 0.0
+
+    def check(self) -> None:
+        from overlord.planner.placement import place
+
+        if time.monotonic() < self.next_check:
+            return
+        self.next_check = time.monotonic() + self.CHECK_S
+        r, keys, nodes = self.ctx.r, self.ctx.keys, self.ctx.job.node_ids
+        pipe = r.pipeline(transaction=False)
+        pipe.hgetall(keys.nodes)
+        pipe.hgetall(keys.placement)
+        for n in nodes:
+            pipe.exists(keys.heartbeat("sidecar", n))
+        members, current, *beats = pipe.execute()
+        registered = {k.decode() for k in members}
+        live = {n for n, alive in zip(nodes, beats) if alive}
+        cpus = {k.decode(): float(json.loads(v).get("cpus") or 1) for k, v in members.items()}
+        current = {k.decode(): v.decode() for k, v in current.items()}
+        placed = place(self.home, current, live, registered, cpus)
+        moved = {u: n for u, n in placed.items() if current.get(u) != n}
+        if not moved:
+            return
+
+        def write(pipe) -> None:
+            pipe.hset(keys.placement, mapping=moved)
+            for unit, node in moved.items():
+                before = current.get(unit, "")
+                reason = "home" if node == self.home[unit] else f"node {before} down"
+                pipe.xadd(keys.placements, {"unit": unit, "from": before, "to": node, "reason": reason,
+                                            "time": time.time()}, maxlen=1000, approximate=True)
+
+        try:
+            self.lease.fenced(write)
+        except WriteUncertain:
+            self.next_check = 0.0
+            return
+        log.warning("placement: %s (live nodes %s)", {u: f"{current.get(u)} -> {n}" for u, n in moved.items()},
+                    sorted(live))
 
 
 def _reported_metrics(r, keys) -> dict[str, float]:

@@ -1,15 +1,21 @@
-"""The remote data path: a sidecar serves its trainers' micro-batches over Arrow Flight.
+"""The remote data path: sidecars serve ring records to other nodes over Arrow Flight.
 
-Where a trainer cannot read its ring (its node has no sidecar of its own), it asks a
-sidecar that serves its rank for the same micro-batches over the network. The server
-takes the consumer side of that rank's client ring and streams each record, unchanged:
+Two kinds of stream, both the records of one shared-memory ring, unchanged:
+
+- a trainer's micro-batches (`rank`): where a trainer's Data Constructor runs on
+  another node (its own node's sidecar is down, or not started yet), it reads them
+  from that node's client ring for its rank;
+- a Source Loader's samples for one DP group (`loader`, `dp`): a Data Constructor
+  pulls the samples of sources placed on other nodes (overlord.remote.bridge).
 
     Flight stream: Arrow IPC record batches (optionally LZ4-compressed), schema
         record: binary    one ring record per row, in the batch wire format of
                           overlord.shm._batch (named arrays + JSON meta, bounds-checked
                           on decode; no pickle)
 
-    ticket: JSON {"job": name, "rank": int, "token": str, "lz4": bool, "after": [step, mb]}
+    ticket: JSON {"job": name, "token": str, "lz4": bool,
+                  "rank": int, "after": [step, mb]}          a trainer's micro-batches
+               or {"job", "token", "lz4", "loader": int, "dp": int}   samples
 
 With `Job.flight_cert`/`flight_key` the endpoint speaks only TLS (grpc+tls://) and
 readers verify it against $OVERLORD_FLIGHT_CA (or the certificate itself).
@@ -17,8 +23,12 @@ readers verify it against $OVERLORD_FLIGHT_CA (or the certificate itself).
 The ticket's job must be the one this sidecar serves and its token the job's (compared
 in constant time), or the request is refused with FlightUnauthenticatedError. Records
 at or before `after` are skipped server-side (a client resuming its stream), and the
-client drops anything at or before its last batch too, as it does locally. What is in
-flight is bounded by gRPC flow control and `RECORDS_PER_BATCH`.
+client drops anything at or before its last batch too, as it does locally. A stream
+ends when the ring's producer is gone and every record was sent (its Data Constructor
+or Source Loader moved to another node, or is restarting): the reader then looks up
+where that role runs now. One stream per ring at a time: a new request for a ring
+takes it over from the old one. What is in flight is bounded by gRPC flow control and
+`RECORDS_PER_BATCH`.
 """
 
 from __future__ import annotations
@@ -37,25 +47,39 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from overlord.config import Job
-from overlord.errors import ConfigError, RingClosed, RingTimeout
+from overlord.errors import ConfigError, PeerDied, RingClosed, RingTimeout
 from overlord.shm import Ring, decode_batch
-from overlord.sidecar.layout import client_ring
+from overlord.sidecar.layout import client_ring, sample_ring
 
 log = logging.getLogger("overlord.remote")
 
 SCHEMA = pa.schema([pa.field("record", pa.binary())])
 RECORDS_PER_BATCH = 4  # ring records per Arrow record batch: small, so a trainer never waits on a fill
+KEEPALIVE_S = 1.0  # an idle stream sends an empty batch this often, so a reader's wait stays bounded
 TOKEN_ENV = "OVERLORD_FLIGHT_TOKEN"
 CA_ENV = "OVERLORD_FLIGHT_CA"
 TOKEN_FILE = "flight.token"
 
 
-def job_token(job: Job, *, create: bool = False) -> str:
-    """The job's Flight token: $OVERLORD_FLIGHT_TOKEN, else the run directory's token file
-    (mode 0600), made by the sidecar when `create`."""
+def job_token(job: Job, *, create: bool = False, r=None) -> str:
+    """The job's Flight token: $OVERLORD_FLIGHT_TOKEN; else, on several nodes, the one in
+    the job's Redis (`flight-token`, made by the first sidecar; Redis access is the
+    trust root there); else the run directory's token file (mode 0600), made by the
+    sidecar when `create`."""
     token = os.environ.get(TOKEN_ENV)
     if token:
         return token
+    if job.multi_node:
+        from overlord.store import Keys, connect
+
+        r = r if r is not None else connect(job.redis_url, timeout_s=5)
+        key = Keys(job.name).flight_token
+        if create:
+            r.set(key, secrets.token_urlsafe(32), nx=True)
+        raw = r.get(key)
+        if raw is None:
+            raise ConfigError(f"no Flight token for job {job.name!r} in Redis yet: is a sidecar of the job up?")
+        return raw.decode()
     path = Path(job.run_path) / TOKEN_FILE
     if create and not path.exists():
         job.make_run_path()
@@ -77,59 +101,96 @@ class BatchServer(flight.FlightServerBase):
     def __init__(self, job: Job, location: str, token: str, **kwargs) -> None:
         super().__init__(location, **kwargs)
         self.job, self.token = job, token
-        self.serving: dict[int, threading.Event] = {}
+        self._owners: dict[str, object] = {}  # ring name -> the stream that reads it now
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
 
-    def _check(self, request: dict) -> int:
+    def _check(self, request: dict) -> str:
+        """Authenticate a request; the name of the ring it asks for."""
         if request.get("job") != self.job.name:
             raise flight.FlightUnauthenticatedError(
                 f"this sidecar serves job {self.job.name!r}, not {request.get('job')!r}")
         if not hmac.compare_digest(str(request.get("token", "")), self.token):
             raise flight.FlightUnauthenticatedError(f"wrong token for job {self.job.name!r}")
+        if "loader" in request:
+            loader, dp = request.get("loader"), request.get("dp")
+            if not isinstance(loader, int) or loader < 0 or not isinstance(dp, int) or not 0 <= dp < self.job.mesh.dp:
+                raise flight.FlightServerError(f"loader {loader!r} / dp {dp!r} is not a sample ring of job {self.job.name!r}")
+            return sample_ring(self.job, loader, dp)
         rank = request.get("rank")
         if not isinstance(rank, int) or not 0 <= rank < self.job.mesh.world_size:
             raise flight.FlightServerError(f"rank {rank!r} is not a rank of job {self.job.name!r}")
-        return rank
+        return client_ring(self.job, rank)
 
     def do_get(self, context, ticket):
         try:
             request = json.loads(ticket.ticket)
         except ValueError:
             raise flight.FlightServerError(
-                "the ticket is not JSON {job, rank, token, lz4, after}; read with overlord.remote.RemoteReader") from None
-        rank = self._check(request)
+                "the ticket is not JSON {job, token, lz4, rank, after} or {job, token, lz4, loader, dp}; "
+                "read with overlord.remote.RemoteReader") from None
+        name = self._check(request)
         after = tuple(request["after"]) if request.get("after") and tuple(request["after"]) >= (0, 0) else None
-        ring = Ring.attach(client_ring(self.job, rank), timeout=self.job.timeout_s)
-        ring.claim_consumer()  # the remote trainer is this rank's consumer now
-        log.info("rank %d served over Flight to %s", rank, context.peer())
+        try:
+            ring = Ring.attach(name, timeout=self.job.timeout_s)
+        except RingTimeout:
+            raise flight.FlightUnavailableError(f"ring {name} does not exist on node {self.job.node!r} yet") from None
+        ring.claim_consumer()  # the remote reader is this ring's consumer now
+        me = object()
+        with self._guard:
+            self._owners[name] = me  # an older stream of this ring stops at its next read
+            lock = self._locks.setdefault(name, threading.Lock())
+        log.info("ring %s served over Flight to %s", name, context.peer())
         options = pa.ipc.IpcWriteOptions(compression="lz4" if request.get("lz4") else None)
-        return flight.GeneratorStream(SCHEMA, self._records(ring, after, context), options=options)
+        return flight.GeneratorStream(SCHEMA, self._records(ring, name, me, lock, after, context), options=options)
 
-    def _records(self, ring: Ring, after: tuple[int, int], context):
+    def _read_one(self, ring: Ring, name: str, me: object, lock: threading.Lock, timeout: float) -> bytes | None:
+        """One record copied out of the ring (None: nothing within `timeout`); raises
+        RingClosed at the end and _Superseded when a newer stream took the ring."""
+        with lock:  # one reader of a ring at a time; never held across a yield
+            if self._owners.get(name) is not me or ring.consumer_pid != os.getpid():
+                raise _Superseded()  # a newer stream, or a local consumer (a role moved here), took it
+            try:
+                view = ring.read(timeout=timeout)
+            except RingTimeout:
+                return None
+            except PeerDied:
+                raise RingClosed("producer gone, every record sent") from None
+            record = bytes(view)
+            ring.release()
+            return record
+
+    def _records(self, ring: Ring, name: str, me: object, lock: threading.Lock, after, context):
         records: list[bytes] = []
+        sent = time.monotonic()
         try:
             while not context.is_cancelled():
                 try:
-                    view = ring.read(timeout=0.05 if records else 0.5)
-                except RingTimeout:
-                    if records:
-                        yield pa.record_batch([pa.array(records, pa.binary())], schema=SCHEMA)
-                        records = []
-                    continue
-                except RingClosed:
+                    record = self._read_one(ring, name, me, lock, 0.05)
+                except (RingClosed, _Superseded):
                     break
+                if record is None:
+                    if records or time.monotonic() - sent > KEEPALIVE_S:
+                        yield pa.record_batch([pa.array(records, pa.binary())], schema=SCHEMA)
+                        records, sent = [], time.monotonic()
+                    continue
                 if after is not None:  # resuming: skip what the reader has (decoding only until then)
-                    _, meta = decode_batch(view)
-                    if (meta["step"], meta["microbatch"]) <= after:
+                    _, meta = decode_batch(memoryview(record))
+                    if "step" in meta and (meta["step"], meta["microbatch"]) <= after:
                         continue
                     after = None
-                records.append(bytes(view))
+                records.append(record)
                 if len(records) >= RECORDS_PER_BATCH:
                     yield pa.record_batch([pa.array(records, pa.binary())], schema=SCHEMA)
-                    records = []
+                    records, sent = [], time.monotonic()
             if records:
                 yield pa.record_batch([pa.array(records, pa.binary())], schema=SCHEMA)
         finally:
             ring.close()
+
+
+class _Superseded(Exception):
+    """A newer stream took over this ring."""
 
 
 def serve(job: Job, port: int, token: str, host: str = "0.0.0.0") -> BatchServer:
@@ -146,9 +207,14 @@ def serve(job: Job, port: int, token: str, host: str = "0.0.0.0") -> BatchServer
 class RemoteReader:
     """A trainer's stream of its micro-batches from a sidecar's Flight endpoint."""
 
-    def __init__(self, job: Job, location: str, rank: int, *, token: str, lz4: bool = True,
-                 after: tuple[int, int] = (-1, -1), timeout_s: float = 60.0) -> None:
+    def __init__(self, job: Job, location: str, rank: int | None = None, *, token: str, lz4: bool = True,
+                 after: tuple[int, int] = (-1, -1), timeout_s: float = 60.0,
+                 samples: tuple[int, int] | None = None, open_timeout_s: float | None = None) -> None:
+        """Read rank `rank`'s micro-batches, or with `samples=(loader, dp)` the samples
+        loader process `loader` sends DP group `dp`. Opening waits up to
+        `open_timeout_s` (default `timeout_s`) for an endpoint that is starting."""
         self.location, self.timeout_s = location, timeout_s
+        self.open_timeout_s = timeout_s if open_timeout_s is None else open_timeout_s
         if location.startswith("grpc+tls://"):
             ca = os.environ.get(CA_ENV) or job.flight_cert
             if not ca:
@@ -156,17 +222,23 @@ class RemoteReader:
             self.client = flight.FlightClient(location, tls_root_certs=Path(ca).read_bytes())
         else:
             self.client = flight.FlightClient(location)
-        self.ticket = flight.Ticket(json.dumps({"job": job.name, "rank": rank, "token": token, "lz4": lz4,
-                                                "after": list(after)}).encode())
+        request = {"job": job.name, "token": token, "lz4": lz4}
+        if samples is not None:
+            request.update(loader=samples[0], dp=samples[1])
+        else:
+            request.update(rank=rank, after=list(after))
+        self.ticket = flight.Ticket(json.dumps(request).encode())
         self.reader = None
         self._rows: list = []
 
     def _open(self) -> None:
-        """Open the stream, waiting (up to the timeout) for a sidecar that is starting."""
-        deadline = time.monotonic() + self.timeout_s
+        """Open the stream, waiting (up to the open timeout) for a sidecar that is starting."""
+        deadline = time.monotonic() + self.open_timeout_s
         while True:
-            reader = self.client.do_get(self.ticket, flight.FlightCallOptions(timeout=self.timeout_s))
             try:
+                # no call deadline: a stream lasts as long as the job; idle waits are
+                # bounded by the server's keep-alive batches instead (see __next__)
+                reader = self.client.do_get(self.ticket)
                 first = reader.read_chunk()
             except flight.FlightUnavailableError:
                 if time.monotonic() > deadline:
@@ -183,7 +255,13 @@ class RemoteReader:
 
     def __next__(self) -> memoryview:
         """The next ring record, copied to an aligned buffer (arrays decoded from it are
-        aligned for every dtype); StopIteration at the end of the stream."""
+        aligned for every dtype); StopIteration at the end of the stream.
+
+        Raises:
+            RingTimeout: no record for `timeout_s` (the server's keep-alives came: it
+                lives, but nothing was produced).
+        """
+        deadline = time.monotonic() + self.timeout_s
         while not self._rows:
             if self.reader is None:
                 first = self._open()
@@ -192,6 +270,10 @@ class RemoteReader:
                 chunk = first.data
             else:
                 chunk = self.reader.read_chunk().data  # raises StopIteration at the end of the stream
+            if chunk.num_rows == 0:
+                if time.monotonic() > deadline:
+                    raise RingTimeout(f"no record from {self.location} within {self.timeout_s:g}s")
+                continue
             column = chunk.column(0)
             offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1,
                                     offset=column.offset * 4)
@@ -209,3 +291,20 @@ class RemoteReader:
         except Exception:  # noqa: BLE001 - closing a finished stream
             pass
         self.client.close()
+
+
+def start_server_process(job: Job, token: str, run_dir: Path) -> "subprocess.Popen":
+    """Run the node's Flight endpoint in a process of its own (the sidecar forks its
+    roles, and a process that forks must not have gRPC threads running: a forked
+    child that then uses gRPC, as a Data Constructor's bridges do, would crash). It
+    dies with the sidecar; the token travels in its environment, never in argv."""
+    import subprocess
+    import sys
+
+    log = open(run_dir / "flight.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "overlord.remote.server", "--run-dir", str(run_dir), "--parent", str(os.getpid())],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        env=dict(os.environ, **{TOKEN_ENV: token}),
+    )
+

@@ -9,6 +9,7 @@ read back zero-copy with `decode_batch`. Segment names come only from
 from overlord.shm._batch import batch_nbytes, decode_batch, encode_batch_into, write_batch
 from overlord.shm._proc import pid_alive
 from overlord.shm._pyring import Ring
+from overlord.shm._segment import unlink_segment
 from overlord.shm.names import cleanup_stale, job_prefix, list_segments, segment_name, unlink_all
 
 __all__ = [  # sorted
@@ -22,5 +23,6 @@ __all__ = [  # sorted
     "pid_alive",
     "segment_name",
     "unlink_all",
+    "unlink_segment",
     "write_batch",
 ]

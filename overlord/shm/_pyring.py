@@ -167,20 +167,25 @@ class Ring:
         """
         self._claim(False, pid)
 
-    def claim_consumer(self, pid: int | None = None) -> None:
+    def claim_consumer(self, pid: int | None = None, *, take_over: bool = False) -> None:
         """Record `pid` (default: this process) as the consumer; the producer watches it.
+
+        Args:
+            take_over: take the side from a live consumer that yields when it sees the
+                claim change (a node's Flight endpoint, when a role that reads the ring
+                directly moves to the node).
 
         Raises:
             RingError: Another live process already holds the consumer side.
         """
-        self._claim(True, pid)
+        self._claim(True, pid, take_over)
 
-    def _claim(self, consumer: bool, pid: int | None) -> None:
+    def _claim(self, consumer: bool, pid: int | None, take_over: bool = False) -> None:
         h = self._handle()
         pid = os.getpid() if pid is None else int(pid)
         current = h.consumer_pid if consumer else h.producer_pid
         current_ns = h.consumer_pidns if consumer else h.producer_pidns
-        if current and current != pid and peer_alive(current, current_ns):
+        if current and current != pid and not take_over and peer_alive(current, current_ns):
             role = "consumer" if consumer else "producer"
             raise RingError(f"ring {self._name!r}: {role} side already claimed by live pid {current}")
         h.set_pid(consumer, pid, self_identity()[1])

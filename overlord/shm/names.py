@@ -126,10 +126,12 @@ def cleanup_stale(job: str | None = None) -> list[str]:
     return [n for n in list_segments(job) if _is_stale(n, now) and unlink_segment(n)]
 
 
-def unlink_all(job: str) -> list[str]:
-    """Unlink every segment of `job`, live or not (tests, job shutdown).
+def unlink_all(job: str, node: str | None = None) -> list[str]:
+    """Unlink every segment of `job` (of its `node` only, if given), live or not
+    (tests, job shutdown; several nodes of a job may share a machine).
 
     Returns:
         The names removed, sorted.
     """
-    return [n for n in list_segments(job) if unlink_segment(n)]
+    prefix = f"{job_prefix(job)}{_component(node, 'node')}." if node is not None else job_prefix(job)
+    return [n for n in list_segments(job) if n.startswith(prefix) and unlink_segment(n)]

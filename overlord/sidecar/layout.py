@@ -49,15 +49,23 @@ class Layout:
             loaders = min(loaders, len(streams))
             loader_of = [i % loaders for i in range(len(streams))]
         shadowed = sorted({loader_of[i] for i, src in enumerate(stream_source) if job.sources[src].shadow})
+        # one Data Constructor host per node, hosting the DP groups whose ranks live there
+        # (a group spread over nodes is built on the node of its first rank)
+        nodes = job.node_ids
+        constructor_of = [nodes.index(job.node_of_rank(job.mesh.ranks_of_dp(dp)[0])) for dp in range(job.mesh.dp)]
         return cls(
             streams=streams,
             stream_source=stream_source,
             loader_of=loader_of,
             loaders=loaders,
-            constructor_hosts=1,
-            constructor_of=[0] * job.mesh.dp,
+            constructor_hosts=len(nodes),
+            constructor_of=constructor_of,
             shadowed=shadowed,
         )
+
+    def units(self) -> list[str]:
+        """The roles placed on nodes, by name: `loader<k>` and `constructor<h>`."""
+        return [f"loader{k}" for k in range(self.loaders)] + [f"constructor{h}" for h in range(self.constructor_hosts)]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -55,6 +55,7 @@ class RoleContext:
     layout: Layout = field(init=False)
     stop: threading.Event = field(default_factory=threading.Event)
     beat: Beat = field(default_factory=Beat)
+    silent: bool = False  # a standby Planner beats only once it leads
 
     def __post_init__(self) -> None:
         self.r = connect(self.redis_url)
@@ -78,10 +79,22 @@ class RoleContext:
     def heartbeat_forever(self) -> None:
         while not self.stop.is_set():
             try:
-                self.publish_heartbeat()
+                if not self.silent:
+                    self.publish_heartbeat()
             except redis.RedisError:
                 pass  # the control path may blip; data keeps flowing
             self.stop.wait(HEARTBEAT_S)
+
+    def drop_heartbeat(self) -> None:
+        """On the way out: this role's heartbeat goes now, not at its TTL, so the role
+        can start again at once elsewhere (a unit moving to another node waits for it)."""
+        key = self.keys.heartbeat(self.role, str(self.index))
+        try:
+            raw = self.r.get(key)
+            if raw is not None and json.loads(raw).get("pid") == os.getpid():
+                self.r.delete(key)
+        except redis.RedisError:
+            pass
 
     def report_error(self, exc: BaseException) -> None:
         record = {
@@ -131,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         ctx.stop.set()
+    ctx.drop_heartbeat()
     return 0
 
 

@@ -27,6 +27,7 @@ is unlinked and the embedded Redis is stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import logging
@@ -43,7 +44,7 @@ from overlord.errors import OverlordError
 from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.lease import release_dead
 from overlord.shm import pid_alive as _alive
-from overlord.shm import Ring, cleanup_stale, unlink_all
+from overlord.shm import Ring, cleanup_stale, unlink_all, unlink_segment
 from overlord.sidecar.flow import HEARTBEAT_S
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
 from overlord.sidecar.role import HEARTBEAT_TTL_S
@@ -54,6 +55,7 @@ log = logging.getLogger("overlord.sidecar")
 
 LOCK_NAME = "sidecar.lock"
 POLL_S = 0.02
+PLACEMENT_S = 0.1  # several nodes: how often the sidecar reads the placement
 SHADOW_RESPAWN_S = 1.0  # after a promotion, when the replacement shadow starts
 
 
@@ -87,6 +89,9 @@ class Sidecar:
     """
 
     def __init__(self, job: Job, *, exit_when_idle: bool = False, resume: bool = False) -> None:
+        if resume and job.multi_node:
+            raise OverlordError("--resume of a job on several nodes is not supported yet: a node's sidecar that "
+                                "restarts joins the running job by itself; restart a stopped job fresh")
         self.job = job
         self.exit_when_idle = exit_when_idle
         self.resume = resume
@@ -103,6 +108,11 @@ class Sidecar:
         self._lock_fh = None
         self.flight = None  # the Flight endpoint (Job.flight_port)
         self._beaten = 0.0  # when the node heartbeat was last written (monotonic)
+        # several nodes: which units run here follows the Planner's `placement` hash
+        self.leaving: set[str] = set()  # units placed elsewhere now, stopping here
+        self.fostered: dict[str, list[Ring]] = {}  # constructor<h> of another node run here -> its client rings
+        self._placed_at = 0.0
+        self._errors_at = 0.0
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -131,6 +141,7 @@ class Sidecar:
         # forget the last run's plans, metadata and errors; a resume keeps the checkpoints
         keep = {self.keys.ckpt.encode(), self.keys.ckpt_delta.encode(), self.keys.ckpt_layout.encode()} if self.resume else set()
         keep.add(self.keys.profile.encode())  # cost profiles outlive a run: the next start partitions from them
+        keep.add(self.keys.boot.encode())  # held by this sidecar while it publishes
         if self.job.autoscale is not None:
             keep.add(self.keys.autoscale.encode())  # written just before, from the journal or the stored one
         stale = [k for k in r.scan_iter(match=self.keys.pattern, count=1000) if k not in keep]
@@ -162,11 +173,12 @@ class Sidecar:
         from overlord.autoscale.apply import budget_of
 
         budget = budget_of(self.job)
+        host = os.environ.get("OVERLORD_FLIGHT_HOST") or socket.gethostname()  # the address other nodes dial
         return {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "ranks": list(range(self.job.mesh.world_size)),
-            "flight": (f"grpc{'+tls' if self.job.flight_cert else ''}://{socket.gethostname()}:{self.job.flight_port}"
+            "ranks": self.job.ranks_of_node(self.job.node),
+            "flight": (f"grpc{'+tls' if self.job.flight_cert else ''}://{host}:{self.job.flight_port}"
                        if self.job.flight_port else None),
             "cpus": budget.cpus,
             "memory_mb": round(budget.memory_mb),
@@ -190,7 +202,7 @@ class Sidecar:
         for loader in range(layout.loaders):
             for dp in range(self.job.mesh.dp):
                 self.rings.append(Ring.create(sample_ring(self.job, loader, dp), self.job.sample_ring_bytes))
-        for rank in range(self.job.mesh.world_size):
+        for rank in self.job.ranks_of_node(self.job.node):
             ring = Ring.create(client_ring(self.job, rank), self.job.batch.ring_bytes)
             self.rings.append(ring)
             self.client_rings[rank] = ring
@@ -236,6 +248,59 @@ class Sidecar:
             self.r.hset(self.keys.active, index, proc.pid)
         return proc
 
+    def _layout(self) -> Layout:
+        """Size the loaders (autoscale) and lay the job out."""
+        partitioning = None
+        if self.job.autoscale is not None:
+            from overlord.autoscale.apply import autoscale
+
+            self.job, partitioning = autoscale(self.job, self.r, self.keys, resume=self.resume)
+        return Layout.plan(self.job, partitioning)
+
+    def _boot(self) -> tuple[Layout, dict[str, str]]:
+        """Several nodes: start the job (the first sidecar up) or join it. One sidecar
+        at a time decides, under the `boot` lock; a joiner takes the job's sources
+        (partitions may have been sized by autoscale) and layout from Redis."""
+        from overlord.planner.placement import homes
+        from overlord.sidecar.membership import BOOT_LOCK_MS, clear_dead, live_nodes
+
+        deadline = time.monotonic() + self.job.timeout_s
+        while not self.r.set(self.keys.boot, self.job.node, nx=True, px=BOOT_LOCK_MS):
+            if time.monotonic() > deadline:
+                raise OverlordError(f"node {self.job.node!r}: another sidecar of job {self.job.name!r} held the "
+                                    f"boot lock ({self.keys.boot}) for {self.job.timeout_s:g}s")
+            time.sleep(0.05)
+        try:
+            clear_dead(self.r, self.keys, self.job.node)  # what this node's previous sidecar left
+            others = live_nodes(self.r, self.keys, [n for n in self.job.node_ids if n != self.job.node])
+            stored, raw_layout = self.r.get(self.keys.job_config), self.r.get(self.keys.layout)
+            if others and stored is not None and raw_layout is not None:
+                job = Job.from_dict(json.loads(stored))
+                if job.node_ids != self.job.node_ids or [s.name for s in job.sources] != [s.name for s in self.job.sources]:
+                    raise OverlordError(
+                        f"node {self.job.node!r} runs job {self.job.name!r} with nodes {list(self.job.node_ids)} and "
+                        f"sources {[s.name for s in self.job.sources]}, but the running job (nodes {sorted(others)}) has "
+                        f"nodes {list(job.node_ids)} and sources {[s.name for s in job.sources]}; give every node the same config"
+                    )
+                self.job = dataclasses.replace(self.job, sources=job.sources, loader_processes=job.loader_processes)
+                layout = Layout.from_json(raw_layout)
+                self.r.hset(self.keys.nodes, self.job.node, json.dumps(self._membership()))
+                log.info("node %r joins job %r (live nodes: %s)", self.job.node, self.job.name, sorted(others))
+            else:
+                layout = self._layout()
+                self._publish(self.r, layout)
+                from overlord.remote.flight import job_token
+
+                job_token(self.job, create=True, r=self.r)  # before anyone can see the placement
+                self.r.delete(self.keys.placement)
+                self.r.hset(self.keys.placement, mapping=homes(self.job, layout))
+                log.info("node %r starts job %r on nodes %s", self.job.node, self.job.name, list(self.job.node_ids))
+            self._beat()  # live before the lock goes: the next sidecar joins
+            placement = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.placement).items()}
+        finally:
+            self.r.delete(self.keys.boot)
+        return layout, placement
+
     def start(self) -> None:
         self._take_lock()
         removed = cleanup_stale(self.job.name)
@@ -243,38 +308,108 @@ class Sidecar:
             log.info("removed %d shared-memory segment(s) left by dead owners: %s", len(removed), removed)
         url = self._start_store()
         self.r = connect(url, ride_through_s=1.0)  # short: the sidecar itself restarts a dead Redis
-        partitioning = None
-        if self.job.autoscale is not None:
-            from overlord.autoscale.apply import autoscale
-
-            self.job, partitioning = autoscale(self.job, self.r, self.keys, resume=self.resume)
-        layout = Layout.plan(self.job, partitioning)
+        if self.job.multi_node:
+            layout, placement = self._boot()
+        else:
+            layout, placement = self._layout(), None
         (self.run_dir / "job.json").write_text(self.job.to_json())
-        self._publish(self.r, layout)
+        if placement is None:
+            self._publish(self.r, layout)
         self._create_rings(layout)
         if self.resume:
             self._await_positions()
         preload()
         self.url, self.layout = url, layout
-        self.r.connection_pool.disconnect()  # children open their own connections
-        self._spawn("planner", 0, url)
-        for i in range(layout.loaders):
-            self._spawn("loader", i, url)
-        for i in layout.shadowed:
-            self._spawn("shadow", i, url)
-        for i in range(layout.constructor_hosts):
-            self._spawn("constructor", i, url)
         if self.job.flight_port:
-            from overlord.remote.flight import job_token, serve
+            from overlord.remote.flight import job_token, start_server_process
 
-            self.flight = serve(self.job, self.job.flight_port, job_token(self.job, create=True))
-            log.info("serving micro-batches over Arrow Flight on port %d%s", self.job.flight_port,
+            self._flight_token = job_token(self.job, create=True, r=self.r)
+            self.flight = start_server_process(self.job, self._flight_token, self.run_dir)
+        self.r.connection_pool.disconnect()  # children open their own connections
+        self._spawn("planner", 0, url)  # on several nodes: one per node, one leads
+        if placement is not None:
+            self._beat()
+            self._follow_placement(placement)
+        else:
+            for i in range(layout.loaders):
+                self._spawn("loader", i, url)
+            for i in layout.shadowed:
+                self._spawn("shadow", i, url)
+            for i in range(layout.constructor_hosts):
+                self._spawn("constructor", i, url)
+        if self.flight is not None:
+            log.info("serving rings over Arrow Flight on port %d%s", self.job.flight_port,
                      " (TLS)" if self.job.flight_cert else "")
         log.info(
             "sidecar for job %r on node %r: %d stream(s) in %d loader process(es), %d DP group(s), redis %s",
             self.job.name, self.job.node, len(layout.streams), layout.loaders, self.job.mesh.dp,
             "embedded" if self.redis else "external",
         )
+
+    # -- several nodes: following the placement ------------------------------------------
+
+    def _follow_placement(self, placement: dict[str, str] | None = None) -> None:
+        """Start the units the Planner placed here, stop those it placed elsewhere."""
+        if placement is None:
+            if time.monotonic() - self._placed_at < PLACEMENT_S:
+                return
+            placement = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.placement).items()}
+        self._placed_at = time.monotonic()
+        mine = {unit for unit, node in placement.items() if node == self.job.node}
+        for name, proc in list(self.children.items()):
+            if name != "planner0" and name not in mine and name not in self.leaving and proc.poll() is None:
+                log.warning("%s (pid %d) is placed on node %r now; stopping it here", name, proc.pid, placement.get(name))
+                proc.terminate()
+                self.leaving.add(name)
+        for unit in sorted(mine):
+            if unit not in self.children and self._may_start(unit):
+                self._start_unit(unit)
+
+    def _may_start(self, unit: str) -> bool:
+        """Whether `unit` is free to start here: no live process of it beats anywhere."""
+        role, index = unit.rstrip("0123456789"), unit[len(unit.rstrip("0123456789")):]
+        raw = self.r.get(self.keys.heartbeat(role, index))
+        if raw is None:
+            return True
+        beat = json.loads(raw)
+        if beat.get("node") == self.job.node and not _alive(int(beat["pid"])):
+            self.r.delete(self.keys.heartbeat(role, index))  # this node's previous sidecar ran it
+            return True
+        return False
+
+    def _start_unit(self, unit: str) -> None:
+        role, index = unit.rstrip("0123456789"), int(unit[len(unit.rstrip("0123456789")):])
+        running = self.r.hget(self.keys.planner, "step") is not None  # the job began: recover from Redis
+        if role == "constructor" and self.job.node_ids[index] != self.job.node:
+            # another node's DP groups: their trainers read these rings over Flight
+            rings = []
+            for dp in [d for d, h in enumerate(self.layout.constructor_of) if h == index]:
+                for rank in self.job.mesh.ranks_of_dp(dp):
+                    name = client_ring(self.job, rank)
+                    unlink_segment(name)
+                    rings.append(Ring.create(name, self.job.batch.ring_bytes))
+            for ring in self.fostered.pop(unit, []):
+                ring.close()
+            self.fostered[unit] = rings
+            self.rings.extend(rings)
+            log.warning("running %s for node %r (its sidecar is down)", unit, self.job.node_ids[index])
+        self._spawn(role, index, self.url, attempt=max(self.attempts.get(unit, 0), int(running)))
+
+    def _retire(self, codes: dict[str, int | None]) -> None:
+        """Forget units that stopped because they were placed elsewhere."""
+        for name in [n for n in self.leaving if codes.get(n) is not None]:
+            self.leaving.discard(name)
+            codes.pop(name)
+            self.children.pop(name)
+
+    def _remote_failure(self) -> str | None:
+        """Several nodes: a role on another node failed with an error (every trainer
+        must hear it, not only those of that node)."""
+        if time.monotonic() - self._errors_at < 0.5:
+            return None
+        self._errors_at = time.monotonic()
+        raw = self.r.lindex(self.keys.errors, 0)
+        return json.loads(raw)["message"] if raw else None
 
     # -- watching ------------------------------------------------------------------------
 
@@ -307,7 +442,7 @@ class Sidecar:
         """Every client ring is read to the end, or its trainer attached and exited."""
         return all(
             ring.pending() == 0 or (ring.consumer_pid and not _alive(ring.consumer_pid))
-            for ring in self.client_rings.values()
+            for ring in [*self.client_rings.values(), *(r for rings in self.fostered.values() for r in rings)]
         )
 
     # -- recovery ------------------------------------------------------------------------
@@ -374,8 +509,24 @@ class Sidecar:
         while not self.stop.wait(POLL_S):
             if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
                 self._restart_redis()
+            if self.flight is not None and self.flight.poll() is not None:
+                from overlord.remote.flight import start_server_process
+
+                log.warning("the Flight endpoint (pid %d) exited with %s; starting it again", self.flight.pid,
+                            self.flight.returncode)
+                self.flight = start_server_process(self.job, self._flight_token, self.run_dir)
             self._beat()
             codes = {name: proc.poll() for name, proc in self.children.items()}
+            try:
+                if self.job.multi_node:
+                    self._retire(codes)
+                    self._follow_placement()
+                    message = self._remote_failure()
+                    if message is not None:
+                        return self._fail(message)
+            except redis.ConnectionError as exc:
+                log.warning("Redis unreachable while following the placement (%s); retrying", exc)
+                continue
             killed = [n for n, c in codes.items() if c is not None and c != 0 and self._restartable(n, c)]
             try:
                 for name in killed:
@@ -390,12 +541,7 @@ class Sidecar:
                 continue
             failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]
             if failed:
-                message = self._failure_message(*failed[0])
-                log.error("%s", message)
-                for ring in self.client_rings.values():
-                    ring.set_error(message)
-                self._grace_for_clients()
-                return 1
+                return self._fail(self._failure_message(*failed[0]))
             if not self.awaiting and all(c == 0 for c in codes.values()):
                 finished = finished or time.monotonic()
                 if self._drained() or time.monotonic() - finished > self.job.timeout_s:
@@ -408,6 +554,13 @@ class Sidecar:
                     log.info("no trainer attached within %.0fs; exiting", max(self.job.timeout_s, 30))
                     return 0
         return 0
+
+    def _fail(self, message: str) -> int:
+        log.error("%s", message)
+        for ring in [*self.client_rings.values(), *(r for rings in self.fostered.values() for r in rings)]:
+            ring.set_error(message)
+        self._grace_for_clients()
+        return 1
 
     def _grace_for_clients(self) -> None:
         """Keep the rings (with the error set) until every trainer has attached and left,
@@ -422,8 +575,12 @@ class Sidecar:
     # -- shutdown ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        if self.flight is not None:
-            self.flight.shutdown()
+        if self.flight is not None and self.flight.poll() is None:
+            self.flight.terminate()
+            try:
+                self.flight.wait(timeout=5)
+            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
+                self.flight.kill()
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -436,7 +593,7 @@ class Sidecar:
                 proc.wait(timeout=5)
         for ring in self.rings:
             ring.close()
-        unlink_all(self.job.name)
+        unlink_all(self.job.name, self.job.node)
         if self.redis is not None:
             self.redis.stop()
         if self._lock_fh is not None:

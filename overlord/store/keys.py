@@ -29,6 +29,10 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:ckpt-layout          string the streams (JSON) those checkpoints belong to
     overlord:{job}:resume               hash   position:<rank> (trainer), step and skip:<rank> (sidecar)
     overlord:{job}:job                  string the job's config (JSON)
+    overlord:{job}:placement            hash   unit (loader<k>, constructor<h>) -> node that runs it (several nodes)
+    overlord:{job}:placements           stream one entry per unit the Planner moved (unit, from, to, reason)
+    overlord:{job}:flight-token         string the job's Flight token when $OVERLORD_FLIGHT_TOKEN is not set (several nodes)
+    overlord:{job}:boot                 string PX lock: one sidecar at a time decides fresh start or join
 """
 
 from __future__ import annotations
@@ -153,6 +157,22 @@ class Keys:
     @property
     def job_config(self) -> str:
         return f"{self.base}:job"
+
+    @property
+    def placement(self) -> str:
+        return f"{self.base}:placement"
+
+    @property
+    def placements(self) -> str:
+        return f"{self.base}:placements"
+
+    @property
+    def flight_token(self) -> str:
+        return f"{self.base}:flight-token"
+
+    @property
+    def boot(self) -> str:
+        return f"{self.base}:boot"
 
     @property
     def pattern(self) -> str:

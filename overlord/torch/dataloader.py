@@ -21,6 +21,7 @@ planner checkpoints persist in the embedded Redis's append-only file.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -47,6 +48,8 @@ from overlord.sidecar.layout import client_ring
 from overlord.sidecar.sidecar import sidecar_running
 
 _SLICE_S = 0.5  # how often a waiting client checks that its sidecar still lives
+_GONE = object()  # several nodes: the source was read to its end; look up the next one
+_AGAIN = object()  # nothing yet; wait on
 
 
 def _env_int(name: str, default: int) -> int:
@@ -89,6 +92,8 @@ class DataLoader:
         self.config_path = None if isinstance(job, Job) else Path(job)
         self.job = job if isinstance(job, Job) else Job.from_file(job)
         self.rank = rank if rank is not None else _env_int("RANK", 0)
+        if self.job.multi_node:  # this rank's node, as torchrun placed it
+            self.job = self.job.on_node(self.job.node_of_rank(self.rank))
         world = world_size if world_size is not None else _env_int("WORLD_SIZE", self.job.mesh.world_size)
         self.job.check_world(world)
         self.coords = self.job.mesh.coords(self.rank)
@@ -114,6 +119,12 @@ class DataLoader:
         self._done = False
         self.remote = remote or os.environ.get("OVERLORD_REMOTE") or None
         self._remote_reader = None
+        # several nodes: the Data Constructor host of this rank's DP group, and where it runs
+        first = self.job.mesh.ranks_of_dp(self.coords["dp"])[0]
+        self._host = self.job.node_ids.index(self.job.node_of_rank(first))
+        self.serving_node: str | None = None  # the node this rank reads from now
+        self.switches = 0  # times it changed nodes (its sidecar died, or came back)
+        self._drained: set[int] = set()  # dead sidecars whose ring for this rank was read to its end
 
     # -- connecting ----------------------------------------------------------------------
 
@@ -187,17 +198,22 @@ class DataLoader:
     # -- iterating -----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self.remote is None and self._ring is None and not self._done:
+        if self.remote is None and not self.job.multi_node and self._ring is None and not self._done:
             self._ring = self._connect()
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._done:
             raise StopIteration
-        if self.remote is None and self._ring is None:
+        if self.remote is None and not self.job.multi_node and self._ring is None:
             self._ring = self._connect()
         while True:
-            view = self._read_remote() if self.remote is not None else self._read()
+            if self.remote is not None:
+                view = self._read_remote()
+            elif self.job.multi_node:
+                view = self._read_nodes()
+            else:
+                view = self._read()
             if view is None:
                 self._finish()
                 raise StopIteration
@@ -206,6 +222,12 @@ class DataLoader:
             if position > self._last:
                 break
             self.dropped += 1  # a restarted Data Constructor sent it again
+        if self.job.multi_node and position > (self._next_of(self._last) if self._last >= (0, 0) else (0, 0)):
+            raise RemoteRoleError(
+                f"rank {self.rank} of job {self.job.name!r}: after step {self._last[0]} micro-batch {self._last[1]} "
+                f"the next batch from node {self.serving_node!r} is step {position[0]} micro-batch {position[1]}: "
+                "batches were lost (the node serving this rank died while it was away from its own node's ring)"
+            )
         self._last = position
         self.last_meta = meta
         self.batches += 1
@@ -275,6 +297,148 @@ class DataLoader:
                 f"rank {self.rank} of job {self.job.name!r}: reading from {self.remote} over Flight failed: {exc}"
             ) from None
 
+    # -- several nodes -------------------------------------------------------------------
+
+    def _next_of(self, position: tuple[int, int]) -> tuple[int, int]:
+        step, mb = position
+        return (step + 1, 0) if mb + 1 >= self.job.batch.micro_batches else (step, mb + 1)
+
+    def _control(self):
+        from overlord.status import redis_url_of
+        from overlord.store import connect
+
+        if self._redis is None:
+            self._redis = connect(redis_url_of(self.job), timeout_s=5)
+        return self._redis
+
+    def _read_nodes(self):
+        """Several nodes: the next record from wherever this rank's Data Constructor
+        runs: this node's ring, or another node's over Flight while this node's
+        sidecar is down. A source that ends without the job's last batch (its
+        constructor stopped there, or the sidecar died) was read to its end first;
+        then the placement says where to go on, and batches already delivered are
+        dropped by position. None at the end of the job."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self._ring is None and self._remote_reader is None:
+                self._attach_nodes(deadline)
+            got = self._read_local_node() if self._ring is not None else self._read_remote_node()
+            if got is not _GONE:
+                if got is not _AGAIN:
+                    return got
+            else:
+                self.switches += 1
+                time.sleep(0.02)  # the node it read from is changing: look again shortly
+            if time.monotonic() > deadline:
+                if self._constructor_turning():
+                    warnings.warn(f"rank {self.rank}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung")
+                    deadline = time.monotonic() + self.timeout_s
+                    continue
+                raise RemoteRoleError(
+                    f"rank {self.rank} (dp={self.coords['dp']}) of job {self.job.name!r}: no batch within "
+                    f"{self.timeout_s:g}s from node {self.serving_node!r}, and its Data Constructor host "
+                    f"(constructor{self._host}) has not turned its loop for as long: run `overlord status`"
+                )
+
+    def _attach_nodes(self, deadline: float) -> None:
+        """Open the source this rank reads: its node's ring, or Flight to the node that
+        runs its Data Constructor host now."""
+        from overlord.remote.flight import RemoteReader, job_token
+        from overlord.sidecar.membership import clear_dead
+        from overlord.store import Keys
+
+        keys = Keys(self.job.name)
+        r = self._control()
+        while True:
+            node = r.hget(keys.placement, f"constructor{self._host}")
+            node = node.decode() if node is not None else None
+            if node == self.job.node or node is None:
+                ring = self._attach_local()  # also a dead sidecar's ring: what it holds comes first
+                if ring is not None:
+                    self._ring, self.serving_node = ring, self.job.node
+                    return
+                if not sidecar_running(self.job):
+                    clear_dead(r, keys, self.job.node)  # so the Planner moves this node's roles now
+                    if self.spawn_sidecar:
+                        self._spawn()
+            else:
+                raw = r.hget(keys.nodes, node)
+                location = json.loads(raw).get("flight") if raw else None
+                if location:
+                    self._remote_reader = RemoteReader(self.job, location, self.rank, token=job_token(self.job, r=r),
+                                                       after=self._last, timeout_s=self.timeout_s, open_timeout_s=1.0)
+                    if self.serving_node is not None and node != self.serving_node:
+                        warnings.warn(f"rank {self.rank}: reading from node {node!r} over Flight")
+                    self.serving_node = node
+                    return
+            if time.monotonic() > deadline:
+                raise RemoteRoleError(
+                    f"rank {self.rank} of job {self.job.name!r}: no node ran its Data Constructor host "
+                    f"(constructor{self._host}, placed on {node!r}) within {self.timeout_s:g}s; "
+                    "run `overlord status` on any node"
+                )
+            time.sleep(0.05)
+
+    def _attach_local(self) -> Ring | None:
+        """This rank's ring on this node: a live sidecar's, or once, to read it to its
+        end, the one a dead sidecar left (its records were built; nobody builds them again)."""
+        try:
+            ring = Ring.attach(client_ring(self.job, self.rank), timeout=_SLICE_S)
+        except RingTimeout:
+            return None
+        if not alive(ring.creator_pid) and (ring.creator_pid in self._drained or ring.pending() == 0):
+            self._drained.add(ring.creator_pid)
+            ring.close()  # read to its end already; the next sidecar replaces it
+            return None
+        ring.claim_consumer(take_over=not alive(ring.creator_pid))
+        self.sidecar_pid = ring.creator_pid
+        return ring
+
+    def _read_local_node(self):
+        ring = self._ring
+        try:
+            return ring.read(timeout=_SLICE_S)
+        except RingClosed:
+            return None
+        except (RingTimeout, PeerDied) as exc:
+            if ring.error:
+                raise RemoteRoleError(f"rank {self.rank} of job {self.job.name!r}: {ring.error}") from None
+            if alive(ring.creator_pid):
+                if isinstance(exc, RingTimeout) or self._placed_here():
+                    if isinstance(exc, PeerDied):
+                        time.sleep(0.01)  # its constructor restarts here; it sends the unfinished step again
+                    return _AGAIN
+            else:  # read to its end: this node's sidecar died
+                self._drained.add(ring.creator_pid)
+                warnings.warn(f"rank {self.rank}: the sidecar of node {self.job.node!r} (pid {ring.creator_pid}) died; "
+                              "reading from the node that takes over its Data Constructor")
+            ring.close()
+            self._ring = None
+            return _GONE
+        except RingError as exc:
+            raise RemoteRoleError(f"rank {self.rank} of job {self.job.name!r}: {exc}") from None
+
+    def _placed_here(self) -> bool:
+        from overlord.store import Keys
+
+        node = self._control().hget(Keys(self.job.name).placement, f"constructor{self._host}")
+        return node is None or node.decode() == self.job.node
+
+    def _read_remote_node(self):
+        try:
+            return next(self._remote_reader)
+        except StopIteration:
+            end = bool(self.last_meta.get("last"))
+        except RingTimeout:
+            return _AGAIN
+        except Exception as exc:  # noqa: BLE001 - pyarrow.flight: the serving node went away
+            warnings.warn(f"rank {self.rank}: Flight stream from node {self.serving_node!r} broke: "
+                          f"{str(exc).splitlines()[0]}")
+            end = False
+        self._remote_reader.close()
+        self._remote_reader = None
+        return None if end else _GONE
+
     def _recover(self) -> Ring:
         """Start the dead sidecar again, resuming at the batch after the last one delivered."""
         step, mb = max(self._last, self._loaded)
@@ -303,7 +467,7 @@ class DataLoader:
         try:
             if self._redis is None:
                 self._redis = connect(redis_url_of(self.job), timeout_s=5)
-            return alive_within(self._redis, Keys(self.job.name), "constructor", 0, self.timeout_s)
+            return alive_within(self._redis, Keys(self.job.name), "constructor", self._host, self.timeout_s)
         except OverlordError:
             return False  # no control path either: report the stall
 
@@ -382,6 +546,9 @@ class DataLoader:
             )
         if not state.get("batches"):
             return  # nothing consumed yet: a fresh start
+        if self.job.multi_node:
+            raise ConfigError("load_state_dict() on a job on several nodes is not supported yet: a node that "
+                              "restarts rejoins the running job by itself; restart a stopped job fresh")
         last_mb = self.job.batch.micro_batches - 1
         if not same_mesh and (state.get("micro_batches") != self.job.batch.micro_batches or state["microbatch"] != last_mb):
             # the Planner's cursors are per source, not per rank: a new mesh can continue

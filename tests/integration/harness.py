@@ -96,3 +96,78 @@ class Cluster:
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Nodes:
+    """Several nodes of one job on this machine: one sidecar per node id (its own run
+    directory, shared-memory names and loopback Flight port), one real redis-server
+    they all use, and the trainer ranks, each on the node torchrun would put it."""
+
+    def __init__(self, job: Job, workdir: Path) -> None:
+        self.job, self.workdir = job, workdir
+        self.config = workdir / f"{job.name}.json"
+        self.config.write_text(job.to_json())
+        self.ports = {n: free_port() for n in job.node_ids}
+        self.sidecars: dict[str, subprocess.Popen] = {}
+        self.trainers: dict[int, subprocess.Popen] = {}
+
+    def start_sidecar(self, node: str) -> subprocess.Popen:
+        self.sidecars[node] = proc = subprocess.Popen(
+            [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config), "--node", node,
+             "--flight-port", str(self.ports[node])],
+            stdout=open(self.workdir / f"sidecar-{node}.log", "ab"), stderr=subprocess.STDOUT,
+            env=dict(os.environ, OVERLORD_FLIGHT_HOST="127.0.0.1"),
+        )
+        deadline = time.monotonic() + 30
+        while not sidecar_running(self.job.on_node(node)):
+            assert proc.poll() is None, self.log()
+            assert time.monotonic() < deadline, f"sidecar of {node} did not start\n{self.log()}"
+            time.sleep(0.05)
+        return proc
+
+    def start_trainers(self, **args) -> None:
+        world = self.job.mesh.world_size
+        extra = [str(x) for kv in args.items() for x in (f"--{kv[0]}", kv[1])]
+        for rank in range(world):
+            self.trainers[rank] = subprocess.Popen(
+                [sys.executable, str(TRAINER), str(self.config), str(self.out(rank)), *extra],
+                env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world)),
+            )
+
+    def out(self, rank: int) -> Path:
+        return self.workdir / f"{self.job.name}-rank{rank}.json"
+
+    def results(self, timeout: float = 120) -> dict[int, dict]:
+        deadline = time.monotonic() + timeout
+        for proc in self.trainers.values():
+            proc.wait(timeout=max(1, deadline - time.monotonic()))
+        return {rank: json.loads(self.out(rank).read_text()) for rank in self.trainers}
+
+    def stop(self, timeout: float = 30) -> dict[str, int]:
+        for proc in self.sidecars.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        return {n: proc.wait(timeout=timeout) for n, proc in self.sidecars.items()}
+
+    def log(self) -> str:
+        text = ""
+        for path in sorted(self.workdir.glob("sidecar-*.log")):
+            text += f"\n== {path.name}\n" + path.read_text()[-4000:]
+        for node in self.job.node_ids:
+            for role in sorted(self.job.on_node(node).run_path.glob("*.log")):
+                text += f"\n== {node}/{role.name}\n" + role.read_text()[-2500:]
+        return text
+
+    def kill_all(self) -> None:
+        for proc in [*self.trainers.values(), *self.sidecars.values()]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)

@@ -63,6 +63,7 @@ def main() -> None:
         record["end"] = f"{type(exc).__name__}: {exc}"
     record["dropped"] = getattr(locals().get("loader"), "dropped", 0)
     record["recoveries"] = getattr(locals().get("loader"), "recoveries", 0)
+    record["switches"] = getattr(locals().get("loader"), "switches", 0)
     _save(out, record)
 
 

@@ -1,0 +1,164 @@
+"""A job on three nodes, on one machine: three sidecars with distinct node ids, each
+with its own run directory, shared-memory names and loopback Flight port, one real
+redis-server, and three trainer ranks (one per node).
+
+Loader processes are spread over the nodes, so every Data Constructor pulls most of
+its samples from other nodes over Arrow Flight. Killing a node's sidecar moves its
+roles to the other nodes and its trainer to reading over Flight; its sidecar back,
+they come home. Every run must deliver every sample exactly once, with the bytes of
+the run without a fault.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pyarrow.flight as flight
+import pytest
+
+from overlord import BatchSpec, Mesh
+from overlord.remote.flight import RemoteReader, job_token
+from overlord.shm import list_segments, unlink_all
+from overlord.store import EmbeddedRedis, Keys, connect
+
+from harness import Nodes, make_job
+
+pytestmark = pytest.mark.timeout(300)
+
+NODES = ("n0", "n1", "n2")
+JOB = dict(seed=5, epochs=1, mesh=Mesh(dp=3), loader_processes=3, plan_ahead=2, timeout_s=30.0, nodes=NODES,
+           flight_port=1, batch=BatchSpec(global_batch=30, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+SLEEP = "0.03"
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def nodes(corpus, tmp_path, redis_url):
+    made: list[Nodes] = []
+
+    def factory(**overrides) -> Nodes:
+        job = make_job(corpus, tmp_path / f"run{len(made)}", redis_url=redis_url, **{**JOB, **overrides})
+        workdir = tmp_path / f"work{len(made)}"
+        workdir.mkdir()
+        made.append(Nodes(job, workdir))
+        return made[-1]
+
+    yield factory
+    for n in made:
+        try:
+            n.stop()
+        finally:
+            n.kill_all()
+            left = list_segments(n.job.name)
+            unlink_all(n.job.name)
+        assert not left, f"shared-memory segments left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory, redis_url):
+    """Every rank's ledger in a 3-node run with no fault."""
+    tmp = tmp_path_factory.mktemp("reference")
+    (tmp / "work").mkdir()
+    n = Nodes(make_job(corpus, tmp / "run", redis_url=redis_url, **JOB), tmp / "work")
+    try:
+        for node in NODES:
+            n.start_sidecar(node)
+        n.start_trainers(sleep=SLEEP)
+        out = n.results()
+        codes = n.stop()
+    finally:
+        n.kill_all()
+        unlink_all(n.job.name)
+    assert all(r["end"] == "stop" for r in out.values()), (out, n.log())
+    assert codes == {node: 0 for node in NODES}, n.log()
+    return out, n
+
+
+def _exactly_once(out: dict, corpus_keys: set[str], log) -> None:
+    seen = [k for rec in out.values() for batch in rec["keys"] for k in batch]
+    assert len(seen) == len(set(seen)), "a sample was delivered twice"
+    assert set(seen) == corpus_keys, f"{len(corpus_keys - set(seen))} sample(s) lost\n{log()}"
+
+
+def _until(condition, n: Nodes, timeout: float = 60, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{n.log()}"
+        time.sleep(0.02)
+
+
+def test_three_nodes_deliver_every_sample_exactly_once(reference, corpus_keys):
+    out, n = reference
+    _exactly_once(out, corpus_keys, n.log)
+    r, keys = connect(n.job.redis_url), Keys(n.job.name)
+    placement = {k.decode(): v.decode() for k, v in r.hgetall(keys.placement).items()}
+    assert placement == {"loader0": "n0", "loader1": "n1", "loader2": "n2",
+                         "constructor0": "n0", "constructor1": "n1", "constructor2": "n2"}
+    members = {k.decode(): json.loads(v) for k, v in r.hgetall(keys.nodes).items()}
+    assert {m: members[m]["ranks"] for m in members} == {"n0": [0], "n1": [1], "n2": [2]}
+    # each constructor pulled the samples of the two loaders on the other nodes
+    served = [line for node in NODES for line in (n.job.on_node(node).run_path / "flight.log").read_text().splitlines()
+              if "served over Flight" in line]
+    assert {line.split("ring ")[1].split()[0].rsplit(".", 1)[1] for line in served} == {
+        f"l{k}-c{dp}" for k in range(3) for dp in range(3) if k != dp}, served
+
+
+def test_a_wrong_token_or_job_is_refused_by_every_stream(nodes):
+    n = nodes()
+    n.start_sidecar("n0")
+    location = f"grpc://127.0.0.1:{n.ports['n0']}"
+    r = connect(n.job.redis_url)
+    _until(lambda: r.exists(Keys(n.job.name).placement), n, what="the job to be published")
+    token = job_token(n.job)
+    with pytest.raises(flight.FlightUnauthenticatedError, match="wrong token"):
+        next(iter(RemoteReader(n.job, location, token="not-the-token", samples=(0, 0), timeout_s=5)))
+    with pytest.raises(flight.FlightUnauthenticatedError, match="wrong token"):
+        next(iter(RemoteReader(n.job, location, 0, token="not-the-token", timeout_s=5)))
+    other = make_job({"web": list(n.job.sources[0].paths)}, n.workdir / "other", redis_url=n.job.redis_url,
+                     **{**JOB, "name": "someotherjob"})
+    with pytest.raises(flight.FlightUnauthenticatedError, match="serves job"):
+        next(iter(RemoteReader(other, location, token=token, samples=(0, 0), timeout_s=5)))
+
+
+def test_killed_node_moves_its_trainer_to_flight_and_back(nodes, reference, corpus_keys):
+    ref, _ = reference
+    n = nodes()
+    for node in NODES:
+        n.start_sidecar(node)
+    n.start_trainers(sleep=SLEEP)
+    r, keys = connect(n.job.redis_url), Keys(n.job.name)
+
+    def step(dp: int) -> int:
+        return int(r.hget(keys.progress, f"c{dp}") or -1)
+
+    _until(lambda: min(step(d) for d in range(3)) >= 6, n, what="step 6")
+    n.sidecars["n1"].send_signal(signal.SIGKILL)
+    n.sidecars["n1"].wait(timeout=10)
+    killed_at = step(1)
+
+    def placed() -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in r.hgetall(keys.placement).items()}
+
+    _until(lambda: placed()["constructor1"] != "n1" and placed()["loader1"] != "n1", n, what="n1's roles to move")
+    _until(lambda: step(1) >= killed_at + 4, n, what="dp1 to be built on another node")
+    n.start_sidecar("n1")  # as systemd would (Restart=always)
+    _until(lambda: placed()["constructor1"] == "n1" and placed()["loader1"] == "n1", n, what="n1's roles to come home")
+    out = n.results()
+    for rank, rec in out.items():
+        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{n.log()}"
+        assert rec["digests"] == ref[rank]["digests"], (
+            f"rank {rank}: bytes differ from the run without a fault ({len(rec['digests'])} vs {len(ref[rank]['digests'])} "
+            f"batches, steps {rec['steps'][:3]}..{rec['steps'][-3:]}, switches {rec['switches']}, dropped {rec['dropped']})\n{n.log()}")
+    assert out[1]["switches"] >= 2, out[1]  # to another node over Flight, and back
+    _exactly_once(out, corpus_keys, n.log)
+    moves = [(e[b"unit"].decode(), e[b"from"].decode(), e[b"to"].decode()) for _, e in r.xrange(keys.placements)]
+    assert ("constructor1", "n1", placed()["constructor1"]) not in [] and any(m[0] == "constructor1" and m[2] == "n1"
+                                                                         for m in moves), moves
