@@ -16,6 +16,7 @@ from pathlib import Path
 
 from overlord.config import Job
 from overlord.remote.flight import TOKEN_ENV, serve
+from overlord.sidecar.flow import set_on_signal
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     job = Job.from_dict(json.loads((Path(args.run_dir) / "job.json").read_text()))
     server = serve(job, job.flight_port, os.environ[TOKEN_ENV])
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, set_on_signal(stop))
     stop.wait()
     server.shutdown()
     return 0

@@ -27,6 +27,16 @@ SLICE_S = 0.5
 HEARTBEAT_S = 1.0  # how often a role publishes its heartbeat (and loop age)
 
 
+def set_on_signal(event: threading.Event):
+    """A signal handler that sets `event` from another thread. Setting it in the handler
+    itself deadlocks when the signal lands while the main thread is inside
+    `event.wait()` holding the event's lock (seen: a sidecar that never stopped)."""
+    def handler(*_) -> None:
+        threading.Thread(target=event.set, daemon=True, name="on-signal").start()
+
+    return handler
+
+
 class Stopped(Exception):
     """The role was asked to stop while waiting."""
 

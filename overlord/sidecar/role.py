@@ -28,7 +28,7 @@ from pathlib import Path
 import redis
 
 from overlord.config import Job
-from overlord.sidecar.flow import HEARTBEAT_S, Beat
+from overlord.sidecar.flow import HEARTBEAT_S, Beat, set_on_signal
 from overlord.sidecar.layout import Layout
 from overlord.store import Keys, connect
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     job = Job.from_dict(json.loads((run_dir / "job.json").read_text()))
     ctx = RoleContext(args.role, args.index, job, os.environ["OVERLORD_REDIS_URL"], run_dir, args.attempt)
-    signal.signal(signal.SIGTERM, lambda *_: ctx.stop.set())
+    signal.signal(signal.SIGTERM, set_on_signal(ctx.stop))
     threading.Thread(target=ctx.heartbeat_forever, daemon=True, name="heartbeat").start()
     try:
         _run(ctx)

@@ -45,7 +45,7 @@ from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.lease import release_dead
 from overlord.shm import pid_alive as _alive
 from overlord.shm import Ring, cleanup_stale, unlink_all, unlink_segment
-from overlord.sidecar.flow import HEARTBEAT_S
+from overlord.sidecar.flow import HEARTBEAT_S, set_on_signal
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
 from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload
@@ -602,7 +602,7 @@ class Sidecar:
     def run(self) -> int:
         """Start, watch, and always clean up. Returns the process exit status."""
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop.set())
+            signal.signal(sig, set_on_signal(self.stop))
         try:
             self.start()
             return self.watch()
