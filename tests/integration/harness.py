@@ -106,18 +106,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Nodes:
+class Nodes(Cluster):
     """Several nodes of one job on this machine: one sidecar per node id (its own run
     directory, shared-memory names and loopback Flight port), one real redis-server
     they all use, and the trainer ranks, each on the node torchrun would put it."""
 
     def __init__(self, job: Job, workdir: Path) -> None:
-        self.job, self.workdir = job, workdir
-        self.config = workdir / f"{job.name}.json"
-        self.config.write_text(job.to_json())
+        super().__init__(job, workdir)  # the config, the trainers and their ledgers as for one node
         self.ports = {n: free_port() for n in job.node_ids}
         self.sidecars: dict[str, subprocess.Popen] = {}
-        self.trainers: dict[int, subprocess.Popen] = {}
 
     def start_sidecar(self, node: str) -> subprocess.Popen:
         self.sidecars[node] = proc = subprocess.Popen(
@@ -132,24 +129,6 @@ class Nodes:
             assert time.monotonic() < deadline, f"sidecar of {node} did not start\n{self.log()}"
             time.sleep(0.05)
         return proc
-
-    def start_trainers(self, **args) -> None:
-        world = self.job.mesh.world_size
-        extra = [str(x) for kv in args.items() for x in (f"--{kv[0]}", kv[1])]
-        for rank in range(world):
-            self.trainers[rank] = subprocess.Popen(
-                [sys.executable, str(TRAINER), str(self.config), str(self.out(rank)), *extra],
-                env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world)),
-            )
-
-    def out(self, rank: int) -> Path:
-        return self.workdir / f"{self.job.name}-rank{rank}.json"
-
-    def results(self, timeout: float = 120) -> dict[int, dict]:
-        deadline = time.monotonic() + timeout
-        for proc in self.trainers.values():
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
-        return {rank: json.loads(self.out(rank).read_text()) for rank in self.trainers}
 
     def stop(self, timeout: float = 30) -> dict[str, int]:
         for proc in self.sidecars.values():
