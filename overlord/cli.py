@@ -16,6 +16,10 @@ def _sidecar(args: argparse.Namespace) -> int:
     from overlord.sidecar.sidecar import Sidecar
 
     job = Job.from_file(args.config)
+    if args.cpus is not None:  # the roles it starts read the node's budget from here too
+        os.environ["OVERLORD_CPUS"] = str(args.cpus)
+    if args.memory_mb is not None:
+        os.environ["OVERLORD_MEMORY_MB"] = str(args.memory_mb)
     if args.node:
         job = job.on_node(args.node)
     if args.flight_port:
@@ -103,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--node", help="this node's id, one of the job's `nodes` (default: $OVERLORD_NODE, or the config's node)")
     p.add_argument("--flight-port", type=int,
                    help="serve Arrow Flight on this port instead of the config's flight_port (several nodes on one host)")
+    p.add_argument("--cpus", type=float,
+                   help="CPUs this node gives the sidecar (default: the config's autoscale cpus, else all it may use)")
+    p.add_argument("--memory-mb", type=float, help="MiB this node gives the sidecar (default: the config's, else half "
+                   "of what is available)")
     p.set_defaults(fn=_sidecar)
     p = sub.add_parser("status", help="show a running job's state from Redis")
     p.add_argument("--config", required=True, help="job YAML/JSON")

@@ -50,6 +50,7 @@ def collect(job: Job) -> dict[str, Any]:
         "restarts": {k.decode(): int(v) for k, v in r.hgetall(keys.restarts).items()},
         "workers": {k.decode(): int(v) for k, v in r.hgetall(keys.workers).items()},
         "pressure": float(planner["pressure"]) if "pressure" in planner else None,
+        "node_pressure": json.loads(planner.get("node_pressure") or "{}"),
         "scaling": [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrevrange(keys.scaling, count=10)][::-1],
         "autoscale": json.loads(r.get(keys.autoscale) or "null"),
         "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
@@ -86,7 +87,9 @@ def render(status: dict[str, Any]) -> str:
         beat = status["roles"].get(f"sidecar:{node}")
         alive = f"heartbeat {beat['age_s']:.1f}s ago" if beat else "NO heartbeat (lapsed)"
         lines.append(f"node {node}: sidecar pid {info.get('pid')} on {info.get('host', '?')}, {alive}, "
-                     f"ranks {info.get('ranks')}, budget {info.get('cpus')} CPUs / {info.get('memory_mb')} MiB"
+                     f"ranks {info.get('ranks')}, budget {info.get('cpus')} CPUs ({info.get('loader_cpus')} for "
+                     f"loaders) / {info.get('memory_mb')} MiB"
+                     + (f", pressure {status['node_pressure'][node]}" if node in status["node_pressure"] else "")
                      + (f", Flight {info['flight']}" if info.get("flight") else ""))
     if status["placement"]:
         lines.append("placement: " + ", ".join(f"{u}@{n}" for u, n in sorted(status["placement"].items())))

@@ -21,6 +21,7 @@ import os
 from overlord.autoscale.partition import Budget, Partitioning, SourcePlan, partition
 from overlord.autoscale.profile import costs_from, journaled, measure
 from overlord.config import Job
+from overlord.errors import ConfigError
 
 log = logging.getLogger("overlord.autoscale")
 
@@ -28,8 +29,19 @@ PROFILE_SAMPLES = 32
 
 
 def budget_of(job: Job) -> Budget:
-    """The job's budget: its `autoscale` fields over defaults from this machine."""
+    """The node's budget: its `autoscale` fields over defaults from this machine.
+
+    `$OVERLORD_CPUS` and `$OVERLORD_MEMORY_MB` (a sidecar's `--cpus`, `--memory-mb`)
+    give this node's share where nodes differ, over the config's fields.
+    """
     cfg = {k: v for k, v in (job.autoscale or {}).items() if k in Budget.__dataclass_fields__}
+    for name, var in (("cpus", "OVERLORD_CPUS"), ("memory_mb", "OVERLORD_MEMORY_MB")):
+        if os.environ.get(var):
+            try:
+                cfg[name] = float(os.environ[var])
+            except ValueError:
+                raise ConfigError(f"${var}={os.environ[var]!r} is not a number; set it to this node's "
+                                  f"{'CPUs' if name == 'cpus' else 'MiB'} for the sidecar") from None
     cpus = float(cfg.get("cpus", len(os.sched_getaffinity(0))))
     defaults = {
         "cpus": cpus,

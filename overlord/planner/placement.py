@@ -13,12 +13,25 @@ live there). Every unit has a home:
 The Planner keeps the placement in Redis (`placement` hash) and changes it when the
 membership changes: the units of a node whose sidecar died (it registered, and its
 heartbeat lapsed) go to the live node with the fewest units per CPU, and come home
-when its sidecar is back. Sidecars start and stop units to follow the hash; data
-crosses nodes over Arrow Flight wherever a loader and a constructor, or a constructor
-and its trainers, end up apart. Pure functions: tested without Redis.
+when its sidecar is back.
+
+It also moves loader processes for capacity (`relieve`, the paper's remote fallback:
+use remote resources only when the sidecar's run out). Each node registers a budget
+(loader CPUs, memory); the autoscaler measures what each loader process demands (busy
+transform workers) and every role reports its RSS. A node over its budget for a
+while hands its loader processes, one at a time, to live nodes that stay within
+theirs with it; a loader goes home once its node has room for it again, with a margin
+(`ROOM`) so a unit does not swing between two nodes on a noisy reading. A Data
+Constructor never moves for capacity: it belongs next to its trainers.
+
+Sidecars start and stop units to follow the hash; data crosses nodes over Arrow
+Flight wherever a loader and a constructor, or a constructor and its trainers, end up
+apart. Pure functions: tested without Redis.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from overlord.config import Job
 from overlord.sidecar.layout import Layout
@@ -60,3 +73,68 @@ def place(home: dict[str, str], current: dict[str, str], live: set[str], registe
         load = {n: sum(1 for v in placed.values() if v == n) for n in live}
         placed[unit] = min(sorted(live, key=order.index), key=lambda n: (load[n] + 1) / max(cpus.get(n, 1.0), 0.5))
     return placed
+
+
+ROOM = 0.75  # a node takes its loader back once its pressure with it stays at or below this
+SPARE = 1.0  # a node takes a loader for capacity only if its pressure with it stays within this
+
+
+@dataclass(frozen=True, slots=True)
+class Use:
+    """What a unit takes, or a node offers: CPUs (busy transform workers) and MiB."""
+
+    cpus: float = 0.0
+    mb: float = 0.0
+
+
+def pressure(node: str, placed: dict[str, str], use: dict[str, Use], budget: dict[str, Use]) -> float:
+    """The larger of a node's CPU and memory use over its budget (over 1: over budget)."""
+    units = [use.get(u, Use()) for u, n in placed.items() if n == node]
+    offer = budget.get(node, Use())
+    cpu = sum(x.cpus for x in units) / offer.cpus if offer.cpus > 0 else 0.0
+    mem = sum(x.mb for x in units) / offer.mb if offer.mb > 0 else 0.0
+    return max(cpu, mem)
+
+
+def relieve(placed: dict[str, str], current: dict[str, str], home: dict[str, str], live: set[str],
+            use: dict[str, Use], budget: dict[str, Use], over: set[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The membership placement `placed` adjusted for capacity; returns it and why each
+    loader moved for capacity (unit -> reason).
+
+    - A loader that runs away from its live home (moved for capacity, or fostered while
+      its node was down) stays where it is, unless its home's pressure with it would be
+      at most `ROOM`: then it goes home.
+    - Each node in `over` (over budget for as long as the caller asks) that is still over
+      hands one loader process to the live node whose pressure with it is lowest, if that
+      stays within `SPARE`; of its loaders, the one that brings it lowest while fitting.
+      One move per node per call, so the next measurement sees its effect.
+    """
+    placed = dict(placed)
+    why: dict[str, str] = {}
+    away = sorted(u for u, n in home.items() if u.startswith("loader") and placed[u] == n
+                  and current.get(u) not in (None, n) and current[u] in live)
+    placed.update({u: current[u] for u in away})
+    for unit in away:  # home, one at a time, while there is room there
+        trial = {**placed, unit: home[unit]}
+        if pressure(home[unit], trial, use, budget) <= ROOM:
+            placed = trial
+    for node in sorted(over & live, key=lambda n: -pressure(n, placed, use, budget)):
+        if pressure(node, placed, use, budget) <= 1:
+            continue
+        best = None
+        for unit in sorted(u for u, n in placed.items() if n == node and u.startswith("loader")):
+            if use.get(unit, Use()) == Use():
+                continue
+            for target in sorted(live - {node}):
+                trial = {**placed, unit: target}
+                after = pressure(target, trial, use, budget)
+                if after > SPARE:
+                    continue
+                score = (max(pressure(node, trial, use, budget), after), after, unit, target)
+                if best is None or score < best[0]:
+                    best = (score, unit, target)
+        if best is not None:
+            _, unit, target = best
+            placed[unit] = target
+            why[unit] = f"{node} over budget ({pressure(node, {**placed, unit: node}, use, budget):.2f})"
+    return placed, why

@@ -134,8 +134,8 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     last_ids = {keys.meta(name): "0-0" for name in layout.streams}
     waiting_since = time.monotonic()
     promoter = _Promoter(ctx, lease)
-    placer = _Placer(ctx, lease) if job.multi_node else None
     scaling = _Scaling(ctx) if job.autoscale is not None and job.autoscale.get("online", True) else None
+    placer = _Placer(ctx, lease, scaling) if job.multi_node else None
     while not ctx.stop.is_set():
         ctx.beat()
         if lease.lost.is_set():
@@ -349,19 +349,26 @@ class _Promoter:
 
 
 class _Placer:
-    """Places the job's units on its nodes as the membership changes (see placement.py)."""
+    """Places the job's units on its nodes as the membership and the nodes' load change
+    (see placement.py)."""
 
     CHECK_S = 0.1
+    CAPACITY_S = 1.0  # between two looks at the nodes' load (role heartbeats beat once a second)
+    PATIENCE = 3  # looks a node must be over budget before a loader moves off it
 
-    def __init__(self, ctx, lease: Lease) -> None:
+    def __init__(self, ctx, lease: Lease, scaling: "_Scaling | None" = None) -> None:
         from overlord.planner.placement import homes
 
-        self.ctx, self.lease = ctx, lease
+        self.ctx, self.lease, self.scaling = ctx, lease, scaling
         self.home = homes(ctx.job, ctx.layout)
         self.next_check = 0.0
+        self.next_capacity = time.monotonic() + self.CAPACITY_S
+        self.over_for: dict[str, int] = {}  # node -> consecutive looks over its budget
+        self.use: dict = {}  # unit -> Use, at the last look
+        self.budget: dict = {}  # node -> Use (its budget)
 
     def check(self) -> None:
-        from overlord.planner.placement import place
+        from overlord.planner.placement import place, relieve
 
         if time.monotonic() < self.next_check:
             return
@@ -375,9 +382,17 @@ class _Placer:
         members, current, *beats = pipe.execute()
         registered = {k.decode() for k in members}
         live = {n for n, alive in zip(nodes, beats) if alive}
-        cpus = {k.decode(): float(json.loads(v).get("cpus") or 1) for k, v in members.items()}
+        members = {k.decode(): json.loads(v) for k, v in members.items()}
+        cpus = {n: float(m.get("cpus") or 1) for n, m in members.items()}
         current = {k.decode(): v.decode() for k, v in current.items()}
         placed = place(self.home, current, live, registered, cpus)
+        why: dict[str, str] = {}
+        if self.scaling is not None:  # between two looks at the load, the last look's figures hold
+            over: set[str] = set()
+            if time.monotonic() >= self.next_capacity:
+                self.next_capacity = time.monotonic() + self.CAPACITY_S
+                over = self._measure(current or placed, live, members)
+            placed, why = relieve(placed, current, self.home, live, self.use, self.budget, over)
         moved = {u: n for u, n in placed.items() if current.get(u) != n}
         if not moved:
             return
@@ -386,17 +401,47 @@ class _Placer:
             pipe.hset(keys.placement, mapping=moved)
             for unit, node in moved.items():
                 before = current.get(unit, "")
-                reason = "home" if node == self.home[unit] else f"node {before} down"
+                reason = why.get(unit) or ("home" if node == self.home[unit] else f"node {before} down")
                 pipe.xadd(keys.placements, {"unit": unit, "from": before, "to": node, "reason": reason,
                                             "time": time.time()}, maxlen=1000, approximate=True)
 
         try:
             self.lease.fenced(write)
         except WriteUncertain:
-            self.next_check = 0.0
+            self.next_check = self.next_capacity = 0.0
             return
-        log.warning("placement: %s (live nodes %s)", {u: f"{current.get(u)} -> {n}" for u, n in moved.items()},
-                    sorted(live))
+        for node in {current.get(u) for u in why}:
+            self.over_for.pop(node, None)  # patience again before its next loader moves
+        log.warning("placement: %s (live nodes %s)%s", {u: f"{current.get(u)} -> {n}" for u, n in moved.items()},
+                    sorted(live), f"; for capacity: {why}" if why else "")
+
+    def _measure(self, current: dict[str, str], live: set[str], members: dict[str, dict]) -> set[str]:
+        """Look at the nodes' load: what each loader process demands (the scaler's busy
+        workers) and every unit's RSS, against each node's registered budget. Returns
+        the nodes over budget for `PATIENCE` looks in a row."""
+        from overlord.planner.placement import Use, pressure
+
+        r, keys, layout, scaler = self.ctx.r, self.ctx.keys, self.ctx.layout, self.scaling.scaler
+        units = layout.units()
+        pipe = r.pipeline(transaction=False)
+        for unit in units:
+            role, index = ("loader", unit[6:]) if unit.startswith("loader") else ("constructor", unit[11:])
+            pipe.get(keys.heartbeat(role, index))
+        rss = {u: float(json.loads(raw).get("rss_mb", 0.0)) if raw else 0.0 for u, raw in zip(units, pipe.execute())}
+        demand: dict[str, float] = {}
+        for i, k in enumerate(layout.loader_of):
+            name = self.scaling.names[i]
+            demand[f"loader{k}"] = demand.get(f"loader{k}", 0.0) + scaler.demand(name) / max(
+                1, scaler.partitions.get(name, 1))
+        self.use = {u: Use(cpus=demand.get(u, 0.0), mb=rss[u]) for u in units}
+        self.budget = {n: Use(cpus=float(m.get("loader_cpus") or m.get("cpus") or 0),
+                              mb=float(m.get("memory_mb") or 0)) for n, m in members.items()}
+        # the job's pressure (and its warning) is over the loader CPUs of all live nodes
+        scaler.cpus = sum(self.budget[n].cpus for n in live if n in self.budget) or scaler.cpus
+        now = {n: pressure(n, current, self.use, self.budget) for n in live}
+        self.over_for = {n: self.over_for.get(n, 0) + 1 if p > 1 else 0 for n, p in now.items()}
+        r.hset(keys.planner, "node_pressure", json.dumps({n: round(p, 3) for n, p in sorted(now.items())}))
+        return {n for n, count in self.over_for.items() if count >= self.PATIENCE}
 
 
 def _reported_metrics(r, keys) -> dict[str, float]:

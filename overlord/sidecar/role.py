@@ -28,6 +28,7 @@ from pathlib import Path
 import redis
 
 from overlord.config import Job
+from overlord.procmem import rss_bytes
 from overlord.sidecar.flow import HEARTBEAT_S, Beat, set_on_signal
 from overlord.sidecar.layout import Layout
 from overlord.store import Keys, connect
@@ -72,7 +73,8 @@ class RoleContext:
         self.r.set(
             self.keys.heartbeat(self.role, str(self.index)),
             json.dumps({"pid": os.getpid(), "node": self.job.node, "time": time.time(),
-                        "loop_age": round(self.beat.age(), 3), "attempt": self.attempt}),
+                        "loop_age": round(self.beat.age(), 3), "attempt": self.attempt,
+                        "rss_mb": round(rss_bytes(os.getpid()) / 2**20, 1)}),
             ex=HEARTBEAT_TTL_S,
         )
 

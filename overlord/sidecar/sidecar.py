@@ -181,6 +181,7 @@ class Sidecar:
             "flight": (f"grpc{'+tls' if self.job.flight_cert else ''}://{host}:{self.job.flight_port}"
                        if self.job.flight_port else None),
             "cpus": budget.cpus,
+            "loader_cpus": round(budget.loader_cpus, 3),  # what capacity placement weighs loaders against
             "memory_mb": round(budget.memory_mb),
             "started": time.time(),
         }

@@ -116,10 +116,10 @@ class Nodes(Cluster):
         self.ports = {n: free_port() for n in job.node_ids}
         self.sidecars: dict[str, subprocess.Popen] = {}
 
-    def start_sidecar(self, node: str) -> subprocess.Popen:
+    def start_sidecar(self, node: str, *args: str) -> subprocess.Popen:
         self.sidecars[node] = proc = subprocess.Popen(
             [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config), "--node", node,
-             "--flight-port", str(self.ports[node])],
+             "--flight-port", str(self.ports[node]), *args],
             stdout=open(self.workdir / f"sidecar-{node}.log", "ab"), stderr=subprocess.STDOUT,
             env=dict(os.environ, OVERLORD_FLIGHT_HOST="127.0.0.1"),
         )

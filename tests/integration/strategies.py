@@ -10,6 +10,16 @@ def balanced_broadcast_tp(data, tree):
     return g.plan()
 
 
+def busy_text(row):
+    """The text transform, slowed to 5 ms a sample (a costly source, yet a quick test)."""
+    import time
+
+    from overlord.transforms import text
+
+    time.sleep(0.005)
+    return text(row)
+
+
 def slow_text(row):
     """The text transform, slowed to 50 ms a sample (a heavy decode stand-in)."""
     import time

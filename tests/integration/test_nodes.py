@@ -162,3 +162,55 @@ def test_killed_node_moves_its_trainer_to_flight_and_back(nodes, reference, corp
     moves = [(e[b"unit"].decode(), e[b"from"].decode(), e[b"to"].decode()) for _, e in r.xrange(keys.placements)]
     assert any(m[0] == "constructor1" and m[1] == "n1" for m in moves), moves  # moved away ...
     assert any(m[0] == "constructor1" and m[2] == "n1" for m in moves), moves  # ... and home
+
+
+def _run(n: Nodes, budgets: dict[str, str]) -> dict:
+    for node in ("n1", "n0", "n2"):  # n1 starts the job: the partitioning takes its budget
+        n.start_sidecar(node, "--cpus", budgets[node])
+    n.start_trainers(sleep=SLEEP)
+    out = n.results()
+    assert all(rec["end"] == "stop" for rec in out.values()), ({r: rec["end"] for r, rec in out.items()}, n.log())
+    assert n.stop() == {node: 0 for node in NODES}, n.log()
+    return out
+
+
+def test_a_node_over_its_cpu_budget_hands_its_costly_loader_to_a_node_with_room(nodes, corpus, corpus_keys):
+    from dataclasses import replace
+
+    from harness import make_job
+
+    # books costs 5 ms a sample; n0 gives the sidecar 0.4 CPUs (0.05 for loaders), n1 and n2 four
+    sources = tuple(replace(s, transform="tests.integration.strategies:busy_text") if s.name == "books" else s
+                    for s in make_job(corpus, "/tmp/unused").sources)
+    scaled = dict(sources=sources, epochs=2, autoscale={"cpus": 4, "memory_mb": 8000, "profile_samples": 8,
+                                                        "scale_interval": 2, "cluster_size": 1})
+    tight = nodes(**scaled)
+    out = _run(tight, {"n0": "0.4", "n1": "4", "n2": "4"})
+    r, keys = connect(tight.job.redis_url), Keys(tight.job.name)
+    moves = [{k.decode(): v.decode() for k, v in e.items()} for _, e in r.xrange(keys.placements)]
+    relief = [m for m in moves if "over budget" in m["reason"]]
+    assert relief and all(m["from"] == "n0" and m["to"] in ("n1", "n2") and m["unit"].startswith("loader")
+                          for m in relief), (moves, tight.log())
+    pressure = json.loads(r.hget(keys.planner, "node_pressure"))
+    for unit in {m["unit"] for m in relief}:  # n0 stays over budget with it: it does not swing back
+        assert [m["to"] for m in moves if m["unit"] == unit] == [m["to"] for m in relief if m["unit"] == unit], moves
+    assert set(pressure) == set(NODES), pressure
+    members = {k.decode(): json.loads(v) for k, v in r.hgetall(keys.nodes).items()}
+    assert members["n0"]["loader_cpus"] < 0.1 < members["n1"]["loader_cpus"], members
+    # the same job with room everywhere: nothing moves, and the trainers get the same bytes
+    roomy = nodes(**{**scaled, "name": tight.job.name + "b"})
+    ref = _run(roomy, {"n0": "4", "n1": "4", "n2": "4"})
+    assert not [e for _, e in r.xrange(Keys(roomy.job.name).placements) if b"over budget" in e[b"reason"]]
+    for rank, rec in out.items():
+        assert rec["digests"] == ref[rank]["digests"], f"rank {rank}: bytes differ from the run with no move"
+    _twice_each(out, corpus_keys, tight.log)
+    _twice_each(ref, corpus_keys, roomy.log)
+
+
+def _twice_each(out: dict, corpus_keys: set[str], log) -> None:
+    """Two epochs: every corpus key exactly twice."""
+    from collections import Counter
+
+    seen = Counter(k for rec in out.values() for batch in rec["keys"] for k in batch)
+    assert set(seen) == corpus_keys and set(seen.values()) == {2}, (
+        f"lost {len(corpus_keys - set(seen))}, not twice {[k for k, c in seen.items() if c != 2][:5]}\n{log()}")

@@ -55,3 +55,42 @@ def test_a_job_on_several_nodes_says_what_it_needs():
     with pytest.raises(ConfigError, match="split evenly"):
         _job(mesh=Mesh(dp=4), batch=BatchSpec(global_batch=8))
     assert _job(node="").node == "n0"
+
+
+def test_a_node_over_its_budget_hands_a_loader_to_a_node_with_room_and_takes_it_back_later():
+    from overlord.planner.placement import Use, pressure, relieve
+
+    job = _job()
+    home = homes(job, Layout.plan(job))
+    everyone = {"n0", "n1", "n2"}
+    budget = {"n0": Use(cpus=1.0, mb=4096), "n1": Use(cpus=4.0, mb=4096), "n2": Use(cpus=2.0, mb=4096)}
+    use = {"loader0": Use(cpus=1.6, mb=300), "loader1": Use(cpus=0.5, mb=300), "loader2": Use(cpus=0.4, mb=300)}
+    assert pressure("n0", home, use, budget) == 1.6
+    # over, but not for long enough: nothing moves
+    assert relieve(home, home, home, everyone, use, budget, over=set()) == (home, {})
+    placed, why = relieve(home, home, home, everyone, use, budget, over={"n0"})
+    assert placed == {**home, "loader0": "n1"}  # n1 has room for 1.6 (to 0.525); n2 would be 1.0
+    assert why == {"loader0": "n0 over budget (1.60)"}
+    # it stays away while n0 would be over again with it...
+    assert relieve(home, placed, home, everyone, use, budget, over=set())[0] == placed
+    # ...and goes home once its demand fits there with room to spare
+    calmer = {**use, "loader0": Use(cpus=0.7, mb=300)}
+    assert relieve(home, placed, home, everyone, calmer, budget, over=set())[0] == home
+
+
+def test_no_node_takes_a_loader_it_cannot_hold_and_memory_counts_too():
+    from overlord.planner.placement import Use, relieve
+
+    job = _job()
+    home = homes(job, Layout.plan(job))
+    everyone = {"n0", "n1", "n2"}
+    budget = {n: Use(cpus=1.0, mb=1000) for n in everyone}
+    busy = {"loader0": Use(cpus=1.5), "loader1": Use(cpus=0.8), "loader2": Use(cpus=0.9)}
+    assert relieve(home, home, home, everyone, busy, budget, over={"n0"}) == (home, {})  # nobody has 1.5 spare
+    fat = {"loader0": Use(mb=900), "constructor0": Use(mb=400), "loader1": Use(mb=100)}
+    placed, why = relieve(home, home, home, everyone, fat, budget, over={"n0"})
+    assert placed["loader0"] == "n2" and placed["constructor0"] == "n0"  # constructors stay by their trainers
+    assert "n0 over budget (1.30)" in why["loader0"]
+    # a dead node's loader fostered elsewhere goes home when its node is back, if it fits
+    down = place(home, home, live={"n0", "n2"}, registered=everyone)
+    assert relieve(place(home, down, everyone, everyone), down, home, everyone, {}, budget, set())[0] == home
