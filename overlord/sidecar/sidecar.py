@@ -27,7 +27,6 @@ is unlinked and the embedded Redis is stopped.
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import json
 import logging
@@ -44,9 +43,10 @@ from overlord.errors import OverlordError
 from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.lease import release_dead
 from overlord.shm import pid_alive as _alive
-from overlord.shm import Ring, cleanup_stale, unlink_all, unlink_segment
+from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.sidecar.flow import HEARTBEAT_S, set_on_signal
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
+from overlord.sidecar.membership import NodeMember
 from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload
 from overlord.store import EmbeddedRedis, Keys, connect
@@ -55,7 +55,6 @@ log = logging.getLogger("overlord.sidecar")
 
 LOCK_NAME = "sidecar.lock"
 POLL_S = 0.02
-PLACEMENT_S = 0.1  # several nodes: how often the sidecar reads the placement
 SHADOW_RESPAWN_S = 1.0  # after a promotion, when the replacement shadow starts
 
 
@@ -77,7 +76,7 @@ def sidecar_running(job: Job) -> bool:
         return False
 
 
-class Sidecar:
+class Sidecar(NodeMember):
     """Runs one job's roles on this node.
 
     Args:
@@ -166,26 +165,6 @@ class Sidecar:
         )
         pipe.execute()
 
-    def _membership(self) -> dict:
-        """What this node offers the job (`nodes` hash): ranks, Flight address, budget."""
-        import socket
-
-        from overlord.autoscale.apply import budget_of
-
-        budget = budget_of(self.job)
-        host = os.environ.get("OVERLORD_FLIGHT_HOST") or socket.gethostname()  # the address other nodes dial
-        return {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "ranks": self.job.ranks_of_node(self.job.node),
-            "flight": (f"grpc{'+tls' if self.job.flight_cert else ''}://{host}:{self.job.flight_port}"
-                       if self.job.flight_port else None),
-            "cpus": budget.cpus,
-            "loader_cpus": round(budget.loader_cpus, 3),  # what capacity placement weighs loaders against
-            "memory_mb": round(budget.memory_mb),
-            "started": time.time(),
-        }
-
     def _beat(self) -> None:
         """The node's heartbeat (`hb:sidecar:<node>`, TTL): membership lapses with it."""
         now = time.monotonic()
@@ -258,50 +237,6 @@ class Sidecar:
             self.job, partitioning = autoscale(self.job, self.r, self.keys, resume=self.resume)
         return Layout.plan(self.job, partitioning)
 
-    def _boot(self) -> tuple[Layout, dict[str, str]]:
-        """Several nodes: start the job (the first sidecar up) or join it. One sidecar
-        at a time decides, under the `boot` lock; a joiner takes the job's sources
-        (partitions may have been sized by autoscale) and layout from Redis."""
-        from overlord.planner.placement import homes
-        from overlord.sidecar.membership import BOOT_LOCK_MS, clear_dead, live_nodes
-
-        deadline = time.monotonic() + self.job.timeout_s
-        while not self.r.set(self.keys.boot, self.job.node, nx=True, px=BOOT_LOCK_MS):
-            if time.monotonic() > deadline:
-                raise OverlordError(f"node {self.job.node!r}: another sidecar of job {self.job.name!r} held the "
-                                    f"boot lock ({self.keys.boot}) for {self.job.timeout_s:g}s")
-            time.sleep(0.05)
-        try:
-            clear_dead(self.r, self.keys, self.job.node)  # what this node's previous sidecar left
-            others = live_nodes(self.r, self.keys, [n for n in self.job.node_ids if n != self.job.node])
-            stored, raw_layout = self.r.get(self.keys.job_config), self.r.get(self.keys.layout)
-            if others and stored is not None and raw_layout is not None:
-                job = Job.from_dict(json.loads(stored))
-                if job.node_ids != self.job.node_ids or [s.name for s in job.sources] != [s.name for s in self.job.sources]:
-                    raise OverlordError(
-                        f"node {self.job.node!r} runs job {self.job.name!r} with nodes {list(self.job.node_ids)} and "
-                        f"sources {[s.name for s in self.job.sources]}, but the running job (nodes {sorted(others)}) has "
-                        f"nodes {list(job.node_ids)} and sources {[s.name for s in job.sources]}; give every node the same config"
-                    )
-                self.job = dataclasses.replace(self.job, sources=job.sources, loader_processes=job.loader_processes)
-                layout = Layout.from_json(raw_layout)
-                self.r.hset(self.keys.nodes, self.job.node, json.dumps(self._membership()))
-                log.info("node %r joins job %r (live nodes: %s)", self.job.node, self.job.name, sorted(others))
-            else:
-                layout = self._layout()
-                self._publish(self.r, layout)
-                from overlord.remote.flight import job_token
-
-                job_token(self.job, create=True, r=self.r)  # before anyone can see the placement
-                self.r.delete(self.keys.placement)
-                self.r.hset(self.keys.placement, mapping=homes(self.job, layout))
-                log.info("node %r starts job %r on nodes %s", self.job.node, self.job.name, list(self.job.node_ids))
-            self._beat()  # live before the lock goes: the next sidecar joins
-            placement = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.placement).items()}
-        finally:
-            self.r.delete(self.keys.boot)
-        return layout, placement
-
     def start(self) -> None:
         self._take_lock()
         removed = cleanup_stale(self.job.name)
@@ -346,71 +281,6 @@ class Sidecar:
             self.job.name, self.job.node, len(layout.streams), layout.loaders, self.job.mesh.dp,
             "embedded" if self.redis else "external",
         )
-
-    # -- several nodes: following the placement ------------------------------------------
-
-    def _follow_placement(self, placement: dict[str, str] | None = None) -> None:
-        """Start the units the Planner placed here, stop those it placed elsewhere."""
-        if placement is None:
-            if time.monotonic() - self._placed_at < PLACEMENT_S:
-                return
-            placement = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.placement).items()}
-        self._placed_at = time.monotonic()
-        mine = {unit for unit, node in placement.items() if node == self.job.node}
-        for name, proc in list(self.children.items()):
-            if name != "planner0" and name not in mine and name not in self.leaving and proc.poll() is None:
-                log.warning("%s (pid %d) is placed on node %r now; stopping it here", name, proc.pid, placement.get(name))
-                proc.terminate()
-                self.leaving.add(name)
-        for unit in sorted(mine):
-            if unit not in self.children and self._may_start(unit):
-                self._start_unit(unit)
-
-    def _may_start(self, unit: str) -> bool:
-        """Whether `unit` is free to start here: no live process of it beats anywhere."""
-        role, index = unit.rstrip("0123456789"), unit[len(unit.rstrip("0123456789")):]
-        raw = self.r.get(self.keys.heartbeat(role, index))
-        if raw is None:
-            return True
-        beat = json.loads(raw)
-        if beat.get("node") == self.job.node and not _alive(int(beat["pid"])):
-            self.r.delete(self.keys.heartbeat(role, index))  # this node's previous sidecar ran it
-            return True
-        return False
-
-    def _start_unit(self, unit: str) -> None:
-        role, index = unit.rstrip("0123456789"), int(unit[len(unit.rstrip("0123456789")):])
-        running = self.r.hget(self.keys.planner, "step") is not None  # the job began: recover from Redis
-        if role == "constructor" and self.job.node_ids[index] != self.job.node:
-            # another node's DP groups: their trainers read these rings over Flight
-            rings = []
-            for dp in [d for d, h in enumerate(self.layout.constructor_of) if h == index]:
-                for rank in self.job.mesh.ranks_of_dp(dp):
-                    name = client_ring(self.job, rank)
-                    unlink_segment(name)
-                    rings.append(Ring.create(name, self.job.batch.ring_bytes))
-            for ring in self.fostered.pop(unit, []):
-                ring.close()
-            self.fostered[unit] = rings
-            self.rings.extend(rings)
-            log.warning("running %s for node %r (its sidecar is down)", unit, self.job.node_ids[index])
-        self._spawn(role, index, self.url, attempt=max(self.attempts.get(unit, 0), int(running)))
-
-    def _retire(self, codes: dict[str, int | None]) -> None:
-        """Forget units that stopped because they were placed elsewhere."""
-        for name in [n for n in self.leaving if codes.get(n) is not None]:
-            self.leaving.discard(name)
-            codes.pop(name)
-            self.children.pop(name)
-
-    def _remote_failure(self) -> str | None:
-        """Several nodes: a role on another node failed with an error (every trainer
-        must hear it, not only those of that node)."""
-        if time.monotonic() - self._errors_at < 0.5:
-            return None
-        self._errors_at = time.monotonic()
-        raw = self.r.lindex(self.keys.errors, 0)
-        return json.loads(raw)["message"] if raw else None
 
     # -- watching ------------------------------------------------------------------------
 
