@@ -9,7 +9,6 @@ what to change. Configs cross process boundaries as JSON (`Job.to_dict` /
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import math
 import os
@@ -21,7 +20,7 @@ from typing import Any, Mapping
 from overlord.errors import ConfigError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
-FORMATS = ("parquet",)
+FORMATS = ("jsonl", "parquet")  # readers in overlord/loader/formats.py
 ON_ERROR = ("raise", "skip")
 
 
@@ -39,8 +38,15 @@ class Source:
 
     Attributes:
         name: unique name; appears in sample keys, Redis keys, logs and metrics.
-        paths: files or glob patterns (expanded and sorted at load time).
-        format: file format; only "parquet" today.
+        paths: files or glob patterns (expanded and sorted at load time): local paths, or
+            URIs of a pyarrow.fs filesystem (s3://bucket/data/train-*.parquet, gs://,
+            hdfs://, file://) configured by the URI's query (?endpoint_override=host:port&
+            scheme=http&region=...) or the standard environment (AWS_ENDPOINT_URL,
+            AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION); see
+            overlord/loader/storage.py.
+        format: "parquet" (row groups are the files' own) or "jsonl" (one JSON object per
+            line, plain or .gz/.zst/.bz2; 1,024 lines make a row group, and a compressed
+            file is one row group, read whole). See overlord/loader/formats.py.
         transform: sample transform as "module:callable" (see overlord.transforms).
         weight: mixing weight (relative; weights of a job need not sum to 1).
         columns: columns to read; None reads every column.
@@ -102,23 +108,15 @@ class Source:
             raise ConfigError(f"{where}: Source.on_error={self.on_error!r}; use one of {ON_ERROR}")
 
     def files(self) -> list[str]:
-        """Expand `paths` (globs) into a sorted list of existing files.
+        """Expand `paths` (globs, local or URIs) into the source's files: each pattern's
+        matches sorted, patterns in order.
 
         Raises:
-            SourceReadError: a path or glob matches no file.
+            SourceReadError: a path or glob matches no file, or cannot be listed.
         """
-        from overlord.errors import SourceReadError
+        from overlord.loader.storage import expand  # pyarrow.fs is heavy for a config module
 
-        out: list[str] = []
-        for pattern in self.paths:
-            hits = sorted(glob.glob(os.path.expanduser(pattern)))
-            if not hits:
-                raise SourceReadError(
-                    f"source {self.name!r}: path {pattern!r} matches no file; "
-                    "fix Source.paths or create the file"
-                )
-            out.extend(hits)
-        return out
+        return [loc.uri for pattern in self.paths for loc in expand(self.name, pattern)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

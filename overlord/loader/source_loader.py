@@ -1,10 +1,11 @@
 """A Source Loader: the one owner of a source partition's file state.
 
-It reads Parquet row groups in the partition's deterministic order (see `order.py`),
-applies the source's sample transform, and hands out prepared samples with their
-metadata. File handles, footers and row-group buffers exist once here, never once per
-trainer rank or worker. Bad input raises `SourceReadError` naming source, file and row;
-with `on_error: skip` the row is dropped and counted instead.
+It reads row groups (Parquet's own, or JSONL blocks: `formats.py`) of files on any
+filesystem (`storage.py`) in the partition's deterministic order (`order.py`), applies
+the source's sample transform, and hands out prepared samples with their metadata. File
+handles, footers and row-group buffers exist once here, never once per trainer rank or
+worker. Bad input raises `SourceReadError` naming source, file and row; with
+`on_error: skip` the row is dropped and counted instead.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from overlord.autoscale.profile import Profile
 from overlord.config import Source
 from overlord.errors import SchemaError, SourceReadError
+from overlord.loader import storage
+from overlord.loader.formats import FORMATS, BadRow, Chunk, OpenFile
 from overlord.loader.order import EpochOrder, RowGroups
 from overlord.sidecar.layout import stream_name
 from overlord.transforms import resolve, sample_metadata
 
-_OPEN_FILES = 2  # open Parquet files kept per Source Loader (an LRU)
+_OPEN_FILES = 2  # open files kept per Source Loader (an LRU)
 
 
 @dataclass(slots=True)
@@ -59,14 +61,16 @@ class SourceLoader:
         self.name = stream_name(source.name, partition)
         self.seed = seed
         self.epochs = epochs
-        self.paths = source.files()
+        self.locations = [loc for pattern in source.paths for loc in storage.expand(source.name, pattern)]
+        self.paths = [loc.uri for loc in self.locations]
         self.transform: Callable = resolve(source.transform)
-        self._files: collections.OrderedDict[int, pq.ParquetFile] = collections.OrderedDict()
-        # row group -> its Arrow table, for the row groups of the current window; rows
-        # become Python objects one at a time (columnar is several times smaller)
-        self._rows: dict[int, pa.Table] = {}
-        counts = [self._footer_counts(i) for i in range(len(self.paths))]
-        difficulty = [self._footer_difficulty(i) for i in range(len(self.paths))] if source.difficulty else None
+        self.format = FORMATS[source.format]()
+        self._files: collections.OrderedDict[int, OpenFile] = collections.OrderedDict()
+        # row group -> its rows (an Arrow table, or raw JSONL lines), for the row groups of
+        # the current window; rows become Python objects one at a time (smaller that way)
+        self._rows: dict[int, Chunk] = {}
+        counts = [self._open(i).group_rows() for i in range(len(self.paths))]
+        difficulty = [self._open(i).difficulty(source.difficulty) for i in range(len(self.paths))] if source.difficulty else None
         self.groups = RowGroups.from_counts(counts, difficulty)
         self.epoch = 0
         self.seq = 0  # next seq to prepare in self.epoch
@@ -83,22 +87,23 @@ class SourceLoader:
     def _where(self, file: int) -> str:
         return f"source {self.source.name!r} file {self.paths[file]!r}"
 
-    def _open(self, file: int) -> pq.ParquetFile:
+    def _open(self, file: int) -> OpenFile:
         handle = self._files.get(file)
         if handle is not None:
             self._files.move_to_end(file)
             return handle
         try:
-            handle = pq.ParquetFile(self.paths[file], memory_map=False)
+            handle = self.format.open(self.locations[file], self._where(file))
         except FileNotFoundError:
             raise SourceReadError(f"{self._where(file)} is missing; restore it or remove it from Source.paths") from None
         except (pa.ArrowException, OSError) as exc:
+            remote = f" ({storage.hint(self.paths[file])})" if storage.is_uri(self.paths[file]) else ""
             raise SourceReadError(
-                f"{self._where(file)} is not a readable Parquet file ({exc}); "
-                "replace the file or remove it from Source.paths"
+                f"{self._where(file)} is not a readable {self.format.label} file ({storage.redact(str(exc))}); "
+                f"replace the file or remove it from Source.paths{remote}"
             ) from None
-        if self.source.columns:
-            names = handle.schema_arrow.names
+        if self.source.columns and handle.names is not None:
+            names = handle.names
             missing = [c for c in self.source.columns if c not in names]
             if missing:
                 raise SchemaError(
@@ -110,43 +115,20 @@ class SourceLoader:
             self._files.popitem(last=False)
         return handle
 
-    def _footer_counts(self, file: int) -> list[int]:
-        meta = self._open(file).metadata
-        return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-
-    def _footer_difficulty(self, file: int) -> list[float]:
-        """Midpoint of the difficulty column's min/max statistics, per row group."""
-        handle = self._open(file)
-        column = self.source.difficulty
-        names = handle.schema_arrow.names
-        if column not in names:
-            raise SchemaError(f"{self._where(file)} has no difficulty column {column!r}; it has {names}. Fix Source.difficulty")
-        index = handle.schema_arrow.get_field_index(column)
-        out = []
-        for g in range(handle.metadata.num_row_groups):
-            stats = handle.metadata.row_group(g).column(index).statistics
-            if stats is None or not stats.has_min_max or not isinstance(stats.min, (int, float)):
-                raise SchemaError(
-                    f"{self._where(file)} row group {g}: column {column!r} has no numeric min/max statistics, "
-                    "which the curriculum order reads; rewrite the file with statistics or unset Source.difficulty"
-                )
-            out.append((float(stats.min) + float(stats.max)) / 2)
-        return out
-
-    def _read_group(self, rg: int) -> pa.Table:
-        table = self._rows.get(rg)
-        if table is not None:
-            return table
+    def _read_group(self, rg: int) -> Chunk:
+        chunk = self._rows.get(rg)
+        if chunk is not None:
+            return chunk
         file, group = int(self.groups.file[rg]), int(self.groups.group[rg])
         try:
-            table = self._open(file).read_row_group(group, columns=list(self.source.columns) if self.source.columns else None)
+            chunk = self._open(file).read_group(group, self.source.columns)
         except (pa.ArrowException, OSError) as exc:
             raise SourceReadError(
                 f"{self._where(file)} row group {group} (rows from {int(self.groups.first_row[rg])}) "
-                f"cannot be read ({exc}); replace the file or remove it from Source.paths"
+                f"cannot be read ({storage.redact(str(exc))}); replace the file or remove it from Source.paths"
             ) from None
-        self._rows[rg] = table
-        return table
+        self._rows[rg] = chunk
+        return chunk
 
     # -- order ---------------------------------------------------------------------------
 
@@ -264,11 +246,12 @@ class SourceLoader:
         return self._transform(self._read(seq))
 
     def state_bytes(self) -> int:
-        """Memory of the file-access state: footers of open files, row groups of the window."""
-        footers = sum(f.metadata.serialized_size for f in self._files.values())
+        """Memory of the file-access state: footers of open files (or JSONL's line index),
+        row groups of the window."""
+        footers = self.format.nbytes + sum(f.nbytes for f in self._files.values())
         return footers + sum(t.nbytes for t in self._rows.values())
 
-    def _read(self, seq: int) -> tuple[int, object, dict, float]:
+    def _read(self, seq: int) -> tuple[int, object, dict | BadRow, float]:
         """(seq, where, row, seconds): one row, read in order (the file state is this thread's)."""
         started = time.perf_counter()
         order = self._order
@@ -279,7 +262,10 @@ class SourceLoader:
             for rg in [g for g in self._rows if g not in keep]:
                 del self._rows[rg]
         where = order.locate(seq)
-        row = self._read_group(where.rg).slice(where.row_in_group, 1).to_pylist()[0]
+        try:
+            row = self._read_group(where.rg).row(where.row_in_group)
+        except BadRow as bad:
+            row = bad  # a bad row is reported (or skipped) where transform failures are
         return seq, where, row, time.perf_counter() - started
 
     def _transform(self, read) -> Prepared | None:
@@ -287,21 +273,26 @@ class SourceLoader:
         seq, where, row, read_s = read
         started = time.perf_counter()
         key = f"{self.source.name}:{where.file}:{where.row_in_file}"
+        if isinstance(row, BadRow):
+            return self._reject(where, str(row), None)
         try:
             arrays = self.transform(row)
             if not isinstance(arrays, dict) or not all(isinstance(v, np.ndarray) for v in arrays.values()):
                 raise TypeError(f"returned {type(arrays).__name__}; a transform must return dict[str, numpy.ndarray]")
         except Exception as exc:  # noqa: BLE001 - any user transform failure is reported the same way
-            if self.source.on_error == "skip":
-                with self._lock:
-                    self.skipped += 1
-                return None
-            raise SourceReadError(
-                f"{self._where(where.file)} row {where.row_in_file}: transform "
-                f"{self.source.transform} raised {type(exc).__name__}: {exc}. "
-                "Fix the data or the transform, or set on_error: skip on the source"
-            ) from exc
+            return self._reject(where, f"transform {self.source.transform} raised {type(exc).__name__}: {exc}", exc)
         tokens, patches, nbytes = sample_metadata(arrays)
         with self._lock:
             self.profile.record(read_s + time.perf_counter() - started, nbytes)
         return Prepared(self.epoch, seq, key, arrays, tokens, patches, nbytes)
+
+    def _reject(self, where, what: str, cause: Exception | None) -> None:
+        """A bad row: counted and dropped under on_error: skip, else raised naming it."""
+        if self.source.on_error == "skip":
+            with self._lock:
+                self.skipped += 1
+            return None
+        raise SourceReadError(
+            f"{self._where(where.file)} row {where.row_in_file}: {what}. "
+            "Fix the data or the transform, or set on_error: skip on the source"
+        ) from cause
