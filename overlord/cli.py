@@ -1,10 +1,9 @@
-"""The `overlord` command: `sidecar`, `status`, `plan`, `partition`, `demo`."""
+"""The `overlord` command: `sidecar`, `check`, `status`, `top`, `plan`, `partition`, `demo`."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
@@ -22,11 +21,33 @@ def _sidecar(args: argparse.Namespace) -> int:
         os.environ["OVERLORD_MEMORY_MB"] = str(args.memory_mb)
     if args.node:
         job = job.on_node(args.node)
-    if args.flight_port:
+    if args.flight_port or args.metrics_port is not None:
         import dataclasses
 
-        job = dataclasses.replace(job, flight_port=args.flight_port)
+        job = dataclasses.replace(job, flight_port=args.flight_port or job.flight_port,
+                                  metrics_port=job.metrics_port if args.metrics_port is None else args.metrics_port or None)
     return Sidecar(job, exit_when_idle=args.exit_when_idle, resume=args.resume).run()
+
+
+def _top(args: argparse.Namespace) -> int:
+    from overlord.config import Job
+    from overlord.top import run
+
+    return run(Job.from_file(args.config), interval=args.interval, once=args.once or args.json, as_json=args.json)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from overlord.config import Job
+    from overlord.sidecar.checks import run_checks
+    from overlord.sidecar.layout import Layout
+
+    job = Job.from_file(args.config)
+    if args.node:
+        job = job.on_node(args.node)
+    results = run_checks(job, Layout.plan(job).loaders, job.redis_url)
+    for name, problem in results:
+        print(f"{'FAIL' if problem else 'ok':<5}{name}" + (f": {problem}" if problem else ""))
+    return 1 if any(problem for _, problem in results) else 0
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -111,7 +132,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPUs this node gives the sidecar (default: the config's autoscale cpus, else all it may use)")
     p.add_argument("--memory-mb", type=float, help="MiB this node gives the sidecar (default: the config's, else half "
                    "of what is available)")
+    p.add_argument("--metrics-port", type=lambda v: int(v) if v.strip() else 0,  # "" from an unset variable: none
+                   help="serve Prometheus metrics on this port (/metrics); 0: none (default: the config's metrics_port)")
     p.set_defaults(fn=_sidecar)
+    p = sub.add_parser("check", help="check what a sidecar needs from this host: shared memory, Redis, sources")
+    p.add_argument("--config", required=True, help="job YAML/JSON")
+    p.add_argument("--node", help="this node's id (several nodes)")
+    p.set_defaults(fn=_check)
+    p = sub.add_parser("top", help="live view of a running job: roles, sources, trainers")
+    p.add_argument("--config", required=True, help="job YAML/JSON")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between two refreshes")
+    p.add_argument("--once", action="store_true", help="print one view and exit")
+    p.add_argument("--json", action="store_true", help="print one view as JSON and exit")
+    p.set_defaults(fn=_top)
     p = sub.add_parser("status", help="show a running job's state from Redis")
     p.add_argument("--config", required=True, help="job YAML/JSON")
     p.add_argument("--json", action="store_true")
@@ -134,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=_demo)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("OVERLORD_LOG", "INFO"), format="%(asctime)s %(name)s %(message)s")
+    from overlord.logs import setup_logging
+
+    setup_logging(args.command)
     try:
         return args.fn(args)
     except OverlordError as exc:

@@ -205,6 +205,9 @@ class Job:
             (overlord.remote), for trainers without a sidecar on their node; requests
             carry the job's token ($OVERLORD_FLIGHT_TOKEN, or the run directory's
             flight.token). None: no remote path.
+        metrics_port: serve Prometheus metrics on this TCP port (`/metrics`, every
+            interface), from a process of the sidecar's own; a sidecar's
+            `--metrics-port` sets it per node. None: no endpoint.
         flight_cert, flight_key: PEM certificate chain and private key: the Flight
             endpoint then speaks TLS only (grpc+tls://). Readers verify the server against
             $OVERLORD_FLIGHT_CA, else against flight_cert itself (a self-signed one).
@@ -247,6 +250,7 @@ class Job:
     flight_port: int | None = None
     flight_cert: str | None = None
     flight_key: str | None = None
+    metrics_port: int | None = None
     node: str = ""
     nodes: tuple[str, ...] = ()
     strategy: str = "overlord.planner.strategies:balanced"

@@ -55,6 +55,11 @@ class StoreError(OverlordError):
     """Redis (the control path) is unreachable or misconfigured."""
 
 
+class StartupError(OverlordError):
+    """The host lacks what a sidecar needs (shared memory, Redis, sources); the message
+    says what to change."""
+
+
 class PlanError(OverlordError):
     """The Planner could not build a plan (e.g. a source stopped reporting samples)."""
 

@@ -29,6 +29,8 @@ import logging
 import os
 import time
 
+import redis
+
 from overlord.autoscale.profile import JOURNAL_EVERY_S
 from overlord.errors import PeerDied, PlanError, RingFullError
 from overlord.loader.source_loader import Prepared, SourceLoader
@@ -41,6 +43,8 @@ from overlord.sidecar.flow import Stopped, push, resume_point
 from overlord.sidecar.layout import sample_ring
 
 log = logging.getLogger("overlord.loader")
+
+STATS_S = 1.0  # between two publications of the running totals
 
 CHUNK = 64  # samples prepared per stream between two looks at the plans
 
@@ -75,6 +79,7 @@ class LoaderProcess:
         self.step = 0
         self._pipe = None  # metadata reports queued for one round trip
         self._journaled = time.monotonic()
+        self._stated = 0.0  # when the running totals were last published
 
     # -- start -------------------------------------------------------------------------
 
@@ -126,6 +131,8 @@ class LoaderProcess:
                 ctx.beat()
                 if self.active and time.monotonic() - self._journaled > JOURNAL_EVERY_S:
                     self._journal()
+                if self.active and time.monotonic() - self._stated > STATS_S:
+                    self._publish_stats()
                 pipe = self.r.pipeline(transaction=False)
                 pipe.get(self.keys.plan(self.step))
                 pipe.hgetall(self.keys.progress)
@@ -342,6 +349,23 @@ class LoaderProcess:
                 mapping[self.layout.streams[i]] = loader.profile.to_json()
         if mapping:
             self.r.hset(self.keys.profile, mapping=mapping)
+
+    def _publish_stats(self) -> None:
+        """This process's running totals per stream (`stats` hash): what `overlord top`
+        and the metrics endpoint turn into rates. Not on the data path: one HSET a second."""
+        self._stated = time.monotonic()
+        streams = {}
+        for i, loader in self.loaders.items():
+            streams[self.layout.streams[i]] = {
+                "prepared": loader.profile.samples, "transform_s": round(loader.profile.seconds, 4),
+                "buffered": len(self.buffers[i]), "workers": loader.workers, "skipped": loader.skipped,
+                "epoch": loader.epoch,
+            }
+        record = {"node": self.job.node, "pid": os.getpid(), "time": time.time(), "step": self.step, "streams": streams}
+        try:
+            self.r.hset(self.keys.stats, f"loader{self.ctx.index}", json.dumps(record))
+        except redis.RedisError:
+            pass  # statistics wait for the next second; the data path does not
 
     def _report_all(self) -> None:
         """Report every unsent sample again, in order (the Planner keeps what is new)."""

@@ -21,7 +21,6 @@ from overlord.sidecar.flow import set_on_signal
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import logging
     import signal
 
     from overlord.store.server import die_with_parent
@@ -33,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(signal.SIGKILL)
     if os.getppid() != args.parent:
         return 1  # the sidecar died before we asked to die with it
-    logging.basicConfig(level=os.environ.get("OVERLORD_LOG", "INFO"), format="%(asctime)s flight %(message)s")
+    from overlord.logs import setup_logging
+
+    setup_logging("flight")
     job = Job.from_dict(json.loads((Path(args.run_dir) / "job.json").read_text()))
     server = serve(job, job.flight_port, os.environ[TOKEN_ENV])
     stop = threading.Event()

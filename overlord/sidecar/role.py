@@ -28,6 +28,7 @@ from pathlib import Path
 import redis
 
 from overlord.config import Job
+from overlord.logs import log_context, setup_logging
 from overlord.procmem import rss_bytes
 from overlord.sidecar.flow import HEARTBEAT_S, Beat, set_on_signal
 from overlord.sidecar.layout import Layout
@@ -133,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--attempt", type=int, default=0)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("OVERLORD_LOG", "INFO"), format=f"%(asctime)s {args.role}{args.index} %(message)s", force=True)
+    setup_logging(f"{args.role}{args.index}")
     run_dir = Path(args.run_dir)
     job = Job.from_dict(json.loads((run_dir / "job.json").read_text()))
+    log_context(job.name, job.node)
     ctx = RoleContext(args.role, args.index, job, os.environ["OVERLORD_REDIS_URL"], run_dir, args.attempt)
     signal.signal(signal.SIGTERM, set_on_signal(ctx.stop))
     threading.Thread(target=ctx.heartbeat_forever, daemon=True, name="heartbeat").start()

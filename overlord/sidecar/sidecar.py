@@ -32,9 +32,11 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import redis
 
@@ -45,6 +47,7 @@ from overlord.planner.lease import release_dead
 from overlord.shm import pid_alive as _alive
 from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.sidecar.flow import HEARTBEAT_S, set_on_signal
+from overlord.sidecar.checks import check_redis, check_shm, check_sources
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
 from overlord.sidecar.membership import NodeMember
 from overlord.sidecar.role import HEARTBEAT_TTL_S
@@ -105,7 +108,9 @@ class Sidecar(NodeMember):
         self.client_rings: dict[int, Ring] = {}
         self.stop = threading.Event()
         self._lock_fh = None
-        self.flight = None  # the Flight endpoint (Job.flight_port)
+        # processes of its own next to the roles (not forked: they run server threads):
+        # name -> (how to start it, the process)
+        self.services: dict[str, tuple[Callable[[], subprocess.Popen], subprocess.Popen]] = {}
         self._beaten = 0.0  # when the node heartbeat was last written (monotonic)
         # several nodes: which units run here follows the Planner's `placement` hash
         self.leaving: set[str] = set()  # units placed elsewhere now, stopping here
@@ -228,6 +233,9 @@ class Sidecar(NodeMember):
             self.r.hset(self.keys.active, index, proc.pid)
         return proc
 
+    def _serve(self, name: str, start: Callable[[], subprocess.Popen]) -> None:
+        self.services[name] = (start, start())
+
     def _layout(self) -> Layout:
         """Size the loaders (autoscale) and lay the job out."""
         partitioning = None
@@ -238,6 +246,12 @@ class Sidecar(NodeMember):
         return Layout.plan(self.job, partitioning)
 
     def start(self) -> None:
+        from overlord.logs import log_context
+
+        log_context(self.job.name, self.job.node)
+        check_sources(self.job)  # before anything starts: a wrong path is the commonest mistake
+        if self.job.redis_url:
+            check_redis(self.job.redis_url)
         self._take_lock()
         removed = cleanup_stale(self.job.name)
         if removed:
@@ -248,6 +262,7 @@ class Sidecar(NodeMember):
             layout, placement = self._boot()
         else:
             layout, placement = self._layout(), None
+        check_shm(self.job, layout.loaders)
         (self.run_dir / "job.json").write_text(self.job.to_json())
         if placement is None:
             self._publish(self.r, layout)
@@ -259,8 +274,12 @@ class Sidecar(NodeMember):
         if self.job.flight_port:
             from overlord.remote.flight import job_token, start_server_process
 
-            self._flight_token = job_token(self.job, create=True, r=self.r)
-            self.flight = start_server_process(self.job, self._flight_token, self.run_dir)
+            token = job_token(self.job, create=True, r=self.r)
+            self._serve("the Flight endpoint", lambda: start_server_process(self.job, token, self.run_dir))
+        if self.job.metrics_port:
+            from overlord.metrics import start_metrics_process
+
+            self._serve("the metrics endpoint", lambda: start_metrics_process(self.job, self.run_dir, url))
         self.r.connection_pool.disconnect()  # children open their own connections
         self._spawn("planner", 0, url)  # on several nodes: one per node, one leads
         if placement is not None:
@@ -273,9 +292,11 @@ class Sidecar(NodeMember):
                 self._spawn("shadow", i, url)
             for i in range(layout.constructor_hosts):
                 self._spawn("constructor", i, url)
-        if self.flight is not None:
+        if self.job.flight_port:
             log.info("serving rings over Arrow Flight on port %d%s", self.job.flight_port,
                      " (TLS)" if self.job.flight_cert else "")
+        if self.job.metrics_port:
+            log.info("serving Prometheus metrics on port %d (/metrics)", self.job.metrics_port)
         log.info(
             "sidecar for job %r on node %r: %d stream(s) in %d loader process(es), %d DP group(s), redis %s",
             self.job.name, self.job.node, len(layout.streams), layout.loaders, self.job.mesh.dp,
@@ -380,12 +401,10 @@ class Sidecar(NodeMember):
         while not self.stop.wait(POLL_S):
             if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
                 self._restart_redis()
-            if self.flight is not None and self.flight.poll() is not None:
-                from overlord.remote.flight import start_server_process
-
-                log.warning("the Flight endpoint (pid %d) exited with %s; starting it again", self.flight.pid,
-                            self.flight.returncode)
-                self.flight = start_server_process(self.job, self._flight_token, self.run_dir)
+            for name, (start, proc) in list(self.services.items()):
+                if proc.poll() is not None:
+                    log.warning("%s (pid %d) exited with %s; starting it again", name, proc.pid, proc.returncode)
+                    self._serve(name, start)
             self._beat()
             codes = {name: proc.poll() for name, proc in self.children.items()}
             try:
@@ -446,12 +465,14 @@ class Sidecar(NodeMember):
     # -- shutdown ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        if self.flight is not None and self.flight.poll() is None:
-            self.flight.terminate()
+        for _, proc in self.services.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for _, proc in self.services.values():
             try:
-                self.flight.wait(timeout=5)
-            except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
-                self.flight.kill()
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.terminate()

@@ -33,6 +33,7 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:placements           stream one entry per unit the Planner moved (unit, from, to, reason)
     overlord:{job}:flight-token         string the job's Flight token when $OVERLORD_FLIGHT_TOKEN is not set (several nodes)
     overlord:{job}:boot                 string PX lock: one sidecar at a time decides fresh start or join
+    overlord:{job}:stats                hash   loader<k> / rank<r> -> JSON running totals for `overlord top` and /metrics
 """
 
 from __future__ import annotations
@@ -173,6 +174,10 @@ class Keys:
     @property
     def boot(self) -> str:
         return f"{self.base}:boot"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.base}:stats"
 
     @property
     def pattern(self) -> str:

@@ -27,8 +27,9 @@ import subprocess
 import sys
 import time
 import warnings
+import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -55,6 +56,20 @@ _AGAIN = object()  # nothing yet; wait on
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
+
+
+def _totals_of(ref) -> Callable[[], dict | None]:
+    """A trainer's running totals, read through a weak reference (None once it is gone):
+    the stats thread must not keep an abandoned DataLoader alive."""
+
+    def totals() -> dict | None:
+        loader = ref()
+        if loader is None:
+            return None
+        return {"batches": loader.batches, "wait_s": round(loader.wait_s, 4), "dropped": loader.dropped,
+                "step": loader.last_meta.get("step", -1), "done": loader._done}
+
+    return totals
 
 
 class DataLoader:
@@ -114,6 +129,8 @@ class DataLoader:
         self._last = (-1, -1)  # (step, micro-batch) of the last batch delivered
         self.dropped = 0  # micro-batches received twice (after a restart upstream) and dropped
         self.recoveries = 0  # sidecars this loader started again after one died
+        self.wait_s = 0.0  # time spent in __next__ waiting for batches
+        self._stats = None  # StatsPublisher, from the first batch on
         m = self.job.mesh
         self._mesh = [m.dp, m.pp, m.cp, m.tp]
         self._done = False
@@ -149,9 +166,12 @@ class DataLoader:
             deadline = time.monotonic() + self.timeout_s
             while not sidecar_running(self.job):
                 if proc.poll() is not None:
+                    said = [line for line in (run_dir / "sidecar.log").read_text(errors="replace").splitlines()
+                            if line.startswith("overlord sidecar: ")]
                     raise RemoteRoleError(
                         f"rank {self.rank}: the sidecar this rank started (pid {proc.pid}) exited with "
-                        f"{proc.returncode}; see {run_dir / 'sidecar.log'}"
+                        f"{proc.returncode}" + (f": {said[-1][len('overlord sidecar: '):]}" if said else "")
+                        + f"; see {run_dir / 'sidecar.log'}"
                     )
                 if time.monotonic() > deadline:
                     raise RemoteRoleError(f"rank {self.rank}: the sidecar (pid {proc.pid}) did not start within {self.timeout_s:g}s")
@@ -171,6 +191,8 @@ class DataLoader:
                 break
             if ring is not None:
                 ring.close()  # left by a dead sidecar; the next one replaces it
+            if self.spawn_sidecar and not sidecar_running(self.job):
+                self._spawn()  # the sidecar seen at first was on its way out (the job before a resume)
             if time.monotonic() > deadline:
                 raise RemoteRoleError(
                     f"rank {self.rank}: no sidecar served job {self.job.name!r} on node {self.job.node!r} "
@@ -205,6 +227,11 @@ class DataLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._done:
             raise StopIteration
+        started = time.perf_counter()
+        if self._stats is None:
+            from overlord.torch.stats import StatsPublisher
+
+            self._stats = StatsPublisher(self.job, self.rank, _totals_of(weakref.ref(self)))
         if self.remote is None and not self.job.multi_node and self._ring is None:
             self._ring = self._connect()
         while True:
@@ -231,6 +258,7 @@ class DataLoader:
         self._last = position
         self.last_meta = meta
         self.batches += 1
+        self.wait_s += time.perf_counter() - started
         batch = {name: torch.from_numpy(a) for name, a in arrays.items()}
         if self.pin_memory:
             return {k: v.pin_memory() for k, v in batch.items()}
@@ -473,6 +501,9 @@ class DataLoader:
 
     def _finish(self) -> None:
         self._done = True
+        if self._stats is not None:
+            self._stats.stop()
+            self._stats = None
         if self._remote_reader is not None:
             self._remote_reader.close()
             self._remote_reader = None

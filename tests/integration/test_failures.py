@@ -19,11 +19,28 @@ pytestmark = pytest.mark.timeout(180)
 SMALL = dict(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20))
 
 
+def _until_consuming(c, rank: int, batches: int = 3, timeout: float = 60) -> None:
+    """Until the rank has read a few batches (its running totals in Redis say so): a
+    fixed sleep is too short for a trainer importing torch on a busy machine."""
+    import json
+
+    from overlord.status import redis_url_of
+    from overlord.store import Keys, connect
+
+    r, deadline = connect(redis_url_of(c.job)), time.monotonic() + timeout
+    while True:
+        raw = r.hget(Keys(c.job.name).stats, f"rank{rank}")
+        if raw and json.loads(raw)["batches"] >= batches:
+            return
+        assert time.monotonic() < deadline, f"rank {rank} read no batches in {timeout:g}s\n{c.log()}"
+        time.sleep(0.1)
+
+
 def test_killed_sidecar_makes_trainer_raise_and_restart_cleans_up(cluster):
     c = cluster(**SMALL)
     sidecar = c.start_sidecar()
     c.start_trainers(sleep=0.02, timeout=30)
-    time.sleep(3)
+    _until_consuming(c, rank=0)
     assert c.trainers[0].poll() is None, "the trainer should still be consuming"
     redis_pids = server_pids(c.job.run_path)
     assert redis_pids
@@ -58,16 +75,25 @@ def test_transform_failure_reaches_trainer_with_origin(cluster, corpus):
     assert c.stop() == 1
 
 
-def test_missing_source_file_reaches_trainer(cluster, tmp_path):
+def test_missing_source_is_refused_at_start_and_a_spawning_trainer_hears_why(cluster, tmp_path):
+    import subprocess
+    import sys
+
+    import pytest
+
     from overlord import Source
+    from overlord.errors import RemoteRoleError
+    from overlord.torch import DataLoader
 
     gone = Source(name="web", paths=(str(tmp_path / "no-such-dir" / "*.parquet"),))
     c = cluster(sources=(gone,), **SMALL)
-    c.start_sidecar()
-    c.start_trainers(timeout=30)
-    end = c.results(timeout=60)[0]["end"]
-    assert "RemoteRoleError" in end and "no-such-dir" in end and "matches no file" in end, end
-    c.stop()
+    run = subprocess.run([sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(c.config)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert "StartupError" in run.stderr and "'web'" in run.stderr and "no-such-dir" in run.stderr, run.stderr
+    assert "matches no file" in run.stderr, run.stderr
+    with pytest.raises(RemoteRoleError, match="exited with 2: StartupError: source 'web'.*no-such-dir"):
+        next(iter(DataLoader(c.job, rank=0, world_size=c.job.mesh.world_size, spawn_sidecar=True, timeout_s=30)))
 
 
 def test_batch_larger_than_ring_names_the_setting(cluster):

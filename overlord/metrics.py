@@ -1,0 +1,258 @@
+"""What a job is doing, as numbers: one snapshot of its Redis state, served to
+Prometheus and drawn by `overlord top`.
+
+Every role already keeps its state in the job's Redis keys (heartbeats with loop age
+and RSS, the Planner's step and pressure, the constructors' progress, the loaders'
+and trainers' running totals in `stats`). `snapshot` reads them in one round trip;
+nothing is measured twice and no role serves anything itself. A sidecar started with
+a metrics port runs this module as a process of its own (`python -m
+overlord.metrics`), which answers each scrape with a fresh snapshot of the roles and
+ranks of its node plus the job-wide figures:
+
+    overlord_up                                   1 while the job's Redis answers
+    overlord_planner_step                         last step planned
+    overlord_constructor_step{dp}                 last step a Data Constructor wrote
+    overlord_constructor_lag_steps{dp}            planned minus written
+    overlord_role_heartbeat_age_seconds{role}     since the role's last heartbeat
+    overlord_role_loop_age_seconds{role}          since its main loop last turned
+    overlord_role_rss_bytes{role}
+    overlord_source_samples_total{source,stream}  samples read and transformed
+    overlord_source_transform_seconds_total{..}   time spent on them
+    overlord_source_buffered_samples{..}          in the read buffer, not yet sent
+    overlord_source_workers{..}                   transform workers
+    overlord_source_skipped_total{..}             bad rows skipped (on_error: skip)
+    overlord_trainer_batches_total{rank}
+    overlord_trainer_wait_seconds_total{rank}     time in DataLoader.__next__ (stall)
+    overlord_loader_pressure                      busy workers demanded / loader CPUs
+    overlord_node_pressure{node}                  the same per node (several nodes)
+    overlord_role_restarts_total{role}
+    overlord_errors                               error records of the job
+
+Every series carries `job` and `node` labels. Rates (samples/s, stall share) are
+PromQL's `rate()`; `overlord top` takes them between two snapshots.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import time
+from typing import Any, Iterator
+
+from overlord.config import Job
+from overlord.store import Keys
+
+
+def snapshot(r, keys: Keys) -> dict[str, Any]:
+    """The job's figures now, as plain data (one pipelined round trip plus a SCAN)."""
+    beats = sorted(r.scan_iter(match=keys.heartbeat_pattern, count=1000))
+    pipe = r.pipeline(transaction=False)
+    pipe.hgetall(keys.planner)
+    pipe.hgetall(keys.progress)
+    pipe.hgetall(keys.stats)
+    pipe.hgetall(keys.restarts)
+    pipe.hgetall(keys.counters)
+    pipe.llen(keys.errors)
+    for key in beats:
+        pipe.get(key)
+    planner, progress, stats, restarts, counters, errors, *raw_beats = pipe.execute()
+    now = time.time()
+    planner = {k.decode(): v.decode() for k, v in planner.items()}
+    roles = {}
+    for key, raw in zip(beats, raw_beats):
+        if raw is None:
+            continue
+        hb = json.loads(raw)
+        role, ident = key.decode().split(":hb:", 1)[1].split(":", 1)
+        name = f"sidecar:{ident}" if role == "sidecar" else f"{role}{ident}"
+        roles[name] = {
+            "pid": hb.get("pid"), "node": hb.get("node", ""),
+            "age_s": max(0.0, now - hb["time"]), "loop_age_s": hb.get("loop_age", 0.0) + max(0.0, now - hb["time"]),
+            "rss_mb": hb.get("rss_mb"),
+        }
+    stats = {k.decode(): json.loads(v) for k, v in stats.items()}
+    return {
+        "time": now,
+        "step": int(planner["step"]) if "step" in planner else None,
+        "done": bool(planner.get("done")),
+        "pressure": float(planner["pressure"]) if "pressure" in planner else None,
+        "node_pressure": json.loads(planner.get("node_pressure") or "{}"),
+        "progress": {int(k[1:]): int(v) for k, v in ((k.decode(), v) for k, v in progress.items()) if k.startswith("c")},
+        "roles": roles,
+        "loaders": {k: v for k, v in stats.items() if k.startswith("loader")},
+        "ranks": {int(k[4:]): v for k, v in stats.items() if k.startswith("rank")},
+        "restarts": {k.decode(): int(v) for k, v in restarts.items()},
+        "counters": {k.decode(): int(v) for k, v in counters.items()},
+        "errors": int(errors),
+    }
+
+
+def source_of(stream: str) -> str:
+    """The source a stream (`<source>.<partition>`) belongs to."""
+    return stream.rsplit(".", 1)[0]
+
+
+class JobCollector:
+    """A prometheus_client collector: each scrape reads a fresh snapshot of the job.
+
+    Args:
+        job: the job.
+        r: a Redis client of the job's Redis.
+        node: only the roles and ranks of this node (None: all of them); job-wide
+            figures come from every node's endpoint alike.
+    """
+
+    def __init__(self, job: Job, r, node: str | None = None) -> None:
+        self.job, self.r, self.node, self.keys = job, r, node, Keys(job.name)
+
+    def _mine(self, node: str | None) -> bool:
+        return self.node is None or node == self.node
+
+    def collect(self) -> Iterator:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        base = {"job": self.job.name, "node": self.node or self.job.node}
+
+        def gauge(name: str, doc: str, extra: tuple[str, ...] = ()):
+            return GaugeMetricFamily(f"overlord_{name}", doc, labels=[*base, *extra])
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
+            return CounterMetricFamily(f"overlord_{name}", doc, labels=[*base, *extra])
+
+        up = gauge("up", "1 while the job's Redis answers")
+        try:
+            snap = snapshot(self.r, self.keys)
+        except Exception:  # noqa: BLE001 - Redis away: say so, do not fail the scrape
+            up.add_metric(list(base.values()), 0)
+            yield up
+            return
+        up.add_metric(list(base.values()), 1)
+        yield up
+        labels = list(base.values())
+        if snap["step"] is not None:
+            g = gauge("planner_step", "last step the Planner published")
+            g.add_metric(labels, snap["step"])
+            yield g
+        step, lag = gauge("constructor_step", "last step a Data Constructor wrote", ("dp",)), gauge(
+            "constructor_lag_steps", "steps planned but not yet written by the Data Constructor", ("dp",))
+        for dp, written in sorted(snap["progress"].items()):
+            step.add_metric([*labels, str(dp)], written)
+            if snap["step"] is not None:
+                lag.add_metric([*labels, str(dp)], max(0, snap["step"] - written))
+        yield step
+        yield lag
+        age = gauge("role_heartbeat_age_seconds", "seconds since the role's last heartbeat", ("role",))
+        loop = gauge("role_loop_age_seconds", "seconds since the role's main loop last turned", ("role",))
+        rss = gauge("role_rss_bytes", "resident memory of the role's process", ("role",))
+        for role, info in sorted(snap["roles"].items()):
+            if not self._mine(info["node"]):
+                continue
+            age.add_metric([*labels, role], info["age_s"])
+            loop.add_metric([*labels, role], info["loop_age_s"])
+            if info["rss_mb"] is not None:
+                rss.add_metric([*labels, role], info["rss_mb"] * 2**20)
+        yield age
+        yield loop
+        yield rss
+        families = {
+            "samples": counter("source_samples", "samples read and transformed", ("source", "stream")),
+            "transform_s": counter("source_transform_seconds", "seconds spent reading and transforming",
+                                   ("source", "stream")),
+            "buffered": gauge("source_buffered_samples", "samples in the read buffer, not yet sent",
+                              ("source", "stream")),
+            "workers": gauge("source_workers", "transform workers of the stream", ("source", "stream")),
+            "skipped": counter("source_skipped", "bad rows skipped (on_error: skip)", ("source", "stream")),
+        }
+        for record in snap["loaders"].values():
+            if not self._mine(record.get("node")):
+                continue
+            for stream, s in sorted(record["streams"].items()):
+                at = [*labels, source_of(stream), stream]
+                families["samples"].add_metric(at, s["prepared"])
+                families["transform_s"].add_metric(at, s["transform_s"])
+                families["buffered"].add_metric(at, s["buffered"])
+                families["workers"].add_metric(at, s["workers"])
+                families["skipped"].add_metric(at, s["skipped"])
+        yield from families.values()
+        batches = counter("trainer_batches", "micro-batches the trainer read", ("rank",))
+        wait = counter("trainer_wait_seconds", "seconds the trainer waited in DataLoader.__next__", ("rank",))
+        for rank, record in sorted(snap["ranks"].items()):
+            if self._mine(record.get("node")):
+                batches.add_metric([*labels, str(rank)], record["batches"])
+                wait.add_metric([*labels, str(rank)], record["wait_s"])
+        yield batches
+        yield wait
+        if snap["pressure"] is not None:
+            g = gauge("loader_pressure", "busy transform workers demanded over the loaders' CPU budget")
+            g.add_metric(labels, snap["pressure"])
+            yield g
+        g = gauge("node_pressure", "a node's loader demand and memory over its budget (several nodes)",
+                  ("of_node",))
+        for node, p in sorted(snap["node_pressure"].items()):
+            g.add_metric([*labels, node], p)
+        yield g
+        c = counter("role_restarts", "times the sidecar restarted the role", ("role",))
+        for role, n in sorted(snap["restarts"].items()):
+            c.add_metric([*labels, role], n)
+        yield c
+        g = gauge("errors", "error records the job's roles pushed")
+        g.add_metric(labels, snap["errors"])
+        yield g
+
+
+def start_metrics_process(job: Job, run_dir, redis_url: str) -> subprocess.Popen:
+    """Serve /metrics for this node in a process of its own: the sidecar forks its
+    roles and keeps no server threads. It dies with the sidecar."""
+    import os
+    import sys
+
+    log = open(run_dir / "metrics.log", "ab")
+    return subprocess.Popen(
+        [sys.executable, "-m", "overlord.metrics", "--run-dir", str(run_dir), "--parent", str(os.getpid())],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        env=dict(os.environ, OVERLORD_REDIS_URL=redis_url),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+    import signal
+    import threading
+    from pathlib import Path
+
+    from prometheus_client import start_http_server
+    from prometheus_client.core import CollectorRegistry
+
+    from overlord.logs import log_context, setup_logging
+    from overlord.sidecar.flow import set_on_signal
+    from overlord.store import connect
+    from overlord.store.server import die_with_parent
+
+    parser = argparse.ArgumentParser(prog="overlord-metrics")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    args = parser.parse_args(argv)
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != args.parent:
+        return 1  # the sidecar died before we asked to die with it
+    setup_logging("metrics")
+    job = Job.from_dict(json.loads((Path(args.run_dir) / "job.json").read_text()))
+    log_context(job.name, job.node)
+    registry = CollectorRegistry()
+    registry.register(JobCollector(job, connect(os.environ["OVERLORD_REDIS_URL"], timeout_s=5),
+                                   node=job.node if job.multi_node else None))
+    server, _ = start_http_server(job.metrics_port, registry=registry)
+    logging.getLogger("overlord.metrics").info("serving Prometheus metrics on port %d (/metrics)", job.metrics_port)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, set_on_signal(stop))
+    stop.wait()
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""A trainer's running totals for operators: batches read and seconds spent waiting.
+
+A daemon thread writes them once a second to the job's `stats` hash (`rank<r>`), with
+its own Redis connection: never on the data path, and a Redis that is away only
+delays the figures. `overlord top` and the sidecar's metrics endpoint turn them into
+batches per second and the share of time a trainer stalls on data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Callable
+
+PUBLISH_S = 1.0
+
+
+class StatsPublisher:
+    """Publishes `totals()` (a dict of plain values) for `rank` until stopped or until
+    `totals()` returns None."""
+
+    def __init__(self, job, rank: int, totals: Callable[[], dict | None]) -> None:
+        self.job, self.rank, self.totals = job, rank, totals
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"overlord-stats-{rank}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        from overlord.status import redis_url_of
+        from overlord.store import Keys, connect
+
+        key, field = Keys(self.job.name).stats, f"rank{self.rank}"
+        r = None
+        while True:
+            stopping = self._stop.wait(PUBLISH_S)
+            totals = self.totals()
+            if totals is None:
+                return  # its DataLoader is gone
+            try:
+                r = r or connect(redis_url_of(self.job), timeout_s=2)
+                record = {"node": self.job.node_of_rank(self.rank) if self.job.multi_node else self.job.node,
+                          "pid": os.getpid(), "time": time.time(), **totals}
+                r.hset(key, field, json.dumps(record))
+            except Exception:  # noqa: BLE001 - figures for operators must never fail training
+                r = None
+            if stopping:
+                return
+
+    def stop(self) -> None:
+        """Write the final totals and end the thread (bounded wait)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=3)
