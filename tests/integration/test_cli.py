@@ -123,3 +123,16 @@ def test_partition_profiles_the_sources_and_prints_a_layout_within_budget(cluste
     assert hosted == sorted((s["name"], p) for s in result["sources"] for p in range(s["partitions"]))
     text = overlord("partition", "--config", str(c.config), "--samples", "8")
     assert "profiled now" in text.stdout and "loader 0:" in text.stdout
+
+
+def test_every_subcommand_has_help_and_top_without_a_job_says_so(tmp_path):
+    commands = ("sidecar", "check", "status", "top", "plan", "partition", "demo")
+    out = overlord("--help")
+    assert out.returncode == 0 and all(c in out.stdout for c in commands), out.stdout
+    for command in commands:
+        sub = overlord(command, "--help")
+        assert sub.returncode == 0 and "--" in sub.stdout, (command, sub.stderr)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: idle\nrun_dir: {tmp_path / 'run'}\nsources:\n  - {{name: web, paths: [x]}}\n")
+    top = overlord("top", "--config", str(job), "--once")
+    assert top.returncode == 2 and "unreachable" in top.stderr and "redis" in top.stderr.lower(), top.stderr
