@@ -40,10 +40,10 @@ class Source:
         name: unique name; appears in sample keys, Redis keys, logs and metrics.
         paths: files or glob patterns (expanded and sorted at load time): local paths, or
             URIs of a pyarrow.fs filesystem (s3://bucket/data/train-*.parquet, gs://,
-            hdfs://, file://) configured by the URI's query (?endpoint_override=host:port&
-            scheme=http&region=...) or the standard environment (AWS_ENDPOINT_URL,
-            AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION); see
-            overlord/loader/storage.py.
+            hdfs://, file://) configured by the URI's query
+            (?endpoint_override=host:port&scheme=http&region=...) or the standard
+            environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+            AWS_DEFAULT_REGION); see overlord/loader/storage.py.
         format: "parquet" (row groups are the files' own) or "jsonl" (one JSON object per
             line, plain or .gz/.zst/.bz2; 1,024 lines make a row group, and a compressed
             file is one row group, read whole). See overlord/loader/formats.py.
@@ -121,7 +121,19 @@ class Source:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Mesh:
-    """The trainer's device mesh. Rank order is dp-major, tp fastest (Megatron's)."""
+    """The trainer's device mesh. Rank order is dp-major, tp fastest (Megatron's).
+
+    Attributes:
+        dp: data-parallel groups; each gets its own share of every step's samples,
+            built by one Data Constructor. BatchSpec.global_batch must be a multiple of it.
+        pp: pipeline stages of a group: the first stage receives the inputs, the last the
+            labels and loss mask, middle stages only the packing metadata.
+        cp: context-parallel ranks of a group: each receives a zigzag slice (chunks r and
+            2*cp-1-r) of every document.
+        tp: tensor-parallel ranks of a group: they receive the same micro-batch, or, with
+            a strategy's broadcast_at("TP"), tp rank 0 the bytes and the others a marker
+            with the shapes.
+    """
 
     dp: int = 1
     pp: int = 1
