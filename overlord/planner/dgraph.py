@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from overlord.errors import ConfigError
+from overlord.errors import ConfigError, PlanError
 from overlord.planner.buffer import ITEM, Buffer, NeedMetadata
 from overlord.planner.tree import ClientPlaceTree
 
@@ -248,12 +248,13 @@ class DGraph:
         costs = self.costs if self.costs is not None else items[self.metric].astype(np.float64)
         if subset is not None:
             items, costs = items[subset], costs[subset]
-        elif self.sub is not None:  # substep mixing: micro-batch m keeps sub-batch m
+        sizes = self._sizes(items)
+        if subset is None and self.sub is not None:  # substep mixing: micro-batch m keeps sub-batch m
             bucket = np.full(len(items), -1, dtype=np.int64)
             for m in range(bins):
                 mine = np.flatnonzero(self.sub == m)
-                b, _ = _assign(costs[mine], n_buckets, 1, self.inter, self.intra,
-                               items[self.metric][mine], self.capacity, self.mode)
+                b, _ = _assign(costs[mine], n_buckets, 1, self.inter, self.intra, sizes[mine], self.capacity,
+                               self.mode)
                 bucket[mine] = b
             return bucket, np.where(bucket >= 0, self.sub, -1)
         group = self.group_size or n_buckets
@@ -263,12 +264,33 @@ class DGraph:
         owner = np.arange(len(items)) % len(groups)  # samples dealt to groups evenly
         for gi, members in enumerate(groups):
             mine = np.flatnonzero(owner == gi)
-            b, m = _assign(costs[mine], len(members), bins, self.inter, self.intra,
-                           items[self.metric][mine], self.capacity, self.mode)
+            b, m = _assign(costs[mine], len(members), bins, self.inter, self.intra, sizes[mine], self.capacity,
+                           self.mode)
             placed = b >= 0
             bucket[mine[placed]] = members[b[placed]]
             mbin[mine[placed]] = m[placed]
         return bucket, mbin
+
+    def _sizes(self, items: np.ndarray) -> np.ndarray:
+        """Each sample's size in this view as delivered: the constructor truncates a
+        document to context_length, so that is the most tokens it takes in a micro-batch.
+        A sample that fits in no micro-batch even alone would be deferred at every step
+        and never delivered: that is a configuration error, said at once."""
+        sizes = items[self.metric].astype(np.int64)
+        if self.metric == "tokens":
+            sizes = np.minimum(sizes, self.data.context_length)
+        if self.capacity is not None and len(sizes) and sizes.max() > self.capacity:
+            i = int(np.argmax(sizes))
+            name = self.data.buffer.streams[items["stream"][i]].name
+            raise PlanError(
+                f"step {self.data.step}: sample {int(items['seq'][i])} of stream {name!r} (epoch "
+                f"{int(items['epoch'][i])}) has {int(sizes[i])} {self.metric}"
+                + (f" (documents are cut at context_length={self.data.context_length})" if self.metric == "tokens" else "")
+                + f" but balance(capacity={self.capacity}) holds at most {self.capacity} per micro-batch, so no "
+                "micro-batch could ever take it; raise capacity to at least the largest sample"
+                + (" (context_length)" if self.metric == "tokens" else "") + " or filter such samples in the transform"
+            )
+        return sizes
 
     def view(self, name: str) -> "DGraph":
         """Another graph over the same selected samples, sized by other metadata

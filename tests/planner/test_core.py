@@ -176,6 +176,32 @@ def test_capacity_defers_what_does_not_fit_and_plans_it_once_later():
     assert sorted(seen) == [(0, 0, q) for q in range(40)]
 
 
+def test_a_sample_larger_than_capacity_is_sized_as_delivered_or_refused_with_its_name():
+    from overlord.errors import PlanError
+    from overlord.planner.dgraph import DGraph
+
+    def capped(data, tree):
+        g = DGraph(data, tree, view="tokens").mix().distribute("DP")
+        return g.cost("tokens").balance("greedy", level="both", capacity=100).plan()
+
+    tokens = np.full(16, 10)
+    tokens[5] = 200  # one long document among short ones
+    # cut at context_length 64, it takes 64 tokens of a micro-batch: it fits, and is delivered
+    core = make(weights=(1.0,), partitions=(1,), strategy=capped, finite=True, global_batch=8, dp=2,
+                micro_batches=2, context_length=64)
+    core.add(0, MetaChunk(0, np.arange(16), tokens, np.zeros(16, int), tokens, [(0, 16)], True))
+    seen = []
+    while (p := core.plan_step()) is not None:
+        seen += [x for bucket in p.buckets for mb in bucket for x in mb]
+    assert sorted(seen) == [(0, 0, q) for q in range(16)]
+    # at context_length 4096 no micro-batch of 100 tokens could take it: said at once, not deferred forever
+    core = make(weights=(1.0,), partitions=(1,), strategy=capped, finite=True, global_batch=8, dp=2,
+                micro_batches=2, context_length=4096)
+    core.add(0, MetaChunk(0, np.arange(16), tokens, np.zeros(16, int), tokens, [(0, 16)], True))
+    with pytest.raises(PlanError, match=r"sample 5 of stream 's0.0' .* 200 tokens .*capacity=100"):
+        core.plan_step()
+
+
 @pytest.mark.parametrize("options", [dict(level="interleaved"), dict(level="both", keep_order=True)])
 def test_other_balance_modes_plan_every_sample_once(options):
     from overlord.planner.dgraph import DGraph
