@@ -59,10 +59,13 @@ class Budget:
     Attributes:
         cpus: CPUs for the whole sidecar.
         memory_mb: memory for the whole sidecar, MiB.
-        constructor_cpus, constructor_mb: what the Data Constructors take (estimated from
-            the batch size by the caller).
-        planner_cpus, planner_mb: what the Planner takes.
-        process_mb: the fixed memory of one loader process (interpreter, libraries).
+        constructor_cpus: CPUs the Data Constructors take (default: an eighth of `cpus`,
+            between 0.25 and 1).
+        constructor_mb: MiB the Data Constructors take.
+        planner_cpus: CPUs the Planner takes (default: a sixteenth of `cpus`, between 0.1
+            and 0.5).
+        planner_mb: MiB the Planner takes.
+        process_mb: the fixed MiB of one loader process (interpreter, libraries).
         buffer_samples: read-buffer bound per loader partition (Job.buffer_samples).
         max_workers_per_source: w_src, the most workers one source may get.
         max_workers_per_loader: w_actor, the most workers one loader process may run.
