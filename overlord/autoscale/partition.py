@@ -59,10 +59,10 @@ class Budget:
     Attributes:
         cpus: CPUs for the whole sidecar.
         memory_mb: memory for the whole sidecar, MiB.
-        constructor_cpus: CPUs the Data Constructors take (default: an eighth of `cpus`,
+        constructor_cpus: CPUs the Data Constructors take (unless given, the sidecar sets an eighth of `cpus`,
             between 0.25 and 1).
         constructor_mb: MiB the Data Constructors take.
-        planner_cpus: CPUs the Planner takes (default: a sixteenth of `cpus`, between 0.1
+        planner_cpus: CPUs the Planner takes (unless given, the sidecar sets a sixteenth of `cpus`, between 0.1
             and 0.5).
         planner_mb: MiB the Planner takes.
         process_mb: the fixed MiB of one loader process (interpreter, libraries).
