@@ -28,8 +28,12 @@ MIB = 1 << 20
 
 
 def ring_bytes(job: Job, loaders: int) -> int:
-    """The most this node's rings may hold: every loader-to-DP-group ring, and the
-    client rings of this node's ranks."""
+    """The most this node's rings may hold: the rings from the loader processes it runs
+    to every DP group, and the client rings of its ranks. On several nodes a node runs
+    its share of the loader processes (their home placement); the rings of the others
+    stay empty unless a loader moves here."""
+    if job.multi_node:
+        loaders = -(-loaders // len(job.node_ids))
     ranks = job.ranks_of_node(job.node) if job.multi_node else range(job.mesh.world_size)
     return loaders * job.mesh.dp * job.sample_ring_bytes + len(ranks) * job.batch.ring_bytes
 

@@ -81,3 +81,21 @@ def test_entrypoint_refuses_an_unreachable_redis_and_missing_sources(corpus, tmp
     check = subprocess.run([str(BIN / "overlord"), "check", "--config", str(_config(tmp_path, gone))],
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 1 and "ok   shared memory" in check.stdout and "FAIL sources" in check.stdout, check.stdout
+
+
+def test_shm_check_counts_what_a_node_may_hold():
+    from overlord import BatchSpec, Job, Mesh, Source
+    from overlord.sidecar.checks import MIB, ring_bytes, shm_problem
+
+    src = (Source(name="web", paths=("x",)),)
+    one = Job(name="j", sources=src, mesh=Mesh(dp=4), sample_ring_bytes=8 * MIB,
+              batch=BatchSpec(global_batch=8, ring_bytes=16 * MIB))
+    assert ring_bytes(one, loaders=2) == 2 * 4 * 8 * MIB + 4 * 16 * MIB
+    many = Job(name="j", sources=src, mesh=Mesh(dp=4), sample_ring_bytes=8 * MIB, nodes=("a", "b"), node="b",
+               redis_url="redis://h/0", flight_port=1, batch=BatchSpec(global_batch=8, ring_bytes=16 * MIB))
+    assert ring_bytes(many, loaders=4) == 2 * 4 * 8 * MIB + 2 * 16 * MIB  # its 2 loaders, its 2 ranks
+    error, warning = shm_problem(128 * MIB, 64 * MIB, 60 * MIB)
+    assert "--shm-size=160m" in error and "only 64m" in error and warning is None
+    error, warning = shm_problem(128 * MIB, 1 << 30, 100 * MIB)
+    assert error is None and "100m free" in warning and "SIGBUS" in warning
+    assert shm_problem(128 * MIB, 1 << 30, 1 << 30) == (None, None)
