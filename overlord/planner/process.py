@@ -35,7 +35,10 @@ from overlord.sidecar.flow import HEARTBEAT_S, alive_within
 
 log = logging.getLogger("overlord.planner")
 
-PLAN_TTL_S = 3600
+PLAN_TTL_S = 3600  # a backstop: plans are deleted once far behind the slowest constructor
+PLAN_KEEP_STEPS = 1024  # plans kept behind the slowest Data Constructor: a restarted loader or
+# constructor, or a shadow, reads from its step on (as far back as a trainer may resume)
+PRUNE_MAX = 64  # old plans deleted per published step, at most
 WAIT_MS = 20
 AHEAD_POLL_S = 0.002
 PROMOTE_CHECK_S = 0.01
@@ -129,6 +132,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     log.info("leading with lease token %d (generation %d) from step %d%s", token, generation, core.step,
              " (from the newest checkpoint)" if newest is not None else "")
     first = core.step
+    pruned = max(0, first - PLAN_KEEP_STEPS - PRUNE_MAX)  # plans below were deleted (older ones expire)
     asked: dict[int, int] = {}  # what the loaders were last asked to hold, per stream
     index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
     last_ids = {keys.meta(name): "0-0" for name in layout.streams}
@@ -153,8 +157,11 @@ def _lead(ctx, lease: Lease, token: int) -> None:
         plan = None if ahead else core.plan_step()
         if plan is not None:
             delta = core.delta()
+            old = range(pruned, min(pruned + PRUNE_MAX, slowest - PLAN_KEEP_STEPS + 1))
 
-            def publish(pipe, plan=plan, delta=delta) -> None:
+            def publish(pipe, plan=plan, delta=delta, old=old) -> None:
+                if old:  # Redis holds a bounded window of plans, not every step of the job
+                    pipe.delete(*[keys.plan(s) for s in old])
                 pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
                 pipe.xadd(keys.plans, {"step": plan.step, "last": int(plan.last)}, id=f"{plan.step + 1}-0",
                           maxlen=1000, approximate=True)
@@ -163,6 +170,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                 ckpts.write(pipe, core.step, delta, core.state)  # where a resume at step core.step starts
 
             _publish_once(r, keys, lease, publish, plan.step)
+            pruned = max(pruned, old.stop)
             if scaling is not None:
                 scaling.observe(plan, core)
             waiting_since = time.monotonic()
