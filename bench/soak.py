@@ -213,6 +213,10 @@ class Soak:
         self.scrape_errors = 0  # failed scrapes of /metrics after the first one that answered
         self.scraped = False
         self.redis_info: list[tuple[float, int, int]] = []  # (t, used_memory bytes, keys)
+        # PSS beside RSS: a forked role's RSS also counts the sidecar's pages it shares
+        # copy-on-write and merely touches; PSS charges it its share of them
+        self.pss: dict[str, Series] = {}
+        self.held: dict[str, list[tuple[float, int, int]]] = {}  # loader -> (t, sample bytes held, Arrow pool bytes)
         self.redis_errors = 0  # the harness's own failed reads of the job's Redis
         self.t0 = 0.0
         self._r = None
@@ -265,7 +269,7 @@ class Soak:
 
     def sample(self) -> None:
         """Records the RSS of every role and scrapes /metrics once."""
-        from overlord.procmem import rss_bytes, tree_pids
+        from overlord.procmem import pss_bytes, rss_bytes, tree_pids
 
         t = time.monotonic() - self.t0
         procs = {f"rank{r}": p.pid for r, p in self.trainers.items() if p.poll() is None}
@@ -279,12 +283,13 @@ class Soak:
                 procs.setdefault(_role_name(pid, self.sidecar.pid, by_heartbeat), pid)
         for role, pid in procs.items():
             try:
-                rss = rss_bytes(pid)
+                rss, pss = rss_bytes(pid), pss_bytes(pid)
             except ProcessLookupError:
                 continue  # exited between listing and reading
             if role not in self.series:
-                self.series[role] = Series(pid)
+                self.series[role], self.pss[role] = Series(pid), Series(pid)
             self.series[role].add(pid, t, rss)
+            self.pss[role].add(pid, t, pss)
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.job.metrics_port}/metrics", timeout=10) as resp:
                 resp.read()
@@ -294,6 +299,11 @@ class Soak:
         try:
             r = self.redis()
             self.redis_info.append((t, int(r.info("memory")["used_memory"]), int(r.dbsize())))
+            for name, raw in r.hgetall(self.keys.stats).items():
+                if name.startswith(b"loader"):  # what a loader holds: its read buffers and sent-but-kept samples
+                    rec = json.loads(raw)
+                    held = rec.get("kept_bytes", 0) + sum(x.get("buffered_bytes", 0) for x in rec["streams"].values())
+                    self.held.setdefault(name.decode(), []).append((t, held, rec.get("arrow_bytes", 0)))
         except Exception:  # noqa: BLE001 - diagnostics only
             self.redis_errors += 1
 
@@ -343,6 +353,7 @@ class Soak:
                       for role, s in self.series.items()},
             "redis": {"t": [x[0] for x in self.redis_info], "used_memory": [x[1] for x in self.redis_info],
                       "keys": [x[2] for x in self.redis_info]},
+            "loader_held_bytes": self.held,
         }))
 
     def finish_trainers(self, timeout: float) -> tuple[list[dict], list[str]]:
@@ -503,6 +514,9 @@ def run(args) -> dict:
     soak.save_series(workdir / "series.json")
 
     roles = {role: s.summary(warmup_s) for role, s in sorted(soak.series.items())}
+    pss = {role: s.summary(warmup_s) for role, s in sorted(soak.pss.items())}
+    pss_grown = {r: v["growth_pct"] for r, v in pss.items() if v["growth_pct"] is not None}
+    pss_worst = max(pss_grown, key=pss_grown.get) if pss_grown else None
     grown = {r: v["growth_pct"] for r, v in roles.items() if v["growth_pct"] is not None}
     worst = max(grown, key=grown.get) if grown else None
     absolute = {r: v["end_mib"] - v["start_mib"] for r, v in roles.items() if v["end_mib"] is not None}
@@ -522,6 +536,8 @@ def run(args) -> dict:
     line = {
         "rss_growth_pct": grown.get(worst), "rss_growth_role": worst,
         "rss_growth_mib": round(absolute[most], 2) if most else None, "rss_growth_mib_role": most,
+        "pss_growth_pct": pss_grown.get(pss_worst), "pss_growth_role": pss_worst,
+        "pss": {r: {k: v[k] for k in ("start_mib", "end_mib", "growth_pct")} for r, v in pss.items()},
         "batches": batches, "errors": errors, "error_detail": detail,
         "batches_per_s": round(batches / duration_s, 1),
         "samples": sum(r["samples"] for r in results if r.get("tp") == 0),  # TP ranks share their samples

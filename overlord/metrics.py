@@ -19,6 +19,7 @@ ranks of its node plus the job-wide figures:
     overlord_source_samples_total{source,stream}  samples read and transformed
     overlord_source_transform_seconds_total{..}   time spent on them
     overlord_source_buffered_samples{..}          in the read buffer, not yet sent
+    overlord_source_buffered_bytes{..}            their bytes (what the buffer holds in memory)
     overlord_source_workers{..}                   transform workers
     overlord_source_skipped_total{..}             bad rows skipped (on_error: skip)
     overlord_trainer_batches_total{rank}
@@ -161,6 +162,8 @@ class JobCollector:
                                    ("source", "stream")),
             "buffered": gauge("source_buffered_samples", "samples in the read buffer, not yet sent",
                               ("source", "stream")),
+            "buffered_bytes": gauge("source_buffered_bytes", "bytes of the samples in the read buffer",
+                                    ("source", "stream")),
             "workers": gauge("source_workers", "transform workers of the stream", ("source", "stream")),
             "skipped": counter("source_skipped", "bad rows skipped (on_error: skip)", ("source", "stream")),
         }
@@ -172,6 +175,7 @@ class JobCollector:
                 families["samples"].add_metric(at, s["prepared"])
                 families["transform_s"].add_metric(at, s["transform_s"])
                 families["buffered"].add_metric(at, s["buffered"])
+                families["buffered_bytes"].add_metric(at, s.get("buffered_bytes", 0))
                 families["workers"].add_metric(at, s["workers"])
                 families["skipped"].add_metric(at, s["skipped"])
         yield from families.values()

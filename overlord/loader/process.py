@@ -359,9 +359,14 @@ class LoaderProcess:
             streams[self.layout.streams[i]] = {
                 "prepared": loader.profile.samples, "transform_s": round(loader.profile.seconds, 4),
                 "buffered": len(self.buffers[i]), "workers": loader.workers, "skipped": loader.skipped,
-                "epoch": loader.epoch,
+                "epoch": loader.epoch, "buffered_bytes": sum(p.nbytes for p in self.buffers[i].values()),
             }
-        record = {"node": self.job.node, "pid": os.getpid(), "time": time.time(), "step": self.step, "streams": streams}
+        kept = sum(p.nbytes for p in self.kept.values())  # sent, kept until every constructor finished the step
+        import pyarrow as pa
+
+        record = {"node": self.job.node, "pid": os.getpid(), "time": time.time(), "step": self.step,
+                  "kept_bytes": kept, "arrow_bytes": pa.total_allocated_bytes(),  # row groups read, in Arrow's pool
+                  "streams": streams}
         try:
             self.r.hset(self.keys.stats, f"loader{self.ctx.index}", json.dumps(record))
         except redis.RedisError:
