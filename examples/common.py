@@ -1,6 +1,6 @@
 """What the training examples share: the distributed set-up, the Overlord job over the
 demo corpus, the node's sidecar, the checkpoint (model + optimizer + loader together),
-a per-batch record for checking resumption, and a transformer block.
+a per-batch record for checking resumption, the training loop, and a transformer block.
 
 The checkpoint is the point of the examples: the loader's `state_dict()` (this rank's
 position: step and micro-batch) is saved with the model and the optimizer, every rank's
@@ -13,6 +13,7 @@ embedded Redis keeps in the run directory (`<out>/overlord`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -28,11 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from overlord import BatchSpec, Job, Mesh, Source
 from overlord.demo.corpus import IMAGE_TRANSFORM, TEXT_TRANSFORM, generate_corpus
 from overlord.shm import list_segments
 from overlord.sidecar.sidecar import sidecar_running
+from overlord.torch import DataLoader
 
 
 def parse_args(description: str, **defaults) -> argparse.Namespace:
@@ -205,6 +208,68 @@ class Recorder:
 
 
 # -- model ----------------------------------------------------------------------------------
+
+
+def train(args: argparse.Namespace, d: "Dist", job: Job, model: nn.Module, forward, count, unit: str) -> None:
+    """Train `model` on the job for args.steps steps, checkpointing model, optimizer and
+    loader every args.ckpt_every steps, resuming from the checkpoint with --resume.
+
+    Args:
+        forward: (ddp model, micro-batch on the device) -> logits.
+        count: micro-batch -> how many `unit`s it holds (for the rate printed).
+    """
+    ckpt_path = args.out / "checkpoint.pt"
+    resume = args.resume and ckpt_path.exists()
+    micro = job.batch.micro_batches
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    ddp = DDP(model)
+    sidecar = start_sidecar(job, args.out, resume)
+    try:
+        loader = DataLoader(job, spawn_sidecar=False, pin_memory=d.device.type == "cuda")
+        start = load_checkpoint(ckpt_path, model, optimizer, loader) if resume else 0
+        if d.rank == 0:
+            print(f"job {job.name}: {d.world} ranks on {d.device.type}, steps {start}..{args.steps - 1}"
+                  + (" (resumed)" if resume else ""), flush=True)
+        record = Recorder(args.record, d.rank)
+        batches = iter(loader)
+        counted, started = 0, time.monotonic()
+        for step in range(start, args.steps):
+            for g in optimizer.param_groups:  # linear warm-up, a pure function of the step
+                g["lr"] = args.lr * min(1.0, (step + 1) / 10)
+            step_loss = torch.zeros((), device=d.device)
+            for mb in range(micro):
+                batch = next(batches)  # views into the ring: valid until the next one is read
+                check_position(loader, step, mb)
+                b = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
+                # gradients are summed locally and all-reduced once, after the last micro-batch
+                with ddp.no_sync() if mb < micro - 1 else contextlib.nullcontext():
+                    logits = forward(ddp, b)
+                    loss = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
+                    (loss / micro).backward()
+                record(step, mb, batch, loss.item())
+                step_loss += loss.detach() / micro
+                counted += count(batch)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            done = step + 1
+            if done % args.log_every == 0 or done == args.steps:
+                dist.all_reduce(step_loss)  # a sum: gloo has no average
+                if d.rank == 0:
+                    rate = counted / (time.monotonic() - started)
+                    print(f"step {done:4d}  loss {step_loss.item() / d.world:.4f}  {rate:,.1f} {unit}/s on rank 0",
+                          flush=True)
+            if args.ckpt_every and done % args.ckpt_every == 0:
+                save_checkpoint(ckpt_path, done, model, optimizer, loader)
+            if done == args.stop_after:
+                if d.rank == 0:
+                    print(f"stopping after step {done}, as if preempted", flush=True)
+                break
+        loader.close()
+        dist.barrier()
+    finally:
+        stop_sidecar(sidecar, job)
+        dist.destroy_process_group()
 
 
 class Block(nn.Module):

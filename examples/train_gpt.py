@@ -19,19 +19,11 @@ at the end; `--resume` starts it with `--resume` (see common.py).
 
 from __future__ import annotations
 
-import contextlib
-import time
-
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from common import (Block, Recorder, check_position, demo_job, load_checkpoint, parse_args, save_checkpoint,
-                    setup_distributed, start_sidecar, stop_sidecar)
+from common import Block, demo_job, parse_args, setup_distributed, train
 from overlord.transforms import VOCAB_SIZE
-from overlord.torch import DataLoader
 
 CONTEXT = 256
 WEIGHTS = {"web": 0.4, "code": 0.3, "books": 0.3}  # the text sources only
@@ -62,62 +54,10 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], out="demo-data/gpt", steps=40)
     d = setup_distributed()
     args.out.mkdir(parents=True, exist_ok=True)
-    ckpt_path = args.out / "checkpoint.pt"
-    resume = args.resume and ckpt_path.exists()
     job = demo_job(args, "gpt", WEIGHTS, d.world, global_batch=16 * d.world, micro_batches=2, context_length=CONTEXT)
-    micro = job.batch.micro_batches
-
     torch.manual_seed(0)
-    model = GPT().to(d.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    ddp = DDP(model)
-    sidecar = start_sidecar(job, args.out, resume)
-    try:
-        loader = DataLoader(job, spawn_sidecar=False, pin_memory=d.device.type == "cuda")
-        start = load_checkpoint(ckpt_path, model, optimizer, loader) if resume else 0
-        if d.rank == 0:
-            print(f"job {job.name}: {d.world} ranks on {d.device.type}, steps {start}..{args.steps - 1}"
-                  + (" (resumed)" if resume else ""), flush=True)
-        record = Recorder(args.record, d.rank)
-        batches = iter(loader)
-        tokens, started = 0, time.monotonic()
-        for step in range(start, args.steps):
-            for g in optimizer.param_groups:  # linear warm-up, a pure function of the step
-                g["lr"] = args.lr * min(1.0, (step + 1) / 10)
-            step_loss = torch.zeros((), device=d.device)
-            for mb in range(micro):
-                batch = next(batches)  # views into the ring: valid until the next one is read
-                check_position(loader, step, mb)
-                b = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
-                # gradients are summed locally and all-reduced once, after the last micro-batch
-                with ddp.no_sync() if mb < micro - 1 else contextlib.nullcontext():
-                    logits = ddp(b["input_ids"], b["position_ids"])
-                    loss = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
-                    (loss / micro).backward()
-                record(step, mb, batch, loss.item())
-                step_loss += loss.detach() / micro
-                tokens += int(batch["loss_mask"].sum())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            done = step + 1
-            if done % args.log_every == 0 or done == args.steps:
-                dist.all_reduce(step_loss)  # a sum: gloo has no average
-                step_loss /= d.world
-                if d.rank == 0:
-                    rate = tokens * d.world / (time.monotonic() - started)  # rank 0's count x ranks
-                    print(f"step {done:4d}  loss {step_loss.item():.4f}  {rate:,.0f} tokens/s", flush=True)
-            if args.ckpt_every and done % args.ckpt_every == 0:
-                save_checkpoint(ckpt_path, done, model, optimizer, loader)
-            if done == args.stop_after:
-                if d.rank == 0:
-                    print(f"stopping after step {done}, as if preempted", flush=True)
-                break
-        loader.close()
-        dist.barrier()
-    finally:
-        stop_sidecar(sidecar, job)
-        dist.destroy_process_group()
+    train(args, d, job, GPT().to(d.device), forward=lambda ddp, b: ddp(b["input_ids"], b["position_ids"]),
+          count=lambda batch: int(batch["loss_mask"].sum()), unit="tokens")
 
 
 if __name__ == "__main__":

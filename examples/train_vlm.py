@@ -18,20 +18,12 @@ each image's patch grid (`image_grid`, [images, 2]) and the row it belongs to
 
 from __future__ import annotations
 
-import contextlib
-import time
-
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.nn.utils.rnn import pad_sequence
 
-from common import (Block, Recorder, check_position, demo_job, load_checkpoint, parse_args, save_checkpoint,
-                    setup_distributed, start_sidecar, stop_sidecar)
+from common import Block, demo_job, parse_args, setup_distributed, train
 from overlord.transforms import MAX_SIDE, PATCH, VOCAB_SIZE
-from overlord.torch import DataLoader
 
 CONTEXT = 128  # text tokens per row
 IMAGE_TOKENS = 8  # tokens per image handed to the language model
@@ -103,62 +95,11 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], out="demo-data/vlm", steps=30)
     d = setup_distributed()
     args.out.mkdir(parents=True, exist_ok=True)
-    ckpt_path = args.out / "checkpoint.pt"
-    resume = args.resume and ckpt_path.exists()
     job = demo_job(args, "vlm", WEIGHTS, d.world, global_batch=8 * d.world, micro_batches=2, context_length=CONTEXT,
                    packing=False)
-    micro = job.batch.micro_batches
-
     torch.manual_seed(0)
-    model = VLM().to(d.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    ddp = DDP(model)
-    sidecar = start_sidecar(job, args.out, resume)
-    try:
-        loader = DataLoader(job, spawn_sidecar=False, pin_memory=d.device.type == "cuda")
-        start = load_checkpoint(ckpt_path, model, optimizer, loader) if resume else 0
-        if d.rank == 0:
-            print(f"job {job.name}: {d.world} ranks on {d.device.type}, steps {start}..{args.steps - 1}"
-                  + (" (resumed)" if resume else ""), flush=True)
-        record = Recorder(args.record, d.rank)
-        batches = iter(loader)
-        images, started = 0, time.monotonic()
-        for step in range(start, args.steps):
-            for g in optimizer.param_groups:  # linear warm-up, a pure function of the step
-                g["lr"] = args.lr * min(1.0, (step + 1) / 10)
-            step_loss = torch.zeros((), device=d.device)
-            for mb in range(micro):
-                batch = next(batches)  # views into the ring: valid until the next one is read
-                check_position(loader, step, mb)
-                b = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
-                with ddp.no_sync() if mb < micro - 1 else contextlib.nullcontext():
-                    logits = ddp(b)
-                    loss = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
-                    (loss / micro).backward()
-                record(step, mb, batch, loss.item())
-                step_loss += loss.detach() / micro
-                images += len(batch.get("image_grid", ()))
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            done = step + 1
-            if done % args.log_every == 0 or done == args.steps:
-                dist.all_reduce(step_loss)  # a sum: gloo has no average
-                if d.rank == 0:
-                    rate = images / (time.monotonic() - started)
-                    print(f"step {done:4d}  loss {step_loss.item() / d.world:.4f}  {rate:,.1f} images/s on rank 0",
-                          flush=True)
-            if args.ckpt_every and done % args.ckpt_every == 0:
-                save_checkpoint(ckpt_path, done, model, optimizer, loader)
-            if done == args.stop_after:
-                if d.rank == 0:
-                    print(f"stopping after step {done}, as if preempted", flush=True)
-                break
-        loader.close()
-        dist.barrier()
-    finally:
-        stop_sidecar(sidecar, job)
-        dist.destroy_process_group()
+    train(args, d, job, VLM().to(d.device), forward=lambda ddp, b: ddp(b),
+          count=lambda batch: len(batch.get("image_grid", ())), unit="images")
 
 
 if __name__ == "__main__":

@@ -206,54 +206,32 @@ class JobCollector:
 
 
 def start_metrics_process(job: Job, run_dir, redis_url: str) -> subprocess.Popen:
-    """Serve /metrics for this node in a process of its own: the sidecar forks its
-    roles and keeps no server threads. It dies with the sidecar."""
-    import os
-    import sys
+    """Serve /metrics for this node in a process of its own (overlord.sidecar.service)."""
+    from overlord.sidecar import service
 
-    log = open(run_dir / "metrics.log", "ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "overlord.metrics", "--run-dir", str(run_dir), "--parent", str(os.getpid())],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        env=dict(os.environ, OVERLORD_REDIS_URL=redis_url),
-    )
+    return service.start("overlord.metrics", run_dir, "metrics.log", {"OVERLORD_REDIS_URL": redis_url})
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
     import os
-    import signal
-    import threading
-    from pathlib import Path
 
-    from prometheus_client import start_http_server
-    from prometheus_client.core import CollectorRegistry
+    from overlord.sidecar import service
 
-    from overlord.logs import log_context, setup_logging
-    from overlord.sidecar.flow import set_on_signal
-    from overlord.store import connect
-    from overlord.store.server import die_with_parent
+    def start(job: Job):
+        from prometheus_client import start_http_server
+        from prometheus_client.core import CollectorRegistry
 
-    parser = argparse.ArgumentParser(prog="overlord-metrics")
-    parser.add_argument("--run-dir", required=True)
-    parser.add_argument("--parent", type=int, required=True)
-    args = parser.parse_args(argv)
-    die_with_parent(signal.SIGKILL)
-    if os.getppid() != args.parent:
-        return 1  # the sidecar died before we asked to die with it
-    setup_logging("metrics")
-    job = Job.from_dict(json.loads((Path(args.run_dir) / "job.json").read_text()))
-    log_context(job.name, job.node)
-    registry = CollectorRegistry()
-    registry.register(JobCollector(job, connect(os.environ["OVERLORD_REDIS_URL"], timeout_s=5),
-                                   node=job.node if job.multi_node else None))
-    server, _ = start_http_server(job.metrics_port, registry=registry)
-    logging.getLogger("overlord.metrics").info("serving Prometheus metrics on port %d (/metrics)", job.metrics_port)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, set_on_signal(stop))
-    stop.wait()
-    server.shutdown()
-    return 0
+        from overlord.store import connect
+
+        registry = CollectorRegistry()
+        registry.register(JobCollector(job, connect(os.environ["OVERLORD_REDIS_URL"], timeout_s=5),
+                                       node=job.node if job.multi_node else None))
+        server, _ = start_http_server(job.metrics_port, registry=registry)
+        logging.getLogger("overlord.metrics").info("serving Prometheus metrics on port %d (/metrics)",
+                                                   job.metrics_port)
+        return server.shutdown
+
+    return service.main("metrics", argv, start)
 
 
 if __name__ == "__main__":

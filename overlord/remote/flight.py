@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import secrets
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -293,18 +294,11 @@ class RemoteReader:
         self.client.close()
 
 
-def start_server_process(job: Job, token: str, run_dir: Path) -> "subprocess.Popen":
-    """Run the node's Flight endpoint in a process of its own (the sidecar forks its
-    roles, and a process that forks must not have gRPC threads running: a forked
-    child that then uses gRPC, as a Data Constructor's bridges do, would crash). It
-    dies with the sidecar; the token travels in its environment, never in argv."""
-    import subprocess
-    import sys
+def start_server_process(job: Job, token: str, run_dir: Path) -> subprocess.Popen:
+    """Run the node's Flight endpoint in a process of its own (overlord.sidecar.service:
+    a forked role that used gRPC after its parent started gRPC threads would crash); the
+    token travels in its environment, never in argv."""
+    from overlord.sidecar import service
 
-    log = open(run_dir / "flight.log", "ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "overlord.remote.server", "--run-dir", str(run_dir), "--parent", str(os.getpid())],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        env=dict(os.environ, **{TOKEN_ENV: token}),
-    )
+    return service.start("overlord.remote.server", run_dir, "flight.log", {TOKEN_ENV: token})
 

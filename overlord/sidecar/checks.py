@@ -88,12 +88,12 @@ def check_sources(job: Job) -> None:
 
 def run_checks(job: Job, loaders: int, redis_url: str | None) -> list[tuple[str, str | None]]:
     """Every check as (name, problem or None); `redis_url` None skips Redis (embedded)."""
+    checks = [("shared memory", lambda: check_shm(job, loaders))]
+    if redis_url:
+        checks.append(("redis", lambda: check_redis(redis_url)))
+    checks.append(("sources", lambda: check_sources(job)))
     results = []
-    for name, check in (("shared memory", lambda: check_shm(job, loaders)),
-                        ("redis", (lambda: check_redis(redis_url)) if redis_url else None),
-                        ("sources", lambda: check_sources(job))):
-        if check is None:
-            continue
+    for name, check in checks:
         try:
             check()
             results.append((name, None))

@@ -53,3 +53,17 @@ class StatsPublisher:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=3)
+
+
+def totals_of(ref) -> Callable[[], dict | None]:
+    """A trainer's running totals, read through a weak reference (None once it is gone):
+    the stats thread must not keep an abandoned DataLoader alive."""
+
+    def totals() -> dict | None:
+        loader = ref()
+        if loader is None:
+            return None
+        return {"batches": loader.batches, "wait_s": round(loader.wait_s, 4), "dropped": loader.dropped,
+                "step": loader.last_meta.get("step", -1), "done": loader._done}
+
+    return totals

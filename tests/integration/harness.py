@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 from overlord.config import BatchSpec, Job, Mesh, Source
@@ -36,6 +37,14 @@ def make_job(corpus, run_dir: Path, **overrides) -> Job:
     )
     args.update(overrides)
     return Job(**args)
+
+
+def assert_delivered(results: dict, corpus_keys: set[str], times: int = 1, log=lambda: "") -> None:
+    """Every corpus key reached the trainers exactly `times` times (one per epoch)."""
+    seen = Counter(k for rec in results.values() for batch in rec["keys"] for k in batch)
+    lost = corpus_keys - set(seen)
+    wrong = [k for k, n in seen.items() if n != times or k not in corpus_keys]
+    assert not lost and not wrong, f"{len(lost)} sample(s) lost; delivered other than {times}x: {wrong[:5]}\n{log()}"
 
 
 class Cluster:

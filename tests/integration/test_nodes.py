@@ -23,7 +23,7 @@ from overlord.remote.flight import RemoteReader, job_token
 from overlord.shm import list_segments, unlink_all
 from overlord.store import EmbeddedRedis, Keys, connect
 
-from harness import Nodes, make_job
+from harness import Nodes, assert_delivered, make_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -82,12 +82,6 @@ def reference(corpus, tmp_path_factory, redis_url):
     return out, n
 
 
-def _exactly_once(out: dict, corpus_keys: set[str], log) -> None:
-    seen = [k for rec in out.values() for batch in rec["keys"] for k in batch]
-    assert len(seen) == len(set(seen)), "a sample was delivered twice"
-    assert set(seen) == corpus_keys, f"{len(corpus_keys - set(seen))} sample(s) lost\n{log()}"
-
-
 def _until(condition, n: Nodes, timeout: float = 60, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -97,7 +91,7 @@ def _until(condition, n: Nodes, timeout: float = 60, what: str = "") -> None:
 
 def test_three_nodes_deliver_every_sample_exactly_once(reference, corpus_keys):
     out, n = reference
-    _exactly_once(out, corpus_keys, n.log)
+    assert_delivered(out, corpus_keys, log=n.log)
     r, keys = connect(n.job.redis_url), Keys(n.job.name)
     placement = {k.decode(): v.decode() for k, v in r.hgetall(keys.placement).items()}
     assert placement == {"loader0": "n0", "loader1": "n1", "loader2": "n2",
@@ -158,7 +152,7 @@ def test_killed_node_moves_its_trainer_to_flight_and_back(nodes, reference, corp
             f"rank {rank}: bytes differ from the run without a fault ({len(rec['digests'])} vs {len(ref[rank]['digests'])} "
             f"batches, steps {rec['steps'][:3]}..{rec['steps'][-3:]}, switches {rec['switches']}, dropped {rec['dropped']})\n{n.log()}")
     assert out[1]["switches"] >= 2, out[1]  # to another node over Flight, and back
-    _exactly_once(out, corpus_keys, n.log)
+    assert_delivered(out, corpus_keys, log=n.log)
     moves = [(e[b"unit"].decode(), e[b"from"].decode(), e[b"to"].decode()) for _, e in r.xrange(keys.placements)]
     assert any(m[0] == "constructor1" and m[1] == "n1" for m in moves), moves  # moved away ...
     assert any(m[0] == "constructor1" and m[2] == "n1" for m in moves), moves  # ... and home
@@ -203,14 +197,6 @@ def test_a_node_over_its_cpu_budget_hands_its_costly_loader_to_a_node_with_room(
     assert not [e for _, e in r.xrange(Keys(roomy.job.name).placements) if b"over budget" in e[b"reason"]]
     for rank, rec in out.items():
         assert rec["digests"] == ref[rank]["digests"], f"rank {rank}: bytes differ from the run with no move"
-    _twice_each(out, corpus_keys, tight.log)
-    _twice_each(ref, corpus_keys, roomy.log)
+    assert_delivered(out, corpus_keys, times=2, log=tight.log)
+    assert_delivered(ref, corpus_keys, times=2, log=roomy.log)
 
-
-def _twice_each(out: dict, corpus_keys: set[str], log) -> None:
-    """Two epochs: every corpus key exactly twice."""
-    from collections import Counter
-
-    seen = Counter(k for rec in out.values() for batch in rec["keys"] for k in batch)
-    assert set(seen) == corpus_keys and set(seen.values()) == {2}, (
-        f"lost {len(corpus_keys - set(seen))}, not twice {[k for k, c in seen.items() if c != 2][:5]}\n{log()}")

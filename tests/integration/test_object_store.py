@@ -11,12 +11,13 @@ from dataclasses import replace
 import pyarrow.parquet as pq
 import pytest
 
+from harness import assert_delivered
+
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
 def s3_endpoint():
-    pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -54,7 +55,5 @@ def test_sources_on_s3_as_parquet_and_jsonl_arrive_exactly_once(cluster, corpus,
     c.start_trainers()
     results = c.results()
     assert {r["end"] for r in results.values()} == {"stop"}, c.log()
-    delivered = [k for r in results.values() for batch in r["keys"] for k in batch]
-    assert len(delivered) == len(set(delivered)), "a sample was delivered twice"
-    assert set(delivered) == corpus_keys
+    assert_delivered(results, corpus_keys, log=c.log)
     assert c.stop() == 0

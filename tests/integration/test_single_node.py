@@ -8,6 +8,8 @@ import math
 
 import pytest
 
+from harness import assert_delivered
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -27,9 +29,7 @@ def test_every_sample_exactly_once_across_four_dp_ranks(cluster, corpus_keys, la
     c.start_trainers()
     results = c.results()
     assert {r["end"] for r in results.values()} == {"stop"}, c.log()
-    delivered = [k for r in results.values() for batch in r["keys"] for k in batch]
-    assert len(delivered) == len(set(delivered)), "a sample was delivered twice"
-    assert set(delivered) == corpus_keys
+    assert_delivered(results, corpus_keys, log=c.log)
     # every rank saw the same steps, each with all micro-batches
     steps = {tuple(map(tuple, r["steps"])) for r in results.values()}
     assert len(steps) == 1

@@ -76,7 +76,6 @@ def test_uri_wildcards_match_one_component_each(tmp_path):
 def s3(tmp_path_factory):
     """moto's S3 server on a free port, with HF Parquet shards and JSONL shards uploaded
     (by boto3: another client than the one under test). Yields (endpoint, local root)."""
-    pytest.importorskip("moto.server", reason="moto[server] is in the test extra")
     import boto3
     from moto.server import ThreadedMotoServer
 
