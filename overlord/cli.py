@@ -11,6 +11,9 @@ from overlord.errors import OverlordError
 
 
 def _sidecar(args: argparse.Namespace) -> int:
+    from overlord import heap
+
+    heap.use_system_arrow_pool()  # before anything imports pyarrow: Arrow picks its pool then
     from overlord.config import Job
     from overlord.sidecar.sidecar import Sidecar
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import redis
 
+from overlord import heap
 from overlord.config import Job
 from overlord.logs import log_context, setup_logging
 from overlord.procmem import rss_bytes
@@ -80,12 +81,17 @@ class RoleContext:
         )
 
     def heartbeat_forever(self) -> None:
+        """Beats every HEARTBEAT_S, and hands free heap pages back every heap.TRIM_EVERY_S."""
+        trimmed = time.monotonic()
         while not self.stop.is_set():
             try:
                 if not self.silent:
                     self.publish_heartbeat()
             except redis.RedisError:
                 pass  # the control path may blip; data keeps flowing
+            if time.monotonic() - trimmed >= heap.TRIM_EVERY_S:
+                heap.trim()
+                trimmed = time.monotonic()
             self.stop.wait(HEARTBEAT_S)
 
     def drop_heartbeat(self) -> None:

@@ -23,11 +23,16 @@ import time
 import traceback
 from pathlib import Path
 
+from overlord import heap
 from overlord.store.server import die_with_parent
 
 
 def preload() -> None:
-    """Import every module a role uses, then freeze them for copy-on-write sharing."""
+    """Import every module a role uses, then freeze them for copy-on-write sharing
+    (after `heap.tune`, so the sidecar's own heap is kept flat too, and with Arrow's
+    buffers in that heap: `heap.use_system_arrow_pool`)."""
+    heap.tune()
+    heap.use_system_arrow_pool()
     import numpy  # noqa: F401
     import pyarrow.parquet  # noqa: F401
     import PIL.Image  # noqa: F401
@@ -105,6 +110,7 @@ def fork_role(role: str, index: int, run_dir: Path, redis_url: str, attempt: int
     try:
         die_with_parent(signal.SIGKILL)
         _set_name(f"ovl-{role}{index}")
+        heap.tune()
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)
         os.dup2(fd, 2)

@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from overlord import heap
 from overlord.errors import StoreError
 
 SOCKET_NAME = "redis.sock"
@@ -80,8 +81,7 @@ class EmbeddedRedis:
                     f"dir {self.run_dir}",
                     "appendonly yes",
                     "appendfsync everysec",
-                    "save 60 1",
-                    "dbfilename dump.rdb",
+                    'save ""',  # the append-only file is what a restart loads: no forked RDB snapshots
                     f"logfile {self.run_dir / 'redis.log'}",
                     "daemonize no",
                     "protected-mode yes",
@@ -95,6 +95,7 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
+            env=heap.redis_env(),  # keeps its libc heap from creeping (overlord/heap.py)
         )
         deadline = time.monotonic() + self.timeout_s
         import redis
