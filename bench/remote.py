@@ -92,7 +92,7 @@ def _free_port() -> int:
 def measure(kind: str, path: str, count: int, ring_bytes: int) -> dict:
     from overlord.errors import RingClosed
     from overlord.remote.flight import RemoteReader
-    from overlord.shm import Ring, decode_batch
+    from overlord.shm import Ring, decode_batch, unlink_all
     from overlord.sidecar.layout import client_ring
 
     name = f"rb{os.getpid() % 10000}{kind[0]}{path[-2:]}"
@@ -132,8 +132,9 @@ def measure(kind: str, path: str, count: int, ring_bytes: int) -> dict:
             reader.close()
         wall = time.perf_counter() - start
     finally:
-        proc.terminate()
+        proc.terminate()  # SIGTERM ends the producer before its own `finally` can unlink the ring
         proc.join(timeout=10)
+        unlink_all(name)
     if got != count:
         raise RuntimeError(f"{kind}/{path}: {got} of {count} batches arrived")
     return {"gb_per_s": round(nbytes / wall / 1e9, 3), "batches_per_s": round(got / wall, 1),
@@ -226,14 +227,6 @@ def switchover(rows: int = 480, restart_after_s: float = 3.0, sleep_s: float = 0
            "served_by": sorted(set(one["nodes"])), "median_wait_ms": round(float(np.median(gaps)), 1),
            "rank1_switches": one["switches"], "batches_per_rank": len(one["steps"])}
     return out
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
