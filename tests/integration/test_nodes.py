@@ -11,6 +11,7 @@ the run without a fault.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import time
@@ -124,10 +125,14 @@ def test_a_wrong_token_or_job_is_refused_by_every_stream(nodes):
 
 def test_killed_node_moves_its_trainer_to_flight_and_back(nodes, reference, corpus_keys):
     ref, _ = reference
-    n = nodes()
+    # rings of a few steps and a slower step than the other tests: the job must still run
+    # when n1's roles are home, or rank 1 ends over Flight with nothing to switch back to
+    # (with 1 MiB rings at 0.03 s a step, the other node had built all of dp1's remaining
+    # batches before a loaded CI machine had n1's sidecar back; now ~20 steps take 4 s)
+    n = nodes(batch=dataclasses.replace(JOB["batch"], ring_bytes=128 << 10))
     for node in NODES:
         n.start_sidecar(node)
-    n.start_trainers(sleep=SLEEP)
+    n.start_trainers(sleep="0.2")
     r, keys = connect(n.job.redis_url), Keys(n.job.name)
 
     def step(dp: int) -> int:
