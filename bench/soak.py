@@ -410,6 +410,13 @@ def _redis_growth(info: list[tuple[float, int, int]], warmup_s: float, families:
             "keys": [first[2], last[2]], "key_families_at_end": families}
 
 
+def _largest(values: dict[str, float | None]) -> tuple[str | None, float | None]:
+    """The role with the largest value (None where a role has none), and that value."""
+    have = {role: v for role, v in values.items() if v is not None}
+    role = max(have, key=have.get) if have else None
+    return role, have.get(role)
+
+
 def plot(series: dict[str, Series], warmup_s: float, path: Path) -> None:
     """RSS over time per role: sidecar side above, trainers below."""
     import matplotlib
@@ -515,12 +522,9 @@ def run(args) -> dict:
 
     roles = {role: s.summary(warmup_s) for role, s in sorted(soak.series.items())}
     pss = {role: s.summary(warmup_s) for role, s in sorted(soak.pss.items())}
-    pss_grown = {r: v["growth_pct"] for r, v in pss.items() if v["growth_pct"] is not None}
-    pss_worst = max(pss_grown, key=pss_grown.get) if pss_grown else None
-    grown = {r: v["growth_pct"] for r, v in roles.items() if v["growth_pct"] is not None}
-    worst = max(grown, key=grown.get) if grown else None
-    absolute = {r: v["end_mib"] - v["start_mib"] for r, v in roles.items() if v["end_mib"] is not None}
-    most = max(absolute, key=absolute.get) if absolute else None
+    worst, worst_pct = _largest({r: v["growth_pct"] for r, v in roles.items()})
+    pss_worst, pss_worst_pct = _largest({r: v["growth_pct"] for r, v in pss.items()})
+    most, most_mib = _largest({r: v["end_mib"] - v["start_mib"] for r, v in roles.items() if v["end_mib"] is not None})
     pid_changes = sum(s.pid_changes for s in soak.series.values())
     soak.scrape_errors += not soak.scraped  # /metrics never answered
     detail.update(
@@ -534,9 +538,9 @@ def run(args) -> dict:
         detail["messages"] = (problems + first_errors)[:5]
     batches = sum(r["batches"] for r in results)
     line = {
-        "rss_growth_pct": grown.get(worst), "rss_growth_role": worst,
-        "rss_growth_mib": round(absolute[most], 2) if most else None, "rss_growth_mib_role": most,
-        "pss_growth_pct": pss_grown.get(pss_worst), "pss_growth_role": pss_worst,
+        "rss_growth_pct": worst_pct, "rss_growth_role": worst,
+        "rss_growth_mib": None if most_mib is None else round(most_mib, 2), "rss_growth_mib_role": most,
+        "pss_growth_pct": pss_worst_pct, "pss_growth_role": pss_worst,
         "pss": {r: {k: v[k] for k in ("start_mib", "end_mib", "growth_pct")} for r, v in pss.items()},
         "batches": batches, "errors": errors, "error_detail": detail,
         "batches_per_s": round(batches / duration_s, 1),

@@ -175,7 +175,7 @@ class JobCollector:
                 families["samples"].add_metric(at, s["prepared"])
                 families["transform_s"].add_metric(at, s["transform_s"])
                 families["buffered"].add_metric(at, s["buffered"])
-                families["buffered_bytes"].add_metric(at, s.get("buffered_bytes", 0))
+                families["buffered_bytes"].add_metric(at, s["buffered_bytes"])
                 families["workers"].add_metric(at, s["workers"])
                 families["skipped"].add_metric(at, s["skipped"])
         yield from families.values()

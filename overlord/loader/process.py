@@ -29,6 +29,7 @@ import logging
 import os
 import time
 
+import pyarrow as pa
 import redis
 
 from overlord.autoscale.profile import JOURNAL_EVERY_S
@@ -362,8 +363,6 @@ class LoaderProcess:
                 "epoch": loader.epoch, "buffered_bytes": sum(p.nbytes for p in self.buffers[i].values()),
             }
         kept = sum(p.nbytes for p in self.kept.values())  # sent, kept until every constructor finished the step
-        import pyarrow as pa
-
         record = {"node": self.job.node, "pid": os.getpid(), "time": time.time(), "step": self.step,
                   "kept_bytes": kept, "arrow_bytes": pa.total_allocated_bytes(),  # row groups read, in Arrow's pool
                   "streams": streams}

@@ -110,7 +110,6 @@ def fork_role(role: str, index: int, run_dir: Path, redis_url: str, attempt: int
     try:
         die_with_parent(signal.SIGKILL)
         _set_name(f"ovl-{role}{index}")
-        heap.tune()
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)
         os.dup2(fd, 2)

@@ -282,17 +282,8 @@ class DataLoader(NodeReader):
                     time.sleep(0.01)  # the sidecar restarts it; it sends the unfinished step again
                     continue
                 if time.monotonic() > deadline:
-                    if self._constructor_turning():
-                        # slow, not hung: its Data Constructor waits on a role that answers for
-                        # itself the same way, so a hang upstream still reaches us as an error
-                        warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung")
-                        deadline = time.monotonic() + self.timeout_s
-                        continue
-                    raise RemoteRoleError(
-                        f"{origin}: no batch within {self.timeout_s:g}s and its Data Constructor host has not "
-                        f"turned its loop for as long (sidecar pid {ring.creator_pid}): run `overlord status` "
-                        "and see the logs in the run directory"
-                    ) from None
+                    deadline = self._slow_or_hung(origin, f"sidecar pid {ring.creator_pid}",
+                                                  "see the logs in the run directory")
             except RingError as exc:
                 raise RemoteRoleError(f"{origin}: {exc}") from None
 
@@ -329,15 +320,25 @@ class DataLoader(NodeReader):
         self._ring = self._connect()
         return self._ring
 
-    def _constructor_turning(self) -> bool:
-        """Whether the Data Constructor host feeding this rank turned its loop recently."""
+    def _slow_or_hung(self, origin: str, serving: str, look: str) -> float:
+        """After `timeout_s` without a batch: a new deadline when the Data Constructor host
+        feeding this rank turned its loop within that time (slow, not hung: it waits on
+        roles that answer for themselves the same way, so a hang upstream still reaches
+        the trainer as an error), else RemoteRoleError naming what serves the rank."""
         from overlord.sidecar.flow import alive_within
         from overlord.store import Keys
 
         try:
-            return alive_within(self._control(), Keys(self.job.name), "constructor", self._host, self.timeout_s)
+            turning = alive_within(self._control(), Keys(self.job.name), "constructor", self._host, self.timeout_s)
         except OverlordError:
-            return False  # no control path either: report the stall
+            turning = False  # no control path either: report the stall
+        if turning:
+            warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung")
+            return time.monotonic() + self.timeout_s
+        raise RemoteRoleError(
+            f"{origin}: no batch within {self.timeout_s:g}s ({serving}) and its Data Constructor host "
+            f"(constructor{self._host}) has not turned its loop for as long: run `overlord status` and {look}"
+        ) from None
 
     def _finish(self) -> None:
         self._done = True

@@ -1,7 +1,7 @@
 """The DataLoader's reading on a job of several nodes (mixed into
 overlord.torch.DataLoader, whose `job`, `rank`, `timeout_s`, `coords`, `last_meta`,
 `_ring`, `_remote_reader`, `_last`, `_host`, `serving_node`, `switches`, `_drained`,
-`_control`, `_spawn` and `_constructor_turning` it uses).
+`_control`, `_spawn` and `_slow_or_hung` it uses).
 
 A rank reads from wherever its Data Constructor host runs: its own node's ring, or
 another node's over Arrow Flight while its node's sidecar is down. A ring whose
@@ -53,15 +53,9 @@ class NodeReader:
                 self.switches += 1
                 time.sleep(0.02)  # the node it read from is changing: look again shortly
             if time.monotonic() > deadline:
-                if self._constructor_turning():
-                    warnings.warn(f"rank {self.rank}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung")
-                    deadline = time.monotonic() + self.timeout_s
-                    continue
-                raise RemoteRoleError(
-                    f"rank {self.rank} (dp={self.coords['dp']}) of job {self.job.name!r}: no batch within "
-                    f"{self.timeout_s:g}s from node {self.serving_node!r}, and its Data Constructor host "
-                    f"(constructor{self._host}) has not turned its loop for as long: run `overlord status`"
-                )
+                deadline = self._slow_or_hung(f"rank {self.rank} (dp={self.coords['dp']}) of job {self.job.name!r}",
+                                              f"from node {self.serving_node!r}",
+                                              f"the sidecar log of node {self.serving_node!r}")
 
     def _attach_nodes(self, deadline: float) -> None:
         """Open the source this rank reads: its node's ring, or Flight to the node that
