@@ -42,6 +42,7 @@ PRUNE_MAX = 64  # old plans deleted per published step, at most
 WAIT_MS = 20
 AHEAD_POLL_S = 0.002
 PROMOTE_CHECK_S = 0.01
+UNSEEN_GRACE_S = 10 * HEARTBEAT_S  # how long a loader may take to beat first before its shadow takes over
 
 
 def run_planner(ctx) -> None:
@@ -314,6 +315,10 @@ class _Promoter:
         self.shadowed = list(ctx.layout.shadowed)
         self.next_check = 0.0
         self.promoted: dict[int, tuple[int, float]] = {}  # loader -> (pid promoted, when), until it beats as loader
+        # a loader this Planner never saw beat is starting, not lapsed (its shadow, forked
+        # after it, may beat first on a loaded machine): promote it only after a grace
+        self.beaten: set[int] = set()
+        self.watching_since = time.monotonic()
 
     def check(self) -> None:
         if not self.shadowed or time.monotonic() < self.next_check:
@@ -329,10 +334,13 @@ class _Promoter:
         for n, k in enumerate(self.shadowed):
             loader_hb, shadow_hb = beats[2 * n], beats[2 * n + 1]
             if loader_hb is not None:
+                self.beaten.add(k)
                 if k in self.promoted and json.loads(loader_hb)["pid"] == self.promoted[k][0]:
                     del self.promoted[k]  # the promoted one leads: a later lapse is a new failure
                 continue
             if shadow_hb is None:
+                continue
+            if k not in self.beaten and time.monotonic() - self.watching_since < UNSEEN_GRACE_S:
                 continue
             if k in self.promoted and time.monotonic() - self.promoted[k][1] < 3 * HEARTBEAT_S:
                 continue  # the promoted one has not beaten as a loader yet (and a new shadow may be up)
