@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="minutes not measured (default: 20%% of the run, at least 1, at most half)")
     p.add_argument("--step-ms", type=float, default=50.0, help="each rank's simulated training step")
     # With 5,000 rows the job's state in Redis stays closer to one size through a
-    # 10-minute run (`used_memory` +0.7% and +2.7% after the warm-up). With 500, the 762k
+    # 10-minute run (`used_memory` +0.7%, +2.7%, -1.1% in three runs). With 500, the 762k
     # samples of a run read the corpus 15 times over (its heaviest source was at epoch
     # 10 by step 743), so the plans and checkpoint deltas name ever larger epoch numbers:
     # `used_memory` grew up to 5.4% after the warm-up (longer JSON, not a leak) and the
