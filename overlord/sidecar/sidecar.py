@@ -500,6 +500,11 @@ class Sidecar(NodeMember):
             return self.watch()
         finally:
             self.shutdown()
+            # Cleaned up and about to exit. A stop asked for now (a supervisor's SIGTERM
+            # racing a job that ended on its own) must not end the exit with -15: CPython
+            # puts the default action back while it finalizes, so ignore these instead.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
 
 
 def _streams_of(layout: Layout) -> dict:
