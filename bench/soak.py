@@ -21,9 +21,10 @@ run's logs, trainer results and every sample (``series.json``) under
 
 The job: ``--sources`` Parquet sources of ``--rows-per-source`` rows (one in 30
 image-text; `bench/memory.py`'s corpus, generated once under ``bench/out``) with
-weights falling as 1/sqrt(i+1), read forever (``epochs: None``) by a real sidecar (``overlord sidecar --config``: embedded
-redis-server, Planner, 2 Source Loader processes, the Data Constructor host, and the
-Prometheus endpoint, scraped every sample as Prometheus would) and ``--ranks`` trainer
+weights falling as 1/sqrt(i+1), read forever (``epochs: None``) by a real sidecar
+(``overlord sidecar --config``: embedded redis-server, Planner, 2 Source Loader
+processes, the Data Constructor host, and the Prometheus endpoint, scraped every sample
+as Prometheus would) and ``--ranks`` trainer
 processes (mesh dp x ``--tp``) that read with `overlord.torch.DataLoader`, sum each
 micro-batch's loss mask (touching its bytes) and sleep ``--step-ms`` (the training step).
 At the end the trainers close their loaders and must exit 0; then the sidecar gets
