@@ -20,7 +20,10 @@ use remote resources only when the sidecar's run out). Each node registers a bud
 (loader CPUs, memory); the autoscaler measures what each loader process demands (busy
 transform workers) and every role reports its RSS. A node over its budget for a
 while hands its loader processes, one at a time, to live nodes that stay within
-theirs with it; a loader goes home once its node has room for it again, with a margin
+theirs with it. Where no node can hold a loader within its budget, it still goes to the
+node that holds it best if that at least halves the worse of the two nodes' pressures
+(`GAIN`): a loader demanding 4 CPUs runs far better on a node offering 3 than on one
+offering 0.05. A loader goes home once its node has room for it again, with a margin
 (`ROOM`) so a unit does not swing between two nodes on a noisy reading. A Data
 Constructor never moves for capacity: it belongs next to its trainers.
 
@@ -76,7 +79,8 @@ def place(home: dict[str, str], current: dict[str, str], live: set[str], registe
 
 
 ROOM = 0.75  # a node takes its loader back once its pressure with it stays at or below this
-SPARE = 1.0  # a node takes a loader for capacity only if its pressure with it stays within this
+SPARE = 1.0  # a node takes a loader for capacity if its pressure with it stays within this, ...
+GAIN = 0.5  # ... or if the move takes the worse of the two nodes' pressures to this share of it or less
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,9 @@ def relieve(placed: dict[str, str], current: dict[str, str], home: dict[str, str
     - Each node in `over` (over budget for as long as the caller asks) that is still over
       hands one loader process to the live node whose pressure with it is lowest, if that
       stays within `SPARE`; of its loaders, the one that brings it lowest while fitting.
+      If none fits anywhere, the move that leaves the worse of the two nodes lowest, if
+      that is at most `GAIN` times the node's pressure now (a strict gain: a loader too
+      big for every node does not bounce between them).
       One move per node per call, so the next measurement sees its effect.
     """
     placed = dict(placed)
@@ -119,7 +126,8 @@ def relieve(placed: dict[str, str], current: dict[str, str], home: dict[str, str
         if pressure(home[unit], trial, use, budget) <= ROOM:
             placed = trial
     for node in sorted(over & live, key=lambda n: -pressure(n, placed, use, budget)):
-        if pressure(node, placed, use, budget) <= 1:
+        now = pressure(node, placed, use, budget)
+        if now <= 1:
             continue
         best = None
         for unit in sorted(u for u, n in placed.items() if n == node and u.startswith("loader")):
@@ -128,9 +136,10 @@ def relieve(placed: dict[str, str], current: dict[str, str], home: dict[str, str
             for target in sorted(live - {node}):
                 trial = {**placed, unit: target}
                 after = pressure(target, trial, use, budget)
-                if after > SPARE:
+                worse = max(pressure(node, trial, use, budget), after)
+                if after > SPARE and worse > GAIN * now:
                     continue
-                score = (max(pressure(node, trial, use, budget), after), after, unit, target)
+                score = (after > SPARE, worse, after, unit, target)  # a node that holds it first
                 if best is None or score < best[0]:
                     best = (score, unit, target)
         if best is not None:

@@ -94,3 +94,24 @@ def test_no_node_takes_a_loader_it_cannot_hold_and_memory_counts_too():
     # a dead node's loader fostered elsewhere goes home when its node is back, if it fits
     down = place(home, home, live={"n0", "n2"}, registered=everyone)
     assert relieve(place(home, down, everyone, everyone), down, home, everyone, {}, budget, set())[0] == home
+
+
+def test_a_loader_no_node_can_hold_still_leaves_a_starved_node_for_the_roomiest_and_does_not_bounce():
+    from overlord.planner.placement import Use, relieve
+
+    job = _job()
+    home = homes(job, Layout.plan(job))
+    everyone = {"n0", "n1", "n2"}
+    # the CI case: n0 offers its loaders 0.05 CPUs, the others 3.25; the scaler projects
+    # 4.3 CPUs for the costly loader, more than any node offers
+    budget = {"n0": Use(cpus=0.05), "n1": Use(cpus=3.25), "n2": Use(cpus=3.25)}
+    use = {"loader0": Use(cpus=4.3), "loader1": Use(cpus=4.3), "loader2": Use(cpus=0.3)}
+    placed, why = relieve(home, home, home, everyone, use, budget, over={"n0"})
+    assert placed == {**home, "loader0": "n2"}  # 86 -> 1.42 on n2 (n1 would be 2.65)
+    assert why == {"loader0": "n0 over budget (86.00)"}
+    # n2 is over budget now, but no move halves anyone's pressure: nothing moves on
+    assert relieve(home, placed, home, everyone, use, budget, over={"n0", "n1", "n2"}) == (placed, {})
+    # two equal nodes and a loader too big for either: it stays put
+    even = {"n0": Use(cpus=1.0), "n1": Use(cpus=1.0), "n2": Use(cpus=1.0)}
+    big = {"loader0": Use(cpus=1.5), "loader1": Use(cpus=0.1), "loader2": Use(cpus=0.1)}
+    assert relieve(home, home, home, everyone, big, even, over={"n0"}) == (home, {})
