@@ -49,6 +49,7 @@ class Scaler:
     pace_decay: float = 0.95  # per interval
     _counts: dict[str, int] = field(default_factory=dict)
     _since: float | None = None
+    _steps: int = 0  # steps counted since `_since`
     _pending: dict[str, tuple[int, int]] = field(default_factory=dict)  # source -> (target, intervals seen)
 
     def demand(self, name: str) -> float:
@@ -65,14 +66,17 @@ class Scaler:
         the job reached lately times those counts, so workers are in place when the
         mixture shifts, instead of after a starved source shows its need.
         """
-        if self._since is None:
+        if self._since is None:  # the first step starts the clock: the time it took is not known
             self._since = now
+            return {}
         for name, n in counts.items():
             self._counts[name] = self._counts.get(name, 0) + n
+        self._steps += 1
         if (step + 1) % self.interval or now <= self._since:
             return {}
         elapsed, self._since = now - self._since, now
-        self.best_pace = max(self.best_pace * self.pace_decay, self.interval / elapsed)
+        self.best_pace = max(self.best_pace * self.pace_decay, self._steps / elapsed)
+        self._steps = 0
         for name in self.current:
             rate = self._counts.get(name, 0) / elapsed
             prev = self.rate.get(name)

@@ -68,3 +68,11 @@ def test_pressure_says_when_the_mixture_needs_more_than_the_budget():
     assert s.pressure < 0.1
     _run(s, 16, {"text": 6, "images": 26}, start=8)  # 3.2 busy workers for 2 CPUs
     assert 1.4 < s.pressure < 1.7
+
+
+def test_the_first_step_starts_the_clock_and_rates_are_exact():
+    s = _scaler()
+    # 26 images a step every 40 ms is 650/s; the first step's time is not known, so its
+    # samples do not count (they made the first window's rate 4/3 too high)
+    _run(s, 4, {"text": 6, "images": 26})
+    assert abs(s.rate["images"] - 650) < 1e-6 and abs(s.best_pace - 25) < 1e-6
