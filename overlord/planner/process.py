@@ -173,8 +173,9 @@ def _lead(ctx, lease: Lease, token: int) -> None:
             _publish_once(r, keys, lease, publish, plan.step)
             pruned = max(pruned, old.stop)
             if scaling is not None and plan.step > first + job.plan_ahead:
-                # the steps before are planned as fast as loaders report samples, not at
-                # the trainers' pace: a scaler timing them reckoned books' demand 5x too high
+                # the steps that fill the look-ahead are planned as soon as loaders report
+                # samples, not at the pace the job consumes them: timed, they read as a
+                # burst, and the scaler took it for demand (several times the real one)
                 scaling.observe(plan, core)
             waiting_since = time.monotonic()
             if plan.last:
