@@ -271,6 +271,91 @@ int ovl_ring_try_read(ovl_ring *r, uint64_t *offset, uint64_t *len) {
     }
 }
 
+/* ---------------------------------------------------------------- consumer, leases */
+
+uint64_t ovl_ring_tail(const ovl_ring *r) { return atomic_load_explicit(&r->hdr->tail, memory_order_acquire); }
+
+int ovl_ring_space_wanted(const ovl_ring *r) {
+    return atomic_load_explicit(&r->hdr->space_waiters, memory_order_acquire) != 0;
+}
+
+int ovl_ring_peek(ovl_ring *r, uint64_t cursor, uint64_t *offset, uint64_t *len, uint64_t *next) {
+    ovl_ring_header *h = r->hdr;
+    for (;;) {
+        uint64_t tail = atomic_load_explicit(&h->tail, memory_order_relaxed);
+        uint64_t head = atomic_load_explicit(&h->head, memory_order_acquire);
+        if (cursor < tail || cursor > head || (cursor & (OVL_RING_ALIGN - 1)) != 0 || head - tail > r->capacity) {
+            return OVL_ECORRUPT;
+        }
+        if (head == cursor) {
+            int err = atomic_load_explicit(&h->error_state, memory_order_acquire) == 2;
+            int closed = atomic_load_explicit(&h->closed, memory_order_acquire) != 0;
+            *next = cursor;
+            if (!err && !closed) {
+                return OVL_EAGAIN;
+            }
+            if (atomic_load_explicit(&h->head, memory_order_acquire) != cursor) {
+                continue;
+            }
+            return err ? OVL_EERROR : OVL_ECLOSED;
+        }
+        uint64_t pos = cursor & r->mask;
+        uint64_t contig = r->capacity - pos;
+        uint32_t rec[2];
+        memcpy(rec, r->data + pos, sizeof(rec));
+        uint64_t skip = 0;
+        if (rec[1] == OVL_RING_FLAG_WRAP) {
+            if (rec[0] != contig - OVL_RING_RECORD_HEADER || head - cursor < contig) {
+                return OVL_ECORRUPT;
+            }
+            if (head - cursor == contig) {
+                *next = head; /* only the WRAP so far: the caller steps past it, so it can be freed */
+                return OVL_EAGAIN;
+            }
+            skip = contig;
+            pos = 0;
+            contig = r->capacity;
+            memcpy(rec, r->data, sizeof(rec));
+        }
+        uint64_t span = record_span(rec[0]);
+        if (rec[1] != 0 || span > contig || span > head - cursor - skip) {
+            return OVL_ECORRUPT;
+        }
+        *offset = OVL_RING_HEADER_SIZE + pos + OVL_RING_RECORD_HEADER;
+        *len = rec[0];
+        *next = cursor + skip + span;
+        return OVL_OK;
+    }
+}
+
+int ovl_ring_wait_data_at(ovl_ring *r, uint64_t cursor, int64_t timeout_ns) {
+    ovl_ring_header *h = r->hdr;
+    int rc = OVL_OK;
+    atomic_fetch_add_explicit(&h->data_waiters, 1, memory_order_seq_cst);
+    uint32_t seq = atomic_load_explicit(&h->data_seq, memory_order_seq_cst);
+    uint64_t head = atomic_load_explicit(&h->head, memory_order_seq_cst);
+    int idle = head == cursor &&
+               atomic_load_explicit(&h->closed, memory_order_seq_cst) == 0 &&
+               atomic_load_explicit(&h->error_state, memory_order_seq_cst) != 2;
+    if (idle) {
+        rc = futex_wait(&h->data_seq, seq, timeout_ns);
+    }
+    atomic_fetch_sub_explicit(&h->data_waiters, 1, memory_order_seq_cst);
+    return rc;
+}
+
+int ovl_ring_release_to(ovl_ring *r, uint64_t new_tail) {
+    uint64_t tail = atomic_load_explicit(&r->hdr->tail, memory_order_relaxed);
+    uint64_t head = atomic_load_explicit(&r->hdr->head, memory_order_acquire);
+    if (new_tail < tail || new_tail > head || (new_tail & (OVL_RING_ALIGN - 1)) != 0) {
+        return OVL_ESTATE;
+    }
+    if (new_tail != tail) {
+        advance_tail(r, new_tail);
+    }
+    return OVL_OK;
+}
+
 int ovl_ring_wait_data(ovl_ring *r, int64_t timeout_ns) {
     ovl_ring_header *h = r->hdr;
     int rc = OVL_OK;

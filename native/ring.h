@@ -21,7 +21,8 @@
  *   192   +--------------------------------------------------------------+
  *         | error_msg[2048]: UTF-8, NUL-terminated, first error wins     |
  *   2240  | producer_pidns u64 | consumer_pidns u64 (set by claims)       |
- *   2256  | reserved (zero) up to 4096                                   |
+ *   2256  | consumer_mark u64: the consumer's progress, opaque to the ring |
+ *   2264  | reserved (zero) up to 4096                                   |
  *   4096  +== data area: capacity bytes (power of two, >= 4096) ========+
  *         | rec | rec | ... | WRAP pad | (wraps to data offset 0)       |
  *         +--------------------------------------------------------------+
@@ -110,7 +111,10 @@ typedef struct ovl_ring_header {
     /* pid namespaces of the claimants: a peer in another namespace cannot be probed by pid. */
     _Atomic uint64_t producer_pidns;
     _Atomic uint64_t consumer_pidns;
-    uint8_t reserved[OVL_RING_HEADER_SIZE - 192 - OVL_RING_ERROR_BYTES - 16];
+    /* What the consumer has finished with, in its own units (a trainer: its last batch);
+     * the producer reads it to tell how far ahead of the consumer it runs. */
+    _Atomic uint64_t consumer_mark;
+    uint8_t reserved[OVL_RING_HEADER_SIZE - 192 - OVL_RING_ERROR_BYTES - 24];
 } ovl_ring_header;
 
 /* The layout is a cross-process ABI: pin every offset the Python side and other builds rely on. */
@@ -135,6 +139,7 @@ _Static_assert(offsetof(ovl_ring_header, space_seq) == 136, "layout");
 _Static_assert(offsetof(ovl_ring_header, error_msg) == 192, "layout");
 _Static_assert(offsetof(ovl_ring_header, producer_pidns) == 2240, "layout");
 _Static_assert(offsetof(ovl_ring_header, consumer_pidns) == 2248, "layout");
+_Static_assert(offsetof(ovl_ring_header, consumer_mark) == 2256, "layout");
 _Static_assert(sizeof(ovl_ring_header) == OVL_RING_HEADER_SIZE, "header is exactly one page");
 _Static_assert(OVL_RING_HEADER_SIZE % 64 == 0, "data area starts cache-line aligned");
 
@@ -177,6 +182,20 @@ void ovl_ring_close_writer(ovl_ring *r);
 int ovl_ring_try_read(ovl_ring *r, uint64_t *offset, uint64_t *len);
 int ovl_ring_wait_data(ovl_ring *r, int64_t timeout_ns);
 int ovl_ring_release(ovl_ring *r);
+
+/* Consumer with leases: several records handed out at once, released in any order.
+ * The caller keeps its own read cursor (a head/tail counter value, >= tail): peek
+ * returns the record at the cursor and the cursor after it (past a WRAP record too)
+ * without moving tail (OVL_EAGAIN with *next past a lone WRAP record: step over it,
+ * it holds no data); release_to moves tail forward to a cursor value once every
+ * record before it is released. Never mix with try_read/release on one ring. */
+int ovl_ring_peek(ovl_ring *r, uint64_t cursor, uint64_t *offset, uint64_t *len, uint64_t *next);
+int ovl_ring_wait_data_at(ovl_ring *r, uint64_t cursor, int64_t timeout_ns);
+int ovl_ring_release_to(ovl_ring *r, uint64_t tail);
+/* The first record-aligned cursor: where a new consumer starts. */
+uint64_t ovl_ring_tail(const ovl_ring *r);
+/* Whether the producer is asleep waiting for space. */
+int ovl_ring_space_wanted(const ovl_ring *r);
 
 /* Anyone. set_error returns OVL_EERROR if an error was already set (first error wins). */
 int ovl_ring_set_error(ovl_ring *r, const char *msg, uint64_t len);

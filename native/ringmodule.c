@@ -13,7 +13,10 @@
 
 #include "ring.h"
 
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 /* Below this a copy is faster than the GIL round trip. */
 #define GIL_RELEASE_BYTES (64 * 1024)
@@ -201,6 +204,83 @@ static PyObject *Handle_release(HandleObject *self, PyObject *Py_UNUSED(ignored)
     return PyBool_FromLong(ovl_ring_release(&self->ring) == OVL_OK);
 }
 
+static PyObject *Handle_peek(HandleObject *self, PyObject *arg) {
+    unsigned long long cursor = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred() || !handle_ready(self)) {
+        return NULL;
+    }
+    uint64_t off = 0, len = 0, next = cursor;
+    int rc = ovl_ring_peek(&self->ring, cursor, &off, &len, &next);
+    return Py_BuildValue("(iKKK)", rc, (unsigned long long)off, (unsigned long long)len, (unsigned long long)next);
+}
+
+static PyObject *Handle_wait_data_at(HandleObject *self, PyObject *args) {
+    unsigned long long cursor;
+    PyObject *t;
+    int64_t ns;
+    if (!PyArg_ParseTuple(args, "KO:wait_data_at", &cursor, &t) || !timeout_ns(t, &ns) || !handle_ready(self)) {
+        return NULL;
+    }
+    int rc;
+    self->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    rc = ovl_ring_wait_data_at(&self->ring, cursor, ns);
+    Py_END_ALLOW_THREADS
+    self->busy--;
+    return PyBool_FromLong(rc == OVL_OK);
+}
+
+static PyObject *Handle_release_to(HandleObject *self, PyObject *arg) {
+    unsigned long long tail = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred() || !handle_ready(self)) {
+        return NULL;
+    }
+    return PyBool_FromLong(ovl_ring_release_to(&self->ring, tail) == OVL_OK);
+}
+
+static PyObject *Handle_set_mark(HandleObject *self, PyObject *arg) {
+    unsigned long long mark = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred() || !handle_ready(self)) {
+        return NULL;
+    }
+    atomic_store_explicit(&self->ring.hdr->consumer_mark, mark, memory_order_release);
+    Py_RETURN_NONE;
+}
+
+/* Give the pages under [offset, offset + length) of this process's mapping a private
+ * copy of their bytes (anonymous memory at the same address), so whatever points there
+ * keeps its bytes after the ring reuses the space. The caller must not read later
+ * records through this mapping: it maps the segment again. False when the range would
+ * touch the header page (pages larger than the header) or the mapping's ends. */
+static PyObject *Handle_detach(HandleObject *self, PyObject *args) {
+    unsigned long long off, len;
+    if (!PyArg_ParseTuple(args, "KK:detach", &off, &len) || !handle_ready(self)) {
+        return NULL;
+    }
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t base = (uintptr_t)self->view.buf;
+    uintptr_t start = (base + (uintptr_t)off) & ~(page - 1);
+    uintptr_t end = (base + (uintptr_t)off + (uintptr_t)len + page - 1) & ~(page - 1);
+    if (len == 0 || off > (unsigned long long)self->view.len || len > self->view.len - off ||
+        start < base + OVL_RING_HEADER_SIZE || end > base + (uintptr_t)self->view.len || (base & (page - 1)) != 0) {
+        Py_RETURN_FALSE;
+    }
+    size_t n = (size_t)(end - start);
+    void *copy = malloc(n);
+    if (copy == NULL) {
+        return PyErr_NoMemory();
+    }
+    memcpy(copy, (void *)start, n);
+    void *got = mmap((void *)start, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+    if (got == MAP_FAILED) {
+        free(copy);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    memcpy((void *)start, copy, n);
+    free(copy);
+    Py_RETURN_TRUE;
+}
+
 static PyObject *Handle_set_error(HandleObject *self, PyObject *arg) {
     Py_buffer msg;
     if (PyObject_GetBuffer(arg, &msg, PyBUF_SIMPLE) < 0) {
@@ -244,7 +324,7 @@ static PyObject *Handle_get_error(HandleObject *self, void *Py_UNUSED(closure)) 
 /* Integer header fields, selected by closure so one getter serves them all. */
 enum {
     F_CAPACITY, F_MAX_RECORD, F_CREATOR, F_PRODUCER, F_CONSUMER,
-    F_CLOSED, F_PENDING, F_PRODUCER_NS, F_CONSUMER_NS,
+    F_CLOSED, F_PENDING, F_PRODUCER_NS, F_CONSUMER_NS, F_TAIL, F_SPACE_WANTED, F_MARK,
 };
 
 static PyObject *Handle_get_int(HandleObject *self, void *closure) {
@@ -270,6 +350,12 @@ static PyObject *Handle_get_int(HandleObject *self, void *closure) {
         return PyLong_FromUnsignedLongLong(atomic_load_explicit(&h->producer_pidns, memory_order_acquire));
     case F_CONSUMER_NS:
         return PyLong_FromUnsignedLongLong(atomic_load_explicit(&h->consumer_pidns, memory_order_acquire));
+    case F_TAIL:
+        return PyLong_FromUnsignedLongLong(ovl_ring_tail(r));
+    case F_SPACE_WANTED:
+        return PyBool_FromLong(ovl_ring_space_wanted(r));
+    case F_MARK:
+        return PyLong_FromUnsignedLongLong(atomic_load_explicit(&h->consumer_mark, memory_order_acquire));
     default:
         return PyLong_FromUnsignedLongLong(ovl_ring_pending(r));
     }
@@ -286,6 +372,11 @@ static PyMethodDef Handle_methods[] = {
     {"try_read", (PyCFunction)Handle_try_read, METH_NOARGS, "(status, offset, length)."},
     {"wait_data", (PyCFunction)Handle_wait_data, METH_O, "Sleep until data may be ready."},
     {"release", (PyCFunction)Handle_release, METH_NOARGS, "Release the current record."},
+    {"peek", (PyCFunction)Handle_peek, METH_O, "(status, offset, length, next cursor) at a cursor."},
+    {"wait_data_at", (PyCFunction)Handle_wait_data_at, METH_VARARGS, "Sleep until data may be past a cursor."},
+    {"release_to", (PyCFunction)Handle_release_to, METH_O, "Move tail forward to a cursor: ok."},
+    {"set_mark", (PyCFunction)Handle_set_mark, METH_O, "Store the consumer's progress mark."},
+    {"detach", (PyCFunction)Handle_detach, METH_VARARGS, "Privatise the pages under a range: ok."},
     {"set_error", (PyCFunction)Handle_set_error, METH_O, "Set the error slot (first wins)."},
     {"set_pid", (PyCFunction)Handle_set_pid, METH_VARARGS, "Record a claimant's pid and pid namespace."},
     {NULL, NULL, 0, NULL},
@@ -302,6 +393,9 @@ static PyGetSetDef Handle_getset[] = {
     INT_GETTER("pending", F_PENDING),
     INT_GETTER("producer_pidns", F_PRODUCER_NS),
     INT_GETTER("consumer_pidns", F_CONSUMER_NS),
+    INT_GETTER("tail", F_TAIL),
+    INT_GETTER("space_wanted", F_SPACE_WANTED),
+    INT_GETTER("consumer_mark", F_MARK),
     {"error", (getter)Handle_get_error, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

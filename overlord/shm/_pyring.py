@@ -410,6 +410,15 @@ class Ring:
         """Bytes in use in the data area (records not yet released, with padding)."""
         return self._handle().pending
 
+    @property
+    def consumer_mark(self) -> int:
+        """The consumer's progress mark (0 until it sets one); the producer reads it."""
+        return self._handle().consumer_mark
+
+    def set_consumer_mark(self, mark: int) -> None:
+        """Store what the consumer has finished with, in the caller's own units (>= 0)."""
+        self._handle().set_mark(int(mark))
+
     def _handle(self) -> Any:
         if self._mm is None:
             raise RingError(f"ring {self._name!r} was closed in this process")
