@@ -182,6 +182,9 @@ int ovl_ring_wait_space(ovl_ring *r, uint64_t len, int64_t timeout_ns) {
     uint64_t head = atomic_load_explicit(&h->head, memory_order_relaxed);
     uint64_t tail = atomic_load_explicit(&h->tail, memory_order_seq_cst);
     if (r->capacity - (head - tail) < space_needed(r, head, span)) {
+        /* A leasing consumer may hold the space it waits for while it waits for data:
+         * wake it, so it can copy out what it holds (ovl_ring_wait_data_at). */
+        notify(&h->data_seq, &h->data_waiters);
         rc = futex_wait(&h->space_seq, seq, timeout_ns);
     }
     atomic_fetch_sub_explicit(&h->space_waiters, 1, memory_order_seq_cst);
@@ -334,7 +337,8 @@ int ovl_ring_wait_data_at(ovl_ring *r, uint64_t cursor, int64_t timeout_ns) {
     atomic_fetch_add_explicit(&h->data_waiters, 1, memory_order_seq_cst);
     uint32_t seq = atomic_load_explicit(&h->data_seq, memory_order_seq_cst);
     uint64_t head = atomic_load_explicit(&h->head, memory_order_seq_cst);
-    int idle = head == cursor &&
+    /* Not while the producer waits for space: the caller may hold it (see wait_space). */
+    int idle = head == cursor && atomic_load_explicit(&h->space_waiters, memory_order_seq_cst) == 0 &&
                atomic_load_explicit(&h->closed, memory_order_seq_cst) == 0 &&
                atomic_load_explicit(&h->error_state, memory_order_seq_cst) != 2;
     if (idle) {

@@ -114,6 +114,18 @@ class Ring:
             pass  # views still exported: munmap happens when they are collected
         self._mm = None
 
+    def _remap(self) -> None:
+        """Map the segment again for later records (a leasing consumer detached pages of
+        this mapping; whatever still points into it keeps it alive)."""
+        self._drop_read_view()
+        try:
+            mm = attach_segment(self._name, timeout=1.0)
+        except RingTimeout:
+            raise RingError(f"ring {self._name!r} was removed while its consumer held records") from None
+        old = self._h
+        self._mm, self._mv, self._h = mm, memoryview(mm), _native.Handle(mm)
+        old.close()
+
     def unlink(self) -> None:
         """Remove the segment name (idempotent); mappings stay valid until closed."""
         unlink_segment(self._name)
