@@ -24,6 +24,8 @@ ranks of its node plus the job-wide figures:
     overlord_source_skipped_total{..}             bad rows skipped (on_error: skip)
     overlord_trainer_batches_total{rank}
     overlord_trainer_wait_seconds_total{rank}     time in DataLoader.__next__ (stall)
+    overlord_trainer_copies_total{rank}           batches copied out of the ring: the trainer
+                                                  held more than the ring can lease
     overlord_loader_pressure                      busy workers demanded / loader CPUs
     overlord_node_pressure{node}                  the same per node (several nodes)
     overlord_role_restarts_total{role}
@@ -181,12 +183,16 @@ class JobCollector:
         yield from families.values()
         batches = counter("trainer_batches", "micro-batches the trainer read", ("rank",))
         wait = counter("trainer_wait_seconds", "seconds the trainer waited in DataLoader.__next__", ("rank",))
+        copies = counter("trainer_copies", "batches copied out of the ring: the trainer held more than it can lease",
+                         ("rank",))
         for rank, record in sorted(snap["ranks"].items()):
             if self._mine(record.get("node")):
                 batches.add_metric([*labels, str(rank)], record["batches"])
                 wait.add_metric([*labels, str(rank)], record["wait_s"])
+                copies.add_metric([*labels, str(rank)], record.get("copies", 0))
         yield batches
         yield wait
+        yield copies
         if snap["pressure"] is not None:
             g = gauge("loader_pressure", "busy transform workers demanded over the loaders' CPU budget")
             g.add_metric(labels, snap["pressure"])

@@ -60,6 +60,7 @@ def collect(job: Job) -> dict[str, Any]:
         "errors": [json.loads(e)["message"] for e in r.lrange(keys.errors, 0, -1)],
         "checkpoints": _checkpoints(r, keys),
         "resume": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.resume).items()},
+        "trainers": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.stats).items() if k.startswith(b"rank")},
     }
 
 
@@ -97,6 +98,10 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"  moved {move['unit']} {move['from']} -> {move['to']} ({move['reason']})")
     if status["progress"]:
         lines.append("constructors (last step written): " + ", ".join(f"{k}={v}" for k, v in sorted(status["progress"].items())))
+    for name, t in sorted(status.get("trainers", {}).items(), key=lambda kv: int(kv[0][4:])):
+        lines.append(f"trainer {name}: {t.get('batches', 0)} batches, waited {t.get('wait_s', 0):.1f}s, "
+                     f"{t.get('copies', 0)} copied out of the ring (held more than it can lease)"
+                     + (f", {t['dropped']} received twice and dropped" if t.get("dropped") else ""))
     lines.append("cursors (epoch, seq) per stream:")
     for name, cur in sorted(status["cursors"].items()):
         lines.append(f"  {name:<24} epoch {cur[0]} seq {cur[1]}")

@@ -25,7 +25,8 @@ hang. Slicing in Python (not C) also keeps Ctrl-C responsive.
 
 Lifetime of views: `read()` returns a view valid until the next `read()`/`try_read()`
 /`release()`/`close()`; then the bytes may be overwritten by the producer. Arrays built
-on a view (`decode_batch`) follow the same rule: copy what must outlive it.
+on a view (`decode_batch`) follow the same rule: copy what must outlive it. A consumer that must hold records longer reads them
+with `overlord.shm._lease.LeasedReader` instead.
 
 One Ring object serves one producer thread and/or one consumer thread; it is not a
 general thread-safe object.

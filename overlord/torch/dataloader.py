@@ -2,8 +2,9 @@
 
 It reads finished micro-batches of its rank from a shared-memory ring that the node's
 sidecar fills, and yields dicts of torch tensors. Tensors are zero-copy views into the
-ring, valid until the next batch is requested; pass `copy=True` to own them (or
-`pin_memory=True` on a CUDA machine to get pinned copies).
+ring that stay valid while referenced (each batch leases its ring record until its last
+tensor is freed); pass `copy=True` to own copies (or `pin_memory=True` on a CUDA
+machine to get pinned copies).
 
 If no sidecar serves the job on this node, the first rank to look starts one (detached,
 exiting when its trainers are gone), so a single-machine job needs no setup. Every wait
@@ -45,6 +46,7 @@ from overlord.errors import (
 )
 from overlord.shm import pid_alive as alive
 from overlord.shm import Ring, decode_batch
+from overlord.shm._lease import LeasedReader
 from overlord.sidecar.layout import client_ring
 from overlord.sidecar.sidecar import sidecar_running
 from overlord.torch.nodes import _SLICE_S, NodeReader
@@ -74,7 +76,16 @@ class DataLoader(NodeReader):
 
     Each item is one micro-batch: a dict of tensors (see overlord.constructor.packing).
     `last_meta` holds the current batch's step, micro-batch index and sample keys.
+
+    Tensors are zero-copy views into the shared-memory ring, and stay valid for as long as
+    anything references them, like the tensors torch's DataLoader yields: each batch
+    leases its ring record until its last tensor is freed. A trainer that holds more
+    batches than the ring can lease gets those copied out (counted in `copies`, the
+    metrics and `overlord status`), never overwritten bytes and never a deadlock.
     """
+
+    _leases: LeasedReader | None = None  # reading the local ring, one per ring
+    _copies_before = 0  # copies made by the leasing readers of earlier rings
 
     def __init__(
         self,
@@ -247,7 +258,11 @@ class DataLoader(NodeReader):
         self._last = position
         self.last_meta = meta
         self.batches += 1
+        if self._ring is not None:  # the Data Constructor tells the Planner how far trainers are
+            self._ring.set_consumer_mark(position[0] + 1)
         self.wait_s += time.perf_counter() - started
+        # Zero-copy: the tensors lease the ring record they view until the last of them
+        # (or anything made from them) is freed; see overlord.shm._lease.
         batch = {name: torch.from_numpy(a) for name, a in arrays.items()}
         if self.pin_memory:
             return {k: v.pin_memory() for k, v in batch.items()}
@@ -262,7 +277,7 @@ class DataLoader(NodeReader):
         origin = f"rank {self.rank} (dp={self.coords['dp']}) of job {self.job.name!r}"
         while True:
             try:
-                return ring.read(timeout=min(_SLICE_S, max(0.001, deadline - time.monotonic())))
+                return self._leases_for(ring).read(timeout=min(_SLICE_S, max(0.001, deadline - time.monotonic())))
             except RingClosed:
                 return None
             except (RingTimeout, PeerDied) as exc:
@@ -313,7 +328,7 @@ class DataLoader(NodeReader):
             f"rank {self.rank}: the sidecar (pid {self._ring.creator_pid}) died; starting another that resumes "
             f"at step {self._resume_at[0]} micro-batch {self._resume_at[1]}"
         )
-        self._ring.close()
+        self._ring.close()  # batches the trainer still holds keep their mapping
         self._ring = None
         self._redis = None
         self.recoveries += 1
@@ -353,8 +368,22 @@ class DataLoader(NodeReader):
             self._ring = None
 
     def close(self) -> None:
-        """Detach from the ring (the sidecar keeps serving other ranks)."""
+        """Detach from the ring (the sidecar keeps serving other ranks). Batches the
+        trainer still holds stay valid: their mapping lives as long as they do."""
         self._finish()
+
+    def _leases_for(self, ring: Ring) -> LeasedReader:
+        """The leasing reader of `ring` (a new one for a new ring: a sidecar came back)."""
+        if self._leases is None or self._leases.ring is not ring:
+            if self._leases is not None:
+                self._copies_before += self._leases.copies
+            self._leases = LeasedReader(ring)
+        return self._leases
+
+    @property
+    def copies(self) -> int:
+        """Batches copied out of the ring because the trainer held more than it can lease."""
+        return self._copies_before + (self._leases.copies if self._leases is not None else 0)
 
     def __len__(self) -> int:
         raise TypeError("overlord.torch.DataLoader has no length: sources are mixed by weight step by step")

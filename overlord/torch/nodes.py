@@ -114,7 +114,7 @@ class NodeReader:
     def _read_local_node(self):
         ring = self._ring
         try:
-            return ring.read(timeout=_SLICE_S)
+            return self._leases_for(ring).read(timeout=_SLICE_S)
         except RingClosed:
             return None
         except (RingTimeout, PeerDied) as exc:

@@ -64,6 +64,7 @@ def totals_of(ref) -> Callable[[], dict | None]:
         if loader is None:
             return None
         return {"batches": loader.batches, "wait_s": round(loader.wait_s, 4), "dropped": loader.dropped,
+                "copies": loader.copies,
                 "step": loader.last_meta.get("step", -1), "done": loader._done}
 
     return totals
