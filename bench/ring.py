@@ -15,6 +15,13 @@ What is measured (all in one run, on this machine):
 - next_latency_us: median time of `Ring.read()` when the next batch is already in the
   ring (written by the producer process; read() releases the previous record, wakes
   the producer and returns a view: no copy). next_decode_latency_us adds `decode_batch`.
+- leased_gb_per_s, leased_ratio: the ring read as overlord.torch.DataLoader reads it: a
+  `LeasedReader` hands out each record (the batch leases its ring space until its arrays
+  die, so a trainer may hold it), decoded, wrapped in torch tensors, copied out, and
+  dropped (the lease ends). leased_ratio is against memcpy measured in the same run.
+- next_leased_latency_us: median time of what `DataLoader.__next__` does with a batch
+  that is already in the ring: end the previous batch's lease, `LeasedReader.read()`,
+  `decode_batch`, `torch.from_numpy` of its tensors (no copy).
 - torch_queue_gb_per_s: the same transfer with torch.multiprocessing: a producer process
   allocates each batch tensor in shared memory (as DataLoader workers do), fills it from
   the source and puts it on a torch.multiprocessing Queue; this process gets it and
@@ -44,6 +51,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
 from overlord.shm import Ring, batch_nbytes, decode_batch, segment_name, write_batch  # noqa: E402
+from overlord.shm._lease import LeasedReader  # noqa: E402
 
 WARMUP = 20
 TIMEOUT_S = 60.0
@@ -100,19 +108,50 @@ class _Producer:
             raise RuntimeError(f"producer exited {self.child.returncode}")
 
 
-def bench_ring(nbytes: int, count: int) -> float:
+def bench_ring(nbytes: int, count: int, leased: bool = False) -> float:
+    import torch
+
     dst = np.empty(nbytes // 4, np.float32)
     last = source(nbytes)[-1]
     with _Producer(nbytes, count) as ring:
+        read = LeasedReader(ring).read if leased else ring.read
         for step in range(WARMUP + count):
             if step == WARMUP:
                 t0 = time.perf_counter()
-            tensors, meta = decode_batch(ring.read(timeout=TIMEOUT_S))
-            np.copyto(dst, tensors["x"])
+            tensors, meta = decode_batch(read(timeout=TIMEOUT_S))
+            if leased:  # zero-copy: the trainer uses the tensor where it lies
+                batch = {k: torch.from_numpy(v) for k, v in tensors.items()}
+                x = batch["x"]
+                dst[0], dst[-1] = x[0].item(), x[-1].item()
+                del batch, tensors, x  # the trainer is done with it: the lease ends
+            else:
+                np.copyto(dst, tensors["x"])
             if meta["step"] != step or dst[0] != step or dst[-1] != last:
                 raise RuntimeError(f"batch {step} arrived wrong: meta {meta}, x[0]={dst[0]}")
         elapsed = time.perf_counter() - t0
     return nbytes * count / elapsed / 1e9
+
+
+def bench_leased_latency(nbytes: int, samples: int = 200) -> float:
+    """Median time of DataLoader.__next__'s work on a batch already in the ring."""
+    import torch
+
+    times = []
+    batch = None
+    with _Producer(nbytes, samples) as ring:
+        reader = LeasedReader(ring)
+        for step in range(WARMUP + samples):
+            time.sleep(0.002)  # a trainer's step: the producer refills and waits for space
+            t0 = time.perf_counter()
+            batch = None  # the previous batch's last tensor dies: its lease ends
+            tensors, _ = decode_batch(reader.read(timeout=TIMEOUT_S))
+            batch = {k: torch.from_numpy(v) for k, v in tensors.items()}
+            del tensors
+            t1 = time.perf_counter()
+            if step >= WARMUP:
+                times.append(t1 - t0)
+        batch = None
+    return statistics.median(times) * 1e6
 
 
 def bench_latency(nbytes: int, samples: int = 200) -> tuple[float, float]:
@@ -198,6 +237,8 @@ def main() -> None:
     memcpy = bench_memcpy(nbytes, args.count)
     ring = bench_ring(nbytes, args.count)
     latency, decode_latency = bench_latency(nbytes)
+    leased = bench_ring(nbytes, args.count, leased=True)
+    leased_latency = bench_leased_latency(nbytes)
     torch_q = bench_torch_queue(nbytes, args.count)
     result = {
         "batch_bytes": nbytes,
@@ -207,6 +248,9 @@ def main() -> None:
         "ratio": round(ring / memcpy, 3),
         "next_latency_us": round(latency, 2),
         "next_decode_latency_us": round(decode_latency, 2),
+        "leased_gb_per_s": round(leased, 3),
+        "leased_ratio": round(leased / memcpy, 3),
+        "next_leased_latency_us": round(leased_latency, 2),
         "torch_queue_gb_per_s": round(torch_q, 3),
         "ring_vs_torch_queue": round(ring / torch_q, 2),
         "cpus": os.cpu_count(),
@@ -218,7 +262,9 @@ def main() -> None:
     print(f"  ring (producer -> consumer process, copy out): {ring:8.2f} GB/s")
     print(f"  memcpy (one core, same size):                  {memcpy:8.2f} GB/s  ratio {ring / memcpy:.2f}")
     print(f"  torch.multiprocessing queue:                   {torch_q:8.2f} GB/s  ring is {ring / torch_q:.1f}x")
+    print(f"  leased, as the DataLoader reads:               {leased:8.2f} GB/s  ratio {leased / memcpy:.2f}")
     print(f"  read() of a ready batch: {latency:.1f} us median ({decode_latency:.1f} us with decode_batch)")
+    print(f"  DataLoader's next() work on a ready batch (lease, decode, tensors): {leased_latency:.1f} us median")
 
 
 if __name__ == "__main__":
