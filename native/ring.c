@@ -331,14 +331,14 @@ int ovl_ring_peek(ovl_ring *r, uint64_t cursor, uint64_t *offset, uint64_t *len,
     }
 }
 
-int ovl_ring_wait_data_at(ovl_ring *r, uint64_t cursor, int64_t timeout_ns) {
+int ovl_ring_wait_data_at(ovl_ring *r, uint64_t cursor, int holding, int64_t timeout_ns) {
     ovl_ring_header *h = r->hdr;
     int rc = OVL_OK;
     atomic_fetch_add_explicit(&h->data_waiters, 1, memory_order_seq_cst);
     uint32_t seq = atomic_load_explicit(&h->data_seq, memory_order_seq_cst);
     uint64_t head = atomic_load_explicit(&h->head, memory_order_seq_cst);
-    /* Not while the producer waits for space: the caller may hold it (see wait_space). */
-    int idle = head == cursor && atomic_load_explicit(&h->space_waiters, memory_order_seq_cst) == 0 &&
+    /* Not while the producer waits for space the caller holds (see wait_space). */
+    int idle = head == cursor && (!holding || atomic_load_explicit(&h->space_waiters, memory_order_seq_cst) == 0) &&
                atomic_load_explicit(&h->closed, memory_order_seq_cst) == 0 &&
                atomic_load_explicit(&h->error_state, memory_order_seq_cst) != 2;
     if (idle) {

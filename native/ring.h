@@ -190,11 +190,12 @@ int ovl_ring_release(ovl_ring *r);
  * it holds no data); release_to moves tail forward to a cursor value once every
  * record before it is released. Never mix with try_read/release on one ring. */
 int ovl_ring_peek(ovl_ring *r, uint64_t cursor, uint64_t *offset, uint64_t *len, uint64_t *next);
-int ovl_ring_wait_data_at(ovl_ring *r, uint64_t cursor, int64_t timeout_ns);
+int ovl_ring_wait_data_at(ovl_ring *r, uint64_t cursor, int holding, int64_t timeout_ns);
 int ovl_ring_release_to(ovl_ring *r, uint64_t tail);
-/* wait_data_at returns at once while the producer waits for space (it also wakes a
- * consumer waiting for data when it starts to wait): a leasing consumer that holds that
- * space copies out what it holds (detach) instead of waiting forever. */
+/* wait_data_at, for a caller `holding` leases, returns at once while the producer waits
+ * for space (the producer also wakes a consumer waiting for data when it starts to
+ * wait): a leasing consumer that holds that space copies out what it holds (detach)
+ * instead of waiting forever. */
 /* The first record-aligned cursor: where a new consumer starts. */
 uint64_t ovl_ring_tail(const ovl_ring *r);
 /* Whether the producer is asleep waiting for space. */

@@ -216,15 +216,17 @@ static PyObject *Handle_peek(HandleObject *self, PyObject *arg) {
 
 static PyObject *Handle_wait_data_at(HandleObject *self, PyObject *args) {
     unsigned long long cursor;
+    int holding;
     PyObject *t;
     int64_t ns;
-    if (!PyArg_ParseTuple(args, "KO:wait_data_at", &cursor, &t) || !timeout_ns(t, &ns) || !handle_ready(self)) {
+    if (!PyArg_ParseTuple(args, "KpO:wait_data_at", &cursor, &holding, &t) || !timeout_ns(t, &ns) ||
+        !handle_ready(self)) {
         return NULL;
     }
     int rc;
     self->busy++;
     Py_BEGIN_ALLOW_THREADS
-    rc = ovl_ring_wait_data_at(&self->ring, cursor, ns);
+    rc = ovl_ring_wait_data_at(&self->ring, cursor, holding, ns);
     Py_END_ALLOW_THREADS
     self->busy--;
     return PyBool_FromLong(rc == OVL_OK);

@@ -102,8 +102,7 @@ class LeasedReader:
                     f"ring {ring.name!r}: no record within {timeout:.3g} s "
                     f"(producer pid {h.producer_pid or 'unclaimed'})"
                 )
-            if not h.wait_data_at(self._cursor, min(deadline - now, PEER_CHECK_S)) or h.space_wanted:
-                time.sleep(0.0002)  # the producer wakes up or we must not spin on its wait
+            h.wait_data_at(self._cursor, bool(self._held), min(deadline - now, PEER_CHECK_S))
 
     def held(self) -> int:
         """Records handed out whose lease has not ended."""

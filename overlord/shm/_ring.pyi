@@ -65,7 +65,8 @@ class Handle:
     def set_pid(self, consumer: bool, pid: int, pidns: int, /) -> None: ...
     def peek(self, cursor: int, /) -> tuple[int, int, int, int]:
         """(status, payload offset, length, next cursor) of the record at `cursor`."""
-    def wait_data_at(self, cursor: int, timeout: float, /) -> bool: ...
+    def wait_data_at(self, cursor: int, holding: bool, timeout: float, /) -> bool:
+        """Sleep until data may be past `cursor`; at once if `holding` and the producer waits for space."""
     def release_to(self, tail: int, /) -> bool:
         """Move tail forward to `tail`; False if it is behind tail, past head or unaligned."""
     def set_mark(self, mark: int, /) -> None: ...
