@@ -99,7 +99,9 @@ class DataConstructor:
                     wanted += [item for rank in receivers for item in plan.encoder[rank]]
                 samples = self._collect(plan.step, wanted)
                 encoded = self._encoder_batches(plan, receivers, samples) if plan.encoder is not None else {}
-                for mb in range(self.job.batch.micro_batches):
+                # a plan without a sample only ends the job (see overlord.planner.dgraph): no rank
+                # is ever handed an empty micro-batch
+                for mb in range(self.job.batch.micro_batches if plan.samples() else 0):
                     for b in buckets:
                         batch_samples = [samples[item] for item in plan.buckets[b][mb]]
                         arrays, truncated = transform([a for a, _ in batch_samples], self.job.batch.context_length)

@@ -56,7 +56,10 @@ class PlannerCore:
         weights: constant weights, used when no schedule is given.
         strategy: the orchestration strategy (default: `strategies.vanilla`).
         context_length: tokens per packed row (strategies may use it as capacity).
-        drop_last: drop a final partial step.
+        drop_last: drop a final partial step (see dgraph.py for how a finite job ends).
+
+    Raises:
+        ConfigError: global_batch is smaller than DP groups x micro_batches.
     """
 
     def __init__(
@@ -76,6 +79,13 @@ class PlannerCore:
         drop_last: bool = False,
         mixing_unit: str = "step",
     ) -> None:
+        if global_batch < tree.buckets("DP") * micro_batches:
+            raise ConfigError(
+                f"BatchSpec.global_batch={global_batch} cannot give each of the {micro_batches} micro-batches of "
+                f"the {tree.buckets('DP')} data-parallel groups a sample: every step would deliver empty "
+                f"micro-batches; raise global_batch to at least {tree.buckets('DP') * micro_batches} or lower "
+                "micro_batches"
+            )
         n_sources = max(stream_source) + 1 if stream_source else 0
         if schedule is None:
             if weights is None:
@@ -190,9 +200,9 @@ class PlannerCore:
         self._check(planned)
         self.buffer.commit(planned.take)
         self._dirty.update(planned.take)
-        self.rr, self.deferred = planned.round_robin, planned.deferred
-        self.step += 1
-        self.done = planned.plan.last
+        self.rr, self.step, self.done = planned.round_robin, self.step + 1, planned.plan.last
+        # the last step's leftovers are dropped (counted in the plan), not carried
+        self.deferred = planned.deferred[:0] if self.done else planned.deferred
         return planned.plan
 
     def _check(self, planned: Planned) -> None:

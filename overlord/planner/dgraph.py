@@ -15,6 +15,28 @@ metadata not yet reported (`NeedMetadata`) leaves no trace and is simply asked a
 
 Samples a capacity limit cannot place this step (an outlier that would wreck it) are
 deferred: the next step takes them first, so they are still delivered exactly once.
+
+The end of a finite job. No step is planned with an empty micro-batch, and the last
+step that delivers samples carries `last`: while mixing a step, `mix()` also counts
+what the next step could select (every sample left in the sources the schedule
+weights there, once each of them has reported its end), and `plan_raw()` ends the job
+at this step when the next one could not be delivered:
+
+- nothing is left: this step is the last (a job whose sample count is a multiple of
+  `global_batch` ends with a full step, never an extra empty one);
+- `BatchSpec.drop_last=True` and less than a full step is left: the rest is dropped;
+- `drop_last=False` and what is left (with any deferred samples) cannot give each
+  micro-batch of each bucket one sample: the rest is dropped too, since a rank
+  cannot train on an empty micro-batch. Otherwise the next step is the final partial
+  step, every micro-batch of every bucket holding at least one sample.
+
+Dropped samples are counted in `Plan.dropped` of the last step (the Planner adds them
+to the `dropped_last` counter and logs them). A mixture that changes only at run time
+(`mixing: {kind: dynamic}`) is read as it stands when the step is planned; should
+metrics move weight away from every source still holding samples right at the end, the
+job ends with a step that holds no sample at all (nothing is delivered for it, the
+rings are closed) rather than one with empty micro-batches. A finite job whose sources
+hold less than one deliverable step is refused at step 0 (PlanError).
 """
 
 from __future__ import annotations
@@ -72,13 +94,14 @@ class Plan:
     broadcast: tuple[str, ...] = ()
     deferred: int = 0
     encoder: list[list[tuple[int, int, int]]] | None = None  # per WORLD rank: samples whose images it encodes
+    dropped: int = 0  # on the last step: samples left in the sources that no step delivers (see above)
 
     def to_json(self) -> bytes:
         import json
 
         return json.dumps(
             {"step": self.step, "axis": self.axis, "last": self.last, "broadcast": list(self.broadcast),
-             "deferred": self.deferred, "buckets": self.buckets, "encoder": self.encoder},
+             "deferred": self.deferred, "buckets": self.buckets, "encoder": self.encoder, "dropped": self.dropped},
             separators=(",", ":"),
         ).encode()
 
@@ -92,7 +115,8 @@ class Plan:
         if encoder is not None:
             encoder = [[tuple(item) for item in rank] for rank in encoder]
         return cls(step=obj["step"], buckets=buckets, axis=obj["axis"], last=obj["last"],
-                   broadcast=tuple(obj["broadcast"]), deferred=obj["deferred"], encoder=encoder)
+                   broadcast=tuple(obj["broadcast"]), deferred=obj["deferred"], encoder=encoder,
+                   dropped=obj.get("dropped", 0))
 
     def samples(self) -> int:
         return sum(len(mb) for bucket in self.buckets for mb in bucket)
@@ -116,7 +140,8 @@ class DGraph:
         self.sub: np.ndarray | None = None  # micro-batch of each sample under substep mixing
         self.take: dict[int, int] = {}
         self.round_robin = list(data.round_robin)
-        self.last = False
+        self.last = False  # this step is short: the weighted sources ran out
+        self.after: int | None = None  # what the next step could select, when that decides the end
         self.axis, self.group_size = "DP", None
         self.costs: np.ndarray | None = None
         self.inter, self.intra = "round_robin", "round_robin"
@@ -153,10 +178,44 @@ class DGraph:
         if self.last and d.drop_last:
             counts[:] = 0
             per_mb = None if per_mb is None else [c * 0 for c in per_mb]
+        self.after = 0 if self.last else self._after(schedule, counts)
         fresh, self.take, self.round_robin = d.buffer.select(counts, d.round_robin)
         self.items = np.concatenate([d.deferred, fresh])
         self.sub = None if per_mb is None else _sub_batches(d.deferred, fresh, per_mb, d.micro_batches)
         return self
+
+    def _after(self, schedule, counts: np.ndarray) -> int | None:
+        """Samples the next step could select once this step takes `counts`, when fewer
+        than a full step are left in a finite job (every weighted source reported its
+        end); None while a full step follows.
+
+        Raises:
+            NeedMetadata: less than a step is reported and a weighted source has not
+                said whether it holds more.
+        """
+        d = self.data
+        if not d.buffer.finite:
+            return None
+        nxt = d.step + 1
+        if d.mixing_unit == "substep":
+            weights = sum(np.asarray(schedule.weights(nxt + m / d.micro_batches), dtype=np.float64)
+                          for m in range(d.micro_batches))
+        else:
+            weights = np.asarray(schedule.weights(d.epoch if d.mixing_unit == "epoch" else nxt), dtype=np.float64)
+        left, open_sources = 0, []
+        for src in np.flatnonzero(weights > 0):
+            have, complete = d.buffer.remaining(int(src))
+            left += have - int(counts[src])
+            if not complete:
+                open_sources.append(int(src))
+        if left >= d.global_batch:
+            return None
+        if open_sources:
+            wanted: dict[int, int] = {}
+            for src in open_sources:
+                wanted.update(d.buffer.wanted(src, int(counts[src]) + d.global_batch))
+            raise NeedMetadata(wanted)
+        return left
 
     def _counts(self, weights: np.ndarray, need: int, rng: np.random.Generator,
                 base: np.ndarray | None = None) -> np.ndarray:
@@ -297,7 +356,7 @@ class DGraph:
         (e.g. "patches" for a vision encoder beside a "tokens" backbone graph)."""
         other = DGraph(self.data, self.tree, view=name)
         other.items, other.take, other.round_robin, other.last = self._require_items(), self.take, self.round_robin, self.last
-        other.sub = self.sub
+        other.sub, other.after = self.sub, self.after
         return other
 
     def plan(self, encoder: "DGraph | None" = None) -> "Planned":
@@ -309,6 +368,7 @@ class DGraph:
                 (e.g. over WORLD), apart from where its tokens go.
         """
         bucket, mbin = self.assignment()
+        _fill_empty(bucket, mbin, self.tree.buckets(self.axis), self.data.micro_batches)
         encoder_rank = None
         if encoder is not None:
             if encoder.items is not self.items:
@@ -325,6 +385,9 @@ class DGraph:
 
         Args:
             bucket: [n] bucket (node of `axis`) of each selected sample, -1 to defer it.
+                A placement that leaves a micro-batch empty is kept as given (`plan()`
+                fills every micro-batch when there are enough samples), except on a
+                final step too short to fill them all, which is dropped (see above).
             mbin: [n] micro-batch of each sample within its bucket.
             encoder_rank: [n] bucket of `encoder_axis` that encodes the sample's images,
                 -1 for none.
@@ -335,6 +398,25 @@ class DGraph:
         if bucket.shape != (len(items),) or mbin.shape != (len(items),) or (bucket >= n_buckets).any() or (
                 (bucket >= 0) & ((mbin < 0) | (mbin >= bins))).any():
             raise ConfigError(f"plan_raw: need one bucket in [-1, {n_buckets}) and micro-batch in [0, {bins}) per sample")
+        bucket, mbin = bucket.copy(), mbin.copy()
+        d = self.data
+        deferred = items[bucket < 0]
+        ends, dropped = False, 0
+        if self.after is not None:  # what the next step could deliver (with the deferred) decides the end
+            follow = self.after + len(deferred)
+            if follow < (d.global_batch if d.drop_last else n_buckets * bins):
+                ends, dropped = True, follow
+        if ends and int((bucket >= 0).sum()) < n_buckets * bins:
+            # a final step that cannot give every micro-batch a sample: no rank gets an empty one
+            if d.step == 0:
+                raise PlanError(
+                    f"the job's sources hold {int((bucket >= 0).sum())} sample(s) in all, fewer than one step can "
+                    f"deliver ({n_buckets} bucket(s) x {bins} micro-batch(es) need one each"
+                    + (f", and drop_last=True needs global_batch={d.global_batch}" if d.drop_last else "")
+                    + "); lower BatchSpec.global_batch or micro_batches, or add data"
+                )
+            dropped += int((bucket >= 0).sum())
+            bucket[:] = -1
         placed = np.flatnonzero(bucket >= 0)
         # keep each micro-batch in selection order, so the bytes do not depend on the balancer's internals
         order = placed[np.lexsort((placed, mbin[placed], bucket[placed]))]
@@ -346,9 +428,9 @@ class DGraph:
             ranks = self.tree.buckets(encoder_axis or "WORLD")
             encoder = [list(map(tuple, triples(items[np.flatnonzero(encoder_rank == r)]).tolist())) for r in range(ranks)]
         deferred = items[bucket < 0]
-        last = self.last and not len(deferred)
-        plan = Plan(step=self.data.step, buckets=out, axis=self.axis, last=last,
-                    broadcast=tuple(sorted(self.tree.broadcast)), deferred=len(deferred), encoder=encoder)
+        plan = Plan(step=self.data.step, buckets=out, axis=self.axis, last=ends,
+                    broadcast=tuple(sorted(self.tree.broadcast)), deferred=0 if ends else len(deferred),
+                    encoder=encoder, dropped=dropped)
         return Planned(plan, self.take, self.round_robin, deferred)
 
 
@@ -365,6 +447,24 @@ def _sub_batches(deferred: np.ndarray, fresh: np.ndarray, per_mb: list[np.ndarra
         rank[idx] = np.arange(len(idx))
     sub[len(deferred):] = (rank[:, None] >= cuts[:, fresh["source"]].T).sum(axis=1)
     return sub
+
+
+def _fill_empty(bucket: np.ndarray, mbin: np.ndarray, n_buckets: int, bins: int) -> bool:
+    """Give every (bucket, micro-batch) at least one sample, in place: each empty one
+    takes the last sample of the fullest (lowest index on ties). A balancer seldom leaves
+    one empty; a short final step may. Returns whether none is left empty."""
+    placed = bucket >= 0
+    counts = np.zeros(n_buckets * bins, dtype=np.int64)
+    np.add.at(counts, bucket[placed] * bins + mbin[placed], 1)
+    for cell in np.flatnonzero(counts == 0):
+        donor = int(np.argmax(counts))
+        if counts[donor] < 2:
+            return False
+        i = np.flatnonzero(placed & (bucket * bins + mbin == donor))[-1]
+        bucket[i], mbin[i] = divmod(int(cell), bins)
+        counts[donor] -= 1
+        counts[cell] += 1
+    return True
 
 
 def triples(items: np.ndarray) -> np.ndarray:

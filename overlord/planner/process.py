@@ -114,6 +114,10 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     newest = ckpts.newest(r)
     if newest is not None:
         core.restore(ckpts.load(r, newest))
+        if core.done:  # the checkpoint is after the job's last step: nothing to plan, never wait
+            r.hset(keys.planner, "done", 1)
+            log.info("the newest checkpoint (step %d) is after the job's last step; planner done", core.step)
+            return
 
     # every (re)start of planning, even under the same lease (a Redis blip), gets a new
     # generation: loaders report their read buffers again, tagged with it (see meta.py)
@@ -168,6 +172,8 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                           maxlen=1000, approximate=True)
                 pipe.hset(keys.planner, mapping={"step": plan.step, "updated": time.time(),
                                                  **({"done": 1} if plan.last else {})})
+                if plan.dropped:
+                    pipe.hset(keys.counters, "dropped_last", plan.dropped)
                 ckpts.write(pipe, core.step, delta, core.state)  # where a resume at step core.step starts
 
             _publish_once(r, keys, lease, publish, plan.step)
@@ -179,7 +185,9 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                 scaling.observe(plan, core)
             waiting_since = time.monotonic()
             if plan.last:
-                log.info("planned the last step %d; planner done", plan.step)
+                log.info("planned the last step %d; planner done%s", plan.step,
+                         f" ({plan.dropped} sample(s) left over, fewer than a step delivers with drop_last="
+                         f"{job.batch.drop_last}: dropped, counter dropped_last)" if plan.dropped else "")
                 return
             continue
         if ahead:
