@@ -192,9 +192,10 @@ class Sidecar(NodeMember):
             self.rings.append(ring)
             self.client_rings[rank] = ring
 
-    def _await_positions(self) -> None:
+    def _await_positions(self) -> bool:
         """Wait for every trainer's `load_state_dict` position, then fix the resume step
-        (the earliest) and how many micro-batches each rank already consumed past it."""
+        (the earliest) and how many micro-batches each rank already consumed past it.
+        Returns whether every rank is past the last step of a finite job (nothing to run)."""
         world, mb = self.job.mesh.world_size, self.job.batch.micro_batches
         deadline = time.monotonic() + self.job.timeout_s
         while True:
@@ -224,6 +225,18 @@ class Sidecar(NodeMember):
         self.r.hset(self.keys.resume, mapping=mapping)
         log.info("resuming job %r at step %d (micro-batches already consumed per rank: %s)",
                  self.job.name, step, {r: mapping[f"skip:{r}"] for r in positions})
+        # the state before `step` says the job's last step came before it
+        return bool(Checkpoints(self.keys).load(self.r, step).get("done"))
+
+    def _end_at_once(self) -> None:
+        """A resume after the last step of a finite job: start no role, mark the job done
+        and close every client ring, so each trainer's iteration ends at once (the ring
+        drains, then says closed) instead of waiting for batches no step will bring."""
+        log.info("resuming job %r after its last step: nothing left to deliver; the trainers' iteration ends",
+                 self.job.name)
+        self.r.hset(self.keys.planner, mapping={"done": 1, "updated": time.time()})
+        for ring in self.client_rings.values():
+            ring.close_writer()
 
     def _spawn(self, role: str, index: int, url: str, attempt: int = 0) -> RoleProcess:
         proc = fork_role(role, index, self.run_dir, url, attempt)
@@ -267,8 +280,9 @@ class Sidecar(NodeMember):
         if placement is None:
             self._publish(self.r, layout)
         self._create_rings(layout)
-        if self.resume:
-            self._await_positions()
+        if self.resume and self._await_positions():
+            self._end_at_once()
+            return
         preload()
         self.url, self.layout = url, layout
         if self.job.flight_port:
