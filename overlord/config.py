@@ -211,7 +211,9 @@ class Job:
         loader_processes: processes hosting Source Loaders (the CPU budget); None picks.
         buffer_samples: bound of each Source Loader's read buffer, in samples.
         sample_ring_bytes: capacity of each ring from a loader process to a Data Constructor.
-        plan_ahead: how many steps the Planner may run ahead of the slowest constructor.
+        plan_ahead: how many steps the Planner may plan past what the slowest trainer consumed
+            (and past the slowest Data Constructor): a metric reported at step t shapes the plan
+            of step t + plan_ahead + 1 at the latest, whatever the ring sizes.
         timeout_s: longest wait anywhere before an error is raised.
         flight_port: serve the trainers' micro-batches over Arrow Flight on this TCP port
             (overlord.remote), for trainers without a sidecar on their node; requests

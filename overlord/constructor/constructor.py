@@ -4,8 +4,9 @@ Per step it reads the plan, collects exactly the planned samples from the rings 
 the loader processes (any ring that has data, so no ring's back-pressure can block
 another's), checks each is the one planned (stream, epoch, seq), applies the
 micro-batch transform (packing or padding) and writes every micro-batch into the ring
-of each trainer client of the group (its PP/CP/TP peers). Progress goes to Redis so
-the Planner stays at most `plan_ahead` steps ahead.
+of each trainer client of the group (its PP/CP/TP peers). Progress goes to Redis, the
+last step written (c<dp>) and how far the group's trainers consumed (t<dp>, see
+marks.py), so the Planner stays at most `plan_ahead` steps ahead of both.
 
 Recovery. The last step written (`progress` c<dp>) is this role's checkpoint. A
 restarted Data Constructor continues at the step after it and asks the loader
@@ -26,6 +27,7 @@ import time
 import numpy as np
 
 from overlord.config import Job
+from overlord.constructor.marks import STREAM_MAXLEN, MarkWatch
 from overlord.constructor.packing import pack, pad
 from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout, SourceReadError
@@ -33,6 +35,7 @@ from overlord.planner.lowlevel import constructor_do_plan, encoder_destinations
 from overlord.shm import Ring, decode_batch
 from overlord.sidecar.flow import Beat, Stopped, alive_within, push, resume_point, wait_plan
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
+from overlord.store.keys import built_field
 from overlord.transforms import resolve
 
 log = logging.getLogger("overlord.constructor")
@@ -61,6 +64,7 @@ class DataConstructor:
             ring = Ring.attach(client_ring(job, rank), timeout=job.timeout_s)
             ring.claim_producer()
             self.outputs[rank] = ring
+        self.written: dict[int, int] = {}  # rank -> the last step written to its ring
         self.truncated = 0
         self.skip: dict[int, int] = {}
         # transformation reordering: the deferred half of a source's transform runs here
@@ -89,6 +93,7 @@ class DataConstructor:
     def run(self) -> None:
         step = self._start()
         transform = pack if self.job.batch.packing else pad
+        marks = MarkWatch(self.job, self.dp, self.r, self.keys, self.outputs, self.written).start()
         try:
             while not self.stop.is_set():
                 plan = wait_plan(self.r, self.keys, step, self.stop, self.job.timeout_s, beat=self.beat)
@@ -127,7 +132,8 @@ class DataConstructor:
                     self.stop.wait()
                     return
                 pipe = self.r.pipeline(transaction=False)
-                pipe.hset(self.keys.progress, f"c{self.dp}", plan.step)
+                pipe.hset(self.keys.progress, built_field(self.dp), plan.step)
+                pipe.xadd(self.keys.progressed, {"c": self.dp}, maxlen=STREAM_MAXLEN, approximate=True)
                 if self.truncated:
                     pipe.hset(self.keys.counters, f"truncated:c{self.dp}", self.truncated)
                 pipe.execute()
@@ -137,6 +143,7 @@ class DataConstructor:
                         ring.close_writer()
                     return
         finally:
+            marks.stop()
             for ring in [*(i for rings in self.inputs for i in rings), *self.outputs.values()]:
                 ring.close()
 
@@ -191,6 +198,7 @@ class DataConstructor:
             return
         try:
             push(ring, arrays, meta, self.stop, self.beat)
+            self.written[rank] = meta["step"]
         except PeerDied as exc:
             log.warning("DataConstructor dp=%d: %s; no longer writing to rank %d", self.dp, exc, rank)
             del self.outputs[rank]

@@ -1,11 +1,20 @@
 """The Planner role: reads buffer metadata from Redis, publishes one plan per step.
 
 Per step it does O(1) Redis operations: one XREAD over every loader's metadata
-stream, one HGETALL of constructor progress, and one fenced MULTI (see lease.py)
+stream, one HGETALL of progress, and one fenced MULTI (see lease.py)
 that writes the plan (`plan:<step>`, expiring), notifies (`plans` stream, entry id
 `<step+1>-0` so a reader waiting for step t asks for ids after `t-0` and cannot miss
 it) and saves the differential checkpoint of the state before the next step (see
 checkpoint.py) — so the state in Redis never refers to a plan that was not written.
+
+It plans step s only while s <= (the trainers' consumed step) + plan_ahead and
+s <= (the slowest Data Constructor's last step) + plan_ahead: the trainers' step is
+the least `progress` t<dp> - 1 (see overlord.constructor.marks), or the job's first
+step (0, or the resume step) while a group has consumed nothing, so the first
+plan_ahead + 1 steps are planned before any trainer consumes and a metric reported
+at step t shapes the plan of step t + plan_ahead + 1 at the latest. While ahead it
+blocks on the `progressed` stream (an entry per rise of a c<dp> or t<dp>) instead
+of polling.
 
 Only the holder of the job's lease plans. A Planner that takes the lease continues
 from the newest checkpoint; publishing its token in the `planner` hash tells every
@@ -32,6 +41,7 @@ from overlord.planner.lease import Lease, Superseded, WriteUncertain
 from overlord.planner.schedule import Dynamic, from_config, mixing_unit
 from overlord.planner.tree import ClientPlaceTree
 from overlord.sidecar.flow import HEARTBEAT_S, alive_within
+from overlord.store.keys import built_field, consumed_field
 
 log = logging.getLogger("overlord.planner")
 
@@ -40,7 +50,7 @@ PLAN_KEEP_STEPS = 1024  # plans kept behind the slowest Data Constructor: a rest
 # constructor, or a shadow, reads from its step on (as far back as a trainer may resume)
 PRUNE_MAX = 64  # old plans deleted per published step, at most
 WAIT_MS = 20
-AHEAD_POLL_S = 0.002
+AHEAD_WAIT_MS = 50  # longest block on `progressed` while ahead (the loop's other checks run between)
 PROMOTE_CHECK_S = 0.01
 UNSEEN_GRACE_S = 10 * HEARTBEAT_S  # how long a loader may take to beat first before its shadow takes over
 
@@ -137,6 +147,9 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     log.info("leading with lease token %d (generation %d) from step %d%s", token, generation, core.step,
              " (from the newest checkpoint)" if newest is not None else "")
     first = core.step
+    # the job's first step: where trainers that consumed nothing yet stand
+    start = int(r.hget(keys.resume, "step") or 0)
+    progressed = "0-0"  # the last `progressed` entry seen
     pruned = max(0, first - PLAN_KEEP_STEPS - PRUNE_MAX)  # plans below were deleted (older ones expire)
     asked: dict[int, int] = {}  # what the loaders were last asked to hold, per stream
     index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
@@ -153,8 +166,11 @@ def _lead(ctx, lease: Lease, token: int) -> None:
         if placer is not None:
             placer.check()
         progress = r.hgetall(keys.progress)
-        slowest = min((int(progress.get(f"c{d}".encode(), first - 1)) for d in range(job.mesh.dp)), default=first - 1)
-        ahead = core.step - slowest > job.plan_ahead
+        slowest = min((int(progress.get(built_field(d).encode(), first - 1)) for d in range(job.mesh.dp)),
+                      default=first - 1)
+        consumed = max(start, min((int(progress.get(consumed_field(d).encode(), start + 1)) - 1
+                                   for d in range(job.mesh.dp)), default=start))
+        ahead = core.step - slowest > job.plan_ahead or core.step - consumed > job.plan_ahead
         if ahead:
             waiting_since = time.monotonic()  # waiting on trainers is not a stall
         if not ahead and isinstance(core.schedule, Dynamic) and core.schedule.due(core.step):
@@ -191,8 +207,12 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                 return
             continue
         if ahead:
-            # trainers are behind: poll the small progress hash, not the metadata streams
-            ctx.stop.wait(AHEAD_POLL_S)
+            # trainers are behind: wait for a constructor or a trainer to move (the entry
+            # may have come since the read above: then XREAD returns at once)
+            block = PROMOTE_CHECK_S * 1000 if promoter.shadowed else AHEAD_WAIT_MS
+            reply = r.xread({keys.progressed: progressed}, block=int(block), count=1000)
+            if reply:
+                progressed = reply[0][1][-1][0]
             continue
         # the plan needs samples not yet reported: tell loaders how many it needs (a full
         # read buffer may be smaller than what one step takes from a stream), then wait

@@ -29,6 +29,11 @@ or Source Loader moved to another node, or is restarting): the reader then looks
 where that role runs now. One stream per ring at a time: a new request for a ring
 takes it over from the old one. What is in flight is bounded by gRPC flow control and
 `RECORDS_PER_BATCH`.
+
+Serving a rank's micro-batches, the endpoint is that client ring's consumer, so it sets
+the ring's consumer mark (step + 1 of the last batch handed on, as a local client does)
+each time gRPC takes a record batch to send: the Planner's bound on its lead over the
+trainers (overlord.constructor.marks) then holds for a rank read over the network too.
 """
 
 from __future__ import annotations
@@ -143,7 +148,8 @@ class BatchServer(flight.FlightServerBase):
             lock = self._locks.setdefault(name, threading.Lock())
         log.info("ring %s served over Flight to %s", name, context.peer())
         options = pa.ipc.IpcWriteOptions(compression="lz4" if request.get("lz4") else None)
-        return flight.GeneratorStream(SCHEMA, self._records(ring, name, me, lock, after, context), options=options)
+        records = self._records(ring, name, me, lock, after, context, marking="loader" not in request)
+        return flight.GeneratorStream(SCHEMA, records, options=options)
 
     def _read_one(self, ring: Ring, name: str, me: object, lock: threading.Lock, timeout: float) -> bytes | None:
         """One record copied out of the ring (None: nothing within `timeout`); raises
@@ -161,9 +167,10 @@ class BatchServer(flight.FlightServerBase):
             ring.release()
             return record
 
-    def _records(self, ring: Ring, name: str, me: object, lock: threading.Lock, after, context):
+    def _records(self, ring: Ring, name: str, me: object, lock: threading.Lock, after, context, marking: bool = False):
         records: list[bytes] = []
         sent = time.monotonic()
+        top = -1  # the highest step among the records of the batch being filled
         try:
             while not context.is_cancelled():
                 try:
@@ -173,21 +180,33 @@ class BatchServer(flight.FlightServerBase):
                 if record is None:
                     if records or time.monotonic() - sent > KEEPALIVE_S:
                         yield pa.record_batch([pa.array(records, pa.binary())], schema=SCHEMA)
+                        top = _mark(ring, top)
                         records, sent = [], time.monotonic()
                     continue
-                if after is not None:  # resuming: skip what the reader has (decoding only until then)
+                if after is not None or marking:
                     _, meta = decode_batch(memoryview(record))
-                    if "step" in meta and (meta["step"], meta["microbatch"]) <= after:
-                        continue
-                    after = None
+                    if after is not None:  # resuming: skip what the reader has
+                        if "step" in meta and (meta["step"], meta["microbatch"]) <= after:
+                            continue
+                        after = None
+                    top = max(top, int(meta.get("step", -1)))
                 records.append(record)
                 if len(records) >= RECORDS_PER_BATCH:
                     yield pa.record_batch([pa.array(records, pa.binary())], schema=SCHEMA)
+                    top = _mark(ring, top)
                     records, sent = [], time.monotonic()
             if records:
                 yield pa.record_batch([pa.array(records, pa.binary())], schema=SCHEMA)
         finally:
             ring.close()
+
+
+def _mark(ring: Ring, top: int) -> int:
+    """gRPC took the batch holding steps up to `top` to send: mark them consumed (see
+    overlord.constructor.marks). Returns the next batch's `top`."""
+    if top >= 0 and top + 1 > ring.consumer_mark:
+        ring.set_consumer_mark(top + 1)
+    return -1
 
 
 class _Superseded(Exception):

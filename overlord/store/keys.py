@@ -7,7 +7,10 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:plan:<step>          string plan of one step (JSON), expires
     overlord:{job}:plans                stream one entry per published plan (step)
     overlord:{job}:meta:<stream>        stream buffer metadata of one Source Loader
-    overlord:{job}:progress             hash   c<dp> -> last step written; r<dp> -> replay request of a restarted Data Constructor
+    overlord:{job}:progress             hash   c<dp> -> last step written; t<dp> -> trainers' mark (1 + the step of
+                                               the last batch every rank of the group was handed; absent: none yet);
+                                               r<dp> -> replay request of a restarted Data Constructor
+    overlord:{job}:progressed           stream one entry per rise of a c<dp> or t<dp>: the Planner blocks on it
     overlord:{job}:hb:<role>:<id>       string heartbeat JSON (pid, node, time), TTL
     overlord:{job}:nodes                hash   node -> JSON (pid, host, ranks, flight address, cpus, memory_mb, started)
     overlord:{job}:layout               string JSON: which loader process hosts which stream
@@ -43,6 +46,16 @@ from dataclasses import dataclass
 PREFIX = "overlord"
 
 
+def built_field(dp: int) -> str:
+    """`progress` field: the last step Data Constructor `dp` wrote to its clients' rings."""
+    return f"c{dp}"
+
+
+def consumed_field(dp: int) -> str:
+    """`progress` field: the trainers' mark of DP group `dp` (overlord.constructor.marks)."""
+    return f"t{dp}"
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     """Key builder for one job."""
@@ -70,6 +83,10 @@ class Keys:
     @property
     def progress(self) -> str:
         return f"{self.base}:progress"
+
+    @property
+    def progressed(self) -> str:
+        return f"{self.base}:progressed"
 
     def heartbeat(self, role: str, ident: str) -> str:
         return f"{self.base}:hb:{role}:{ident}"

@@ -1,0 +1,105 @@
+"""How far the trainers of one DP group have consumed, published for the Planner.
+
+The Planner may plan step s only while s <= (the slowest trainer's step) + plan_ahead,
+so a metric a trainer reports at step t (`DataLoader.report_metrics`) shapes the plan
+of step t + plan_ahead + 1 at the latest, whatever the ring sizes. What a trainer has
+consumed is in its client ring: the client sets the ring's consumer mark to step + 1
+each time it hands the trainer a batch of `step` (0: nothing yet), and the Flight
+endpoint does the same for a rank it serves over the network (overlord.remote.flight).
+
+A `MarkWatch` thread of each Data Constructor reads the marks of the rings it writes
+(every rank of its group on this node: plain loads from shared memory, every `POLL_S`,
+through mappings of its own, so no Ring object is shared between threads) and
+publishes their minimum as `progress` t<dp>, with an entry on the `progressed` stream
+the Planner blocks on, when it rises: O(1) Redis writes per step, none while it
+stands, whether the constructor builds or waits for a plan.
+
+- A ring read to the end (nothing pending) counts as consumed up to the last step
+  written to it: a consumer that sets no mark paces the Planner step by step instead
+  of stalling the job.
+- A rank whose trainer left (the constructor stopped writing to it) does not hold
+  the group back.
+- The published mark never goes down: a restarted Data Constructor reads it from
+  Redis, then from the rings, which keep their marks across its restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Mapping
+
+import redis
+
+from overlord.errors import RingError
+from overlord.shm import Ring
+from overlord.sidecar.layout import client_ring
+from overlord.store.keys import consumed_field
+
+log = logging.getLogger("overlord.constructor")
+
+POLL_S = 0.002  # between two looks at the marks: a few loads from shared memory
+STREAM_MAXLEN = 1000  # `progressed` entries kept (only the newest matter)
+
+
+class MarkWatch:
+    """Publishes DP group `dp`'s trainer mark while its Data Constructor runs.
+
+    Args:
+        job: the job.
+        dp: the DP group.
+        r: a Redis client (thread-safe: this thread takes connections of its own).
+        keys: the job's keys.
+        outputs: the constructor's rank -> ring it writes; a rank dropped from it
+            (its trainer left) no longer counts. Read, never changed, here.
+        written: rank -> the last step the constructor wrote to that rank's ring.
+    """
+
+    def __init__(self, job, dp: int, r, keys, outputs: Mapping[int, Ring], written: Mapping[int, int]) -> None:
+        self.dp, self.r, self.keys, self.outputs, self.written = dp, r, keys, outputs, written
+        self.rings = {rank: Ring.attach(client_ring(job, rank), timeout=job.timeout_s) for rank in outputs}
+        raw = r.hget(keys.progress, consumed_field(dp))
+        self.published = int(raw) if raw is not None else 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"marks-{dp}")
+
+    def start(self) -> "MarkWatch":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        for ring in self.rings.values():
+            ring.close()
+
+    def mark(self) -> int:
+        """The group's mark now: the least over its ranks still served (0: one has not
+        consumed yet)."""
+        marks = []
+        for rank, ring in self.rings.items():
+            if rank not in self.outputs:
+                continue  # its trainer left
+            mark = ring.consumer_mark
+            last = self.written.get(rank, -1)  # read before pending(): that record was written by then
+            if last >= 0 and ring.pending() == 0:
+                mark = max(mark, last + 1)  # read to the end: every record up to `last` was consumed
+            marks.append(mark)
+        return min(marks, default=0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            try:
+                mark = self.mark()
+                if mark > self.published:
+                    pipe = self.r.pipeline(transaction=False)
+                    pipe.hset(self.keys.progress, consumed_field(self.dp), mark)
+                    pipe.xadd(self.keys.progressed, {"t": self.dp}, maxlen=STREAM_MAXLEN, approximate=True)
+                    pipe.execute()
+                    self.published = mark
+            except redis.RedisError as exc:  # the control path rides through outages; try again
+                log.warning("DataConstructor dp=%d: publishing the trainers' mark failed (%s); retrying", self.dp, exc)
+                self._stop.wait(0.1)
+            except RingError:
+                return  # the sidecar removed the rings: the job is ending

@@ -1,0 +1,95 @@
+"""MarkWatch: the trainers' mark of a DP group, from real rings into a real Redis."""
+
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from overlord.config import Job, Mesh, Source
+from overlord.constructor.marks import MarkWatch
+from overlord.shm import Ring, unlink_all, write_batch
+from overlord.sidecar.layout import client_ring
+from overlord.store import EmbeddedRedis, Keys, connect
+
+
+@pytest.fixture
+def setup(tmp_path):
+    job = Job(name=f"m{uuid.uuid4().hex[:8]}", sources=(Source(name="x", paths=("/dev/null",)),),
+              mesh=Mesh(dp=1, tp=2), run_dir=str(tmp_path / "run"), timeout_s=5.0)
+    server = EmbeddedRedis(tmp_path / "redis").start()
+    rings = {rank: Ring.create(client_ring(job, rank), 1 << 16) for rank in (0, 1)}
+    try:
+        yield job, connect(server.url), Keys(job.name), rings
+    finally:
+        for ring in rings.values():
+            ring.close()
+        unlink_all(job.name)
+        server.stop()
+
+
+def published(r, keys, until, timeout=5.0):
+    """The group's published mark once `until(mark)` holds (or at the timeout)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        raw = r.hget(keys.progress, "t0")
+        mark = int(raw) if raw is not None else None
+        if until(mark) or time.monotonic() > deadline:
+            return mark
+        time.sleep(0.005)
+
+
+def test_the_least_mark_of_the_group_is_published_when_it_rises_and_never_goes_down(setup):
+    job, r, keys, rings = setup
+    outputs, written = dict(rings), {}
+    watch = MarkWatch(job, 0, r, keys, outputs, written).start()
+    try:
+        rings[0].set_consumer_mark(5)  # rank 1 consumed nothing yet: the group has not either
+        time.sleep(0.05)
+        assert r.hget(keys.progress, "t0") is None and r.xlen(keys.progressed) == 0
+        rings[1].set_consumer_mark(3)
+        assert published(r, keys, lambda m: m == 3) == 3
+        rings[1].set_consumer_mark(7)
+        assert published(r, keys, lambda m: m == 5) == 5  # rank 0 is the slower now
+        entries = r.xlen(keys.progressed)
+        rings[0].set_consumer_mark(2)  # a mark going back (a ring served from elsewhere) is not published
+        time.sleep(0.05)
+        assert r.hget(keys.progress, "t0") == b"5" and r.xlen(keys.progressed) == entries
+        del outputs[0]  # rank 0's trainer left: it no longer holds the group back
+        assert published(r, keys, lambda m: m == 7) == 7
+    finally:
+        watch.stop()
+
+
+def test_a_ring_read_to_the_end_counts_as_consumed_without_a_mark(setup):
+    job, r, keys, rings = setup
+    consumer = Ring.attach(client_ring(job, 0), timeout=5)
+    watch = MarkWatch(job, 0, r, keys, {0: rings[0]}, written := {}).start()
+    try:
+        write_batch(rings[0], {"x": np.arange(4)}, meta={"step": 9, "microbatch": 0}, timeout=5)
+        written[0] = 9
+        time.sleep(0.05)
+        assert r.hget(keys.progress, "t0") is None  # written, not read: nothing consumed
+        consumer.read(timeout=5)
+        consumer.release()  # a client that sets no mark read it: the job goes on step by step
+        assert published(r, keys, lambda m: m == 10) == 10
+    finally:
+        watch.stop()
+        consumer.close()
+
+
+def test_a_restarted_watch_starts_from_what_redis_holds(setup):
+    job, r, keys, rings = setup
+    r.hset(keys.progress, "t0", 40)
+    for ring in rings.values():
+        ring.set_consumer_mark(12)  # e.g. rings a moved Data Constructor found on its new node
+    watch = MarkWatch(job, 0, r, keys, dict(rings), {}).start()
+    try:
+        assert watch.published == 40
+        time.sleep(0.05)
+        assert r.hget(keys.progress, "t0") == b"40"
+        for ring in rings.values():
+            ring.set_consumer_mark(41)
+        assert published(r, keys, lambda m: m == 41) == 41
+    finally:
+        watch.stop()
