@@ -49,6 +49,7 @@ from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.sidecar.flow import HEARTBEAT_S, set_on_signal
 from overlord.sidecar.checks import check_redis, check_shm, check_sources
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
+from overlord.sidecar import mode
 from overlord.sidecar.membership import NodeMember
 from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload
@@ -223,6 +224,7 @@ class Sidecar(NodeMember):
             self.r.hdel(self.keys.ckpt_delta, *later)
         mapping = {"step": step, **{f"skip:{r}": (p[0] - step) * mb + p[1] for r, p in positions.items()}}
         self.r.hset(self.keys.resume, mapping=mapping)
+        mode.write(self.job, resume=True, decided=True, spawned=self.exit_when_idle)
         log.info("resuming job %r at step %d (micro-batches already consumed per rank: %s)",
                  self.job.name, step, {r: mapping[f"skip:{r}"] for r in positions})
         # the state before `step` says the job's last step came before it
@@ -280,6 +282,8 @@ class Sidecar(NodeMember):
         if placement is None:
             self._publish(self.r, layout)
         self._create_rings(layout)
+        # what a trainer that loads a state finds here (overlord.sidecar.mode)
+        mode.write(self.job, resume=self.resume, decided=False, spawned=self.exit_when_idle)
         if self.resume and self._await_positions():
             self._end_at_once()
             return
