@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from overlord.errors import ConfigError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
-FORMATS = ("jsonl", "parquet")  # readers in overlord/loader/formats.py
+FORMATS = ("hf", "jsonl", "parquet")  # readers in overlord/loader/formats.py
 ON_ERROR = ("raise", "skip")
 
 
@@ -43,10 +43,15 @@ class Source:
             hdfs://, file://) configured by the URI's query
             (?endpoint_override=host:port&scheme=http&region=...) or the standard
             environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
-            AWS_DEFAULT_REGION); see overlord/loader/storage.py.
-        format: "parquet" (row groups are the files' own) or "jsonl" (one JSON object per
+            AWS_DEFAULT_REGION); see overlord/loader/storage.py. For format "hf", local
+            Hugging Face datasets: a directory ds.save_to_disk wrote, one split of a saved
+            DatasetDict or of a dataset in the HF cache as "<directory>/<split>", or
+            Arrow files (ds.cache_files); not a datasets.Dataset object.
+        format: "parquet" (row groups are the files' own), "jsonl" (one JSON object per
             line, plain or .gz/.zst/.bz2; 1,024 lines make a row group, and a compressed
-            file is one row group, read whole). See overlord/loader/formats.py.
+            file is one row group, read whole) or "hf" (Hugging Face datasets' Arrow
+            files, memory-mapped; a record batch is a row group). See
+            overlord/loader/formats.py and overlord/loader/hf.py.
         transform: sample transform as "module:callable" (see overlord.transforms).
         weight: mixing weight (relative; weights of a job need not sum to 1).
         columns: columns to read; None reads every column.
@@ -83,6 +88,7 @@ class Source:
     def __post_init__(self) -> None:
         _check_name("Source.name", self.name)
         where = f"source {self.name!r}"
+        _refuse_datasets_object(where, self.paths)
         if isinstance(self.paths, str):
             object.__setattr__(self, "paths", (self.paths,))
         else:
@@ -114,9 +120,36 @@ class Source:
         Raises:
             SourceReadError: a path or glob matches no file, or cannot be listed.
         """
-        from overlord.loader.storage import expand  # pyarrow.fs is heavy for a config module
+        from overlord.loader.formats import locations  # pyarrow is heavy for a config module
 
-        return [loc.uri for pattern in self.paths for loc in expand(self.name, pattern)]
+        return [loc.uri for loc in locations(self.name, self.format, self.paths)]
+
+
+def _refuse_datasets_object(where: str, paths: object) -> None:
+    """A `datasets.Dataset` (or DatasetDict) given as Source.paths: say how to give its files."""
+    for value in (paths, *(paths if isinstance(paths, (list, tuple)) else ())):
+        kind = type(value)
+        if kind.__module__.split(".")[0] != "datasets":
+            continue
+        name = f"datasets.{kind.__name__}"
+        files = getattr(value, "cache_files", None)
+        if isinstance(files, dict):  # a DatasetDict: files per split
+            split = next(iter(files), "train")
+            raise ConfigError(
+                f"{where}: Source.paths is a {name} object; a Source reads files, in every loader process. "
+                f"Save it, ds.save_to_disk('/data/x'), and give one split: Source(format='hf', "
+                f"paths=('/data/x/{split}',)); a source per split to read several"
+            )
+        listed = [f.get("filename") for f in files or () if isinstance(f, dict)]
+        cached = (
+            f"; or give the Arrow files it was loaded from, ds.cache_files ({listed[:2]}{' ...' if len(listed) > 2 else ''}): "
+            "every row of those files, more than the dataset's after a select, filter or shard"
+        ) if listed else " (it is in memory: it has no files yet)"
+        raise ConfigError(
+            f"{where}: Source.paths is a {name} object; a Source reads files, in every loader process. Save it "
+            "and give the directory: ds.save_to_disk('/data/x') with Source(format='hf', paths=('/data/x',)), "
+            f"exactly its rows{cached}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

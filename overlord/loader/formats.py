@@ -21,19 +21,25 @@ Reading block b is then one ranged read of its bytes. A compressed file (`.gz`, 
 decompressed whole when the order reaches it: keep compressed shards small, or use Parquet.
 Lines are parsed when their row is read, so a line that is not a JSON object is a bad row
 (`BadRow`, with its 1-based line number), handled like a row whose transform raises.
+
+Hugging Face datasets (`hf`): memory-mapped Arrow stream files, a row group per record
+batch; what a path may name (a save_to_disk directory, a split, cache files) is `hf.py`'s.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from overlord.errors import SchemaError
+from overlord.errors import SchemaError, SourceReadError
+from overlord.loader import hf, storage
 from overlord.loader.storage import Location
 
 BLOCK_ROWS = 1024  # JSONL lines per row group
@@ -240,4 +246,27 @@ class JsonlFormat:
         return JsonlFile(location, where, index, compression)
 
 
-FORMATS = {"jsonl": JsonlFormat, "parquet": ParquetFormat}
+FORMATS = {"hf": hf.HfFormat, "jsonl": JsonlFormat, "parquet": ParquetFormat}
+
+
+def locations(source: str, format: str, paths: tuple[str, ...]) -> list[Location]:
+    """The files of a source, in order: each path's files (sorted matches of a glob, or
+    a dataset's files in its own order for `hf`), paths in order.
+
+    Raises:
+        SourceReadError: a path matches nothing, or names a Hugging Face dataset while
+            the source's format is another (the message says to set format: hf).
+    """
+    if format == "hf":
+        return [loc for pattern in paths for loc in hf.expand(source, pattern)]
+    out = [loc for pattern in paths for loc in storage.expand(source, pattern)]
+    for loc in out:
+        local = isinstance(loc.filesystem, pafs.LocalFileSystem)
+        if loc.path.endswith(".arrow") or (local and os.path.isdir(loc.path) and any(
+                os.path.isfile(os.path.join(loc.path, name)) for name in (hf.STATE, hf.DICT, hf.INFO))):
+            raise SourceReadError(
+                f"source {source!r}: {loc.uri!r} is a Hugging Face datasets "
+                f"{'Arrow file' if loc.path.endswith('.arrow') else 'directory'}, and the source's format is "
+                f"{format!r}; set format: hf"
+            )
+    return out

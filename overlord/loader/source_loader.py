@@ -1,7 +1,8 @@
 """A Source Loader: the one owner of a source partition's file state.
 
-It reads row groups (Parquet's own, or JSONL blocks: `formats.py`) of files on any
-filesystem (`storage.py`) in the partition's deterministic order (`order.py`), applies
+It reads row groups (Parquet's own, JSONL blocks: `formats.py`, or the record batches of
+a Hugging Face dataset's Arrow files: `hf.py`) of files on any filesystem (`storage.py`,
+local only for `hf`) in the partition's deterministic order (`order.py`), applies
 the source's sample transform, and hands out prepared samples with their metadata. File
 handles, footers and row-group buffers exist once here, never once per trainer rank or
 worker. Bad input raises `SourceReadError` naming source, file and row; with
@@ -24,7 +25,7 @@ from overlord.autoscale.profile import Profile
 from overlord.config import Source
 from overlord.errors import SchemaError, SourceReadError
 from overlord.loader import storage
-from overlord.loader.formats import FORMATS, BadRow, Chunk, OpenFile
+from overlord.loader.formats import FORMATS, BadRow, Chunk, OpenFile, locations
 from overlord.loader.order import EpochOrder, RowGroups
 from overlord.sidecar.layout import stream_name
 from overlord.transforms import resolve, sample_metadata
@@ -61,7 +62,7 @@ class SourceLoader:
         self.name = stream_name(source.name, partition)
         self.seed = seed
         self.epochs = epochs
-        self.locations = [loc for pattern in source.paths for loc in storage.expand(source.name, pattern)]
+        self.locations = locations(source.name, source.format, source.paths)
         self.paths = [loc.uri for loc in self.locations]
         self.transform: Callable = resolve(source.transform)
         self.format = FORMATS[source.format]()
