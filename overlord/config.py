@@ -52,7 +52,12 @@ class Source:
             file is one row group, read whole) or "hf" (Hugging Face datasets' Arrow
             files, memory-mapped; a record batch is a row group). See
             overlord/loader/formats.py and overlord/loader/hf.py.
-        transform: sample transform as "module:callable" (see overlord.transforms).
+        transform: sample transform as "module:callable" (see overlord.transforms); with
+            transform_args, the callable is a factory that builds the transform.
+        transform_args: keyword arguments of the transform factory `transform` names,
+            e.g. {tokenizer: /models/llama/tokenizer.json} for
+            overlord.transforms_hf:Tokenize; a factory with a context_length parameter gets
+            BatchSpec.context_length unless given here. None: `transform` is the transform.
         weight: mixing weight (relative; weights of a job need not sum to 1).
         columns: columns to read; None reads every column.
         shuffle_window: rows shuffled together inside the source's order (bounded memory).
@@ -76,6 +81,7 @@ class Source:
     paths: tuple[str, ...]
     format: str = "parquet"
     transform: str = "overlord.transforms:text"
+    transform_args: dict | None = None
     weight: float = 1.0
     columns: tuple[str, ...] | None = None
     shuffle_window: int = 256
@@ -102,6 +108,18 @@ class Source:
                 f"{where}: Source.transform={self.transform!r} must be 'module:callable', "
                 "e.g. 'overlord.transforms:text'"
             )
+        if self.transform_args is not None:
+            if not isinstance(self.transform_args, Mapping) or not all(isinstance(k, str) for k in self.transform_args):
+                raise ConfigError(
+                    f"{where}: Source.transform_args={self.transform_args!r} must be a mapping of argument names "
+                    f"to values (the keyword arguments of the factory {self.transform!r}), or null"
+                )
+            try:
+                object.__setattr__(self, "transform_args", json.loads(json.dumps(dict(self.transform_args))))
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(
+                    f"{where}: Source.transform_args must be plain data (it crosses processes as JSON): {exc}"
+                ) from None
         if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight) or self.weight < 0:
             raise ConfigError(f"{where}: Source.weight={self.weight!r} must be a finite number >= 0")
         if self.columns is not None:

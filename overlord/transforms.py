@@ -16,12 +16,20 @@ Invariants:
   wrong with the row; the Source Loader wraps it with the source, file and row.
 
 Token ids: 0 pad, 1 bos, 2 eos, 3 image placeholder; every text piece hashes into
-``[4, VOCAB_SIZE)``.
+``[4, VOCAB_SIZE)``. That crc32 word hash (`tokenize`, `text`) is a toy for the demo and
+the tests: no model's vocabulary, no subwords, collisions. Train on a real tokenizer with
+``overlord.transforms_hf:Tokenize`` (a Hugging Face ``tokenizer.json``).
+
+Transforms with arguments: ``Source.transform_args`` turns the spec into a factory,
+called once per Source Loader with those keyword arguments (`build`). A transform may
+also have a ``batch(rows) -> list[dict]`` method; the Source Loader then hands it runs
+of rows, one run per worker thread, instead of one row at a time.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import io
 import re
 import zlib
@@ -50,6 +58,10 @@ _PIECES = re.compile(r"\w+|[^\w\s]")
 
 def tokenize(text: str) -> np.ndarray:
     """Splits ``text`` into words and punctuation and hashes each piece to a token id.
+
+    The demo's documented toy (crc32 of each word, modulo a made-up vocabulary): cheap and
+    deterministic, with token counts close to a real tokenizer's for cost modelling, but no
+    model reads these ids. Use ``overlord.transforms_hf:Tokenize`` for training.
 
     Args:
         text: Any string; empty gives an empty array.
@@ -101,7 +113,7 @@ def _column(
 
 
 def text(row: dict[str, object]) -> dict[str, np.ndarray]:
-    """Tokenizes a text row.
+    """Tokenizes a text row with the demo's crc32 word hash (`tokenize`, a toy).
 
     Args:
         row: A row with a string column ``text``.
@@ -294,6 +306,54 @@ def resolve(spec: str) -> Callable[..., object]:
     return obj
 
 
+def build(spec: str, args: dict | None = None, *, context_length: int | None = None) -> Callable[..., object]:
+    """The transform a Source configures: `resolve(spec)` itself, or, given `args`, what
+    the factory `spec` names returns for them.
+
+    Args:
+        spec: ``"module:callable"`` (``Source.transform``).
+        args: the factory's keyword arguments (``Source.transform_args``); None: `spec`
+            names the transform itself.
+        context_length: ``BatchSpec.context_length``, passed to a factory that has a
+            ``context_length`` parameter unless `args` sets it.
+
+    Returns:
+        The transform: ``fn(row) -> dict[str, np.ndarray]``, maybe with a ``batch`` method.
+
+    Raises:
+        ConfigError: the spec does not resolve, `args` do not fit the factory's
+            parameters, or `spec` names a class but no `args` are given.
+    """
+    fn = resolve(spec)
+    if args is None:
+        if inspect.isclass(fn):
+            raise ConfigError(
+                f"transform spec {spec!r} names a class, a transform factory: give its arguments in "
+                "Source.transform_args (e.g. {tokenizer: /path/tokenizer.json}; {} if it needs none)"
+            )
+        return fn
+    kwargs = dict(args)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: call it as given
+        params = {}
+    if "context_length" in params and "context_length" not in kwargs and context_length is not None:
+        kwargs["context_length"] = context_length
+    if params:
+        try:
+            inspect.signature(fn).bind(**kwargs)
+        except TypeError as exc:
+            accepted = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            raise ConfigError(
+                f"transform spec {spec!r}: Source.transform_args {sorted(args)} do not fit it ({exc}); "
+                f"it takes {accepted}"
+            ) from None
+    made = fn(**kwargs)
+    if not callable(made):
+        raise ConfigError(f"transform spec {spec!r} with Source.transform_args returned a {type(made).__name__}, not a transform")
+    return made
+
+
 __all__ = sorted(
     [
         "BOS_ID",
@@ -303,6 +363,7 @@ __all__ = sorted(
         "PAD_ID",
         "PATCH",
         "VOCAB_SIZE",
+        "build",
         "image_text",
         "resolve",
         "sample_metadata",

@@ -64,7 +64,8 @@ class LoaderProcess:
         for i in self.hosted:
             src = job.sources[layout.stream_source[i]]
             partition = int(layout.streams[i].rsplit(".", 1)[1])
-            self.loaders[i] = SourceLoader(src, partition, seed=job.seed, epochs=job.epochs)
+            self.loaders[i] = SourceLoader(src, partition, seed=job.seed, epochs=job.epochs,
+                                           context_length=job.batch.context_length)
         self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in self.hosted}  # not yet sent
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every constructor finished it
         self.kept: dict[Item, Prepared] = {}  # samples of those steps

@@ -23,12 +23,12 @@ import pyarrow as pa
 
 from overlord.autoscale.profile import Profile
 from overlord.config import Source
-from overlord.errors import SchemaError, SourceReadError
+from overlord.errors import ConfigError, SchemaError, SourceReadError
 from overlord.loader import storage
 from overlord.loader.formats import FORMATS, BadRow, Chunk, OpenFile, locations
 from overlord.loader.order import EpochOrder, RowGroups
 from overlord.sidecar.layout import stream_name
-from overlord.transforms import resolve, sample_metadata
+from overlord.transforms import build, sample_metadata
 
 _OPEN_FILES = 2  # open files kept per Source Loader (an LRU)
 
@@ -54,9 +54,13 @@ class SourceLoader:
         partition: which partition of the source this loader owns.
         seed: the job seed.
         epochs: stop after this many epochs; None cycles forever.
+        context_length: the job's BatchSpec.context_length, for a transform built from
+            `Source.transform_args` that truncates to it (see transforms.build).
     """
 
-    def __init__(self, source: Source, partition: int, *, seed: int, epochs: int | None) -> None:
+    def __init__(
+        self, source: Source, partition: int, *, seed: int, epochs: int | None, context_length: int | None = None
+    ) -> None:
         self.source = source
         self.partition = partition
         self.name = stream_name(source.name, partition)
@@ -64,7 +68,10 @@ class SourceLoader:
         self.epochs = epochs
         self.locations = locations(source.name, source.format, source.paths)
         self.paths = [loc.uri for loc in self.locations]
-        self.transform: Callable = resolve(source.transform)
+        try:
+            self.transform: Callable = build(source.transform, source.transform_args, context_length=context_length)
+        except ConfigError as exc:
+            raise ConfigError(f"source {source.name!r}: {exc}") from None
         self.format = FORMATS[source.format]()
         self._files: collections.OrderedDict[int, OpenFile] = collections.OrderedDict()
         # row group -> its rows (an Arrow table, or raw JSONL lines), for the row groups of
@@ -233,11 +240,7 @@ class SourceLoader:
             seqs = range(self.seq, min(self.seq + limit - len(out), self.epoch_length))
             reads = [self._read(q) for q in seqs]
             self.seq = seqs.stop
-            if self._pool is not None and len(reads) > 1:
-                samples = list(self._pool.map(self._transform, reads))
-            else:
-                samples = [self._transform(r) for r in reads]
-            for sample in samples:
+            for sample in self._transform_all(reads):
                 if sample is not None:
                     self._delivered_in_epoch += 1
                     out.append(sample)
@@ -269,22 +272,64 @@ class SourceLoader:
             row = bad  # a bad row is reported (or skipped) where transform failures are
         return seq, where, row, time.perf_counter() - started
 
+    def _transform_all(self, reads: list) -> list[Prepared | None]:
+        """The transforms of a run of rows, in order, on the workers if there are several.
+
+        A transform with a `batch` method (e.g. `transforms_hf.Tokenize`, whose tokenizer
+        encodes a batch in one call that releases the GIL) gets one contiguous slice of the
+        run per worker; any other is called row by row.
+        """
+        if getattr(self.transform, "batch", None) is None:
+            if self._pool is not None and len(reads) > 1:
+                return list(self._pool.map(self._transform, reads))
+            return [self._transform(r) for r in reads]
+        if self._pool is None or len(reads) == 1:
+            return self._transform_batch(reads)
+        size = -(-len(reads) // self.workers)
+        slices = [reads[i : i + size] for i in range(0, len(reads), size)]
+        return [sample for part in self._pool.map(self._transform_batch, slices) for sample in part]
+
+    def _transform_batch(self, reads: list) -> list[Prepared | None]:
+        """A batch transform over `reads` (thread-safe). Bad rows are rejected one by one;
+        a batch that raises is done again row by row, so the error (or skip) names its row."""
+        good = [r for r in reads if not isinstance(r[2], BadRow)]
+        started = time.perf_counter()
+        try:
+            outs = self.transform.batch([r[2] for r in good]) if good else []
+        except Exception:  # noqa: BLE001 - the row-by-row pass below finds and reports the row
+            return [self._transform(r) for r in reads]
+        if not isinstance(outs, list) or len(outs) != len(good):
+            got = len(outs) if isinstance(outs, list) else type(outs).__name__
+            raise SourceReadError(
+                f"source {self.source.name!r}: transform {self.source.transform}'s batch() returned {got} for "
+                f"{len(good)} rows; a batch transform returns a list with one dict[str, numpy.ndarray] per row"
+            )
+        each = (time.perf_counter() - started) / max(1, len(good))
+        done = iter(outs)
+        return [self._transform(r) if isinstance(r[2], BadRow) else self._finish(r, next(done), each) for r in reads]
+
     def _transform(self, read) -> Prepared | None:
         """The sample transform of one row (thread-safe: touches no file state)."""
-        seq, where, row, read_s = read
+        _, where, row, _ = read
         started = time.perf_counter()
-        key = f"{self.source.name}:{where.file}:{where.row_in_file}"
         if isinstance(row, BadRow):
             return self._reject(where, str(row), None)
         try:
             arrays = self.transform(row)
-            if not isinstance(arrays, dict) or not all(isinstance(v, np.ndarray) for v in arrays.values()):
-                raise TypeError(f"returned {type(arrays).__name__}; a transform must return dict[str, numpy.ndarray]")
         except Exception as exc:  # noqa: BLE001 - any user transform failure is reported the same way
             return self._reject(where, f"transform {self.source.transform} raised {type(exc).__name__}: {exc}", exc)
+        return self._finish(read, arrays, time.perf_counter() - started)
+
+    def _finish(self, read, arrays, seconds: float) -> Prepared | None:
+        """A transform's output for one row, checked, as a Prepared sample."""
+        seq, where, _, read_s = read
+        if not isinstance(arrays, dict) or not all(isinstance(v, np.ndarray) for v in arrays.values()):
+            exc = TypeError(f"returned {type(arrays).__name__}; a transform must return dict[str, numpy.ndarray]")
+            return self._reject(where, f"transform {self.source.transform} raised TypeError: {exc}", exc)
+        key = f"{self.source.name}:{where.file}:{where.row_in_file}"
         tokens, patches, nbytes = sample_metadata(arrays)
         with self._lock:
-            self.profile.record(read_s + time.perf_counter() - started, nbytes)
+            self.profile.record(read_s + seconds, nbytes)
         return Prepared(self.epoch, seq, key, arrays, tokens, patches, nbytes)
 
     def _reject(self, where, what: str, cause: Exception | None) -> None:
