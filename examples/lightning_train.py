@@ -17,6 +17,11 @@ Lightning handed to `training_step`, not of the one it had already fetched. A Li
 step is one micro-batch here (`--accumulate` sets accumulate_grad_batches), so a
 checkpoint every 3 steps lands inside the loader's 2-micro-batch steps.
 
+`--plain` hands Lightning the `overlord.torch.DataLoader` itself instead: Lightning then
+saves its state (rank 0's) in `loops.fit_loop.state_dict.combined_loader`, calls `iter()`
+on it before `load_state_dict()`, and prefetches a batch unless it has a `len()` (a
+finite job, `--epochs 1`; `--steps 0` trains to its end).
+
 `--record` writes one JSON line per batch and rank: a digest of the batch that
 training_step got, its loss, and whether its bytes are still those it had when the
 loader yielded it (Lightning fetches the next batch before it trains on this one).
@@ -40,6 +45,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from common import demo_job, start_sidecar, stop_sidecar
 from overlord.lightning import OverlordDataModule
+from overlord.torch import DataLoader
 from train_gpt import CONTEXT, GPT, WEIGHTS
 
 
@@ -47,7 +53,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("demo-data/lightning"), help="checkpoints, job config, run directory")
     p.add_argument("--data", type=Path, default=Path("demo-data/corpus"), help="demo corpus (made if missing)")
-    p.add_argument("--steps", type=int, default=8, help="train until this many Lightning steps are done")
+    p.add_argument("--steps", type=int, default=8, help="train until this many Lightning steps are done (0: to the "
+                   "end of a finite job)")
     p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint(every_n_train_steps=...); 0: none")
     p.add_argument("--stop-after", type=int, default=0, help="stop after this many steps, as if preempted")
     p.add_argument("--resume", action="store_true", help="fit from the latest checkpoint in <out>/checkpoints")
@@ -55,6 +62,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=2, help="ranks (under torchrun: --nproc_per_node)")
     p.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     p.add_argument("--ring-kib", type=int, default=256, help="each rank's ring; small keeps few batches leasable")
+    p.add_argument("--epochs", type=int, help="Job.epochs: a finite job (default: forever)")
+    p.add_argument("--sources", default=",".join(WEIGHTS), help="the demo's text sources to read, comma-separated")
+    p.add_argument("--plain", action="store_true",
+                   help="hand Lightning the overlord.torch.DataLoader itself, not through OverlordDataModule")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--job-name", help="Overlord job name (default: derived from --out)")
     return p.parse_args()
@@ -94,17 +105,26 @@ class DemoData(OverlordDataModule):
 
     def setup(self, stage: str) -> None:
         # DDP is up: demo_job and start_sidecar synchronise the ranks with barriers
-        job = demo_job(self.args, "lightning", WEIGHTS, self.trainer.world_size,
+        weights = {name: WEIGHTS[name] for name in self.args.sources.split(",")}
+        job = demo_job(self.args, "lightning", weights, self.trainer.world_size,
                        global_batch=128 * self.trainer.world_size, micro_batches=2, context_length=CONTEXT)
-        self.job = dataclasses.replace(job, batch=dataclasses.replace(job.batch, ring_bytes=self.args.ring_kib << 10))
+        self.job = dataclasses.replace(job, epochs=self.args.epochs,
+                                       batch=dataclasses.replace(job.batch, ring_bytes=self.args.ring_kib << 10))
         self.sidecar = start_sidecar(self.job, self.args.out, self.args.resume)
 
     def train_dataloader(self):
+        if self.args.plain:
+            # Lightning saves and loads this loader's state itself (loops.fit_loop.combined_loader),
+            # calls iter() on it before load_state_dict(), and prefetches a batch unless len() works
+            self.plain = DataLoader(self.job, spawn_sidecar=False)
+            return self.plain
         self.receipts = Receipts(super().train_dataloader())
         return self.receipts
 
     def teardown(self, stage: str) -> None:
         super().teardown(stage)  # every rank detaches from its ring first
+        if self.args.plain:
+            self.plain.close()
         dist.barrier()
         stop_sidecar(self.sidecar, self.job)
 
@@ -122,6 +142,10 @@ class LitGPT(pl.LightningModule):
         if self.args.record:
             self.record = open(f"{self.args.record}.rank{self.global_rank}.jsonl", "a")  # a resumed run appends
 
+    def on_train_epoch_start(self) -> None:
+        if self.global_rank == 0:
+            print(f"batches in this epoch: {self.trainer.num_training_batches}", flush=True)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.got = digest(batch)  # Lightning has fetched the next batch by now
         logits = self.model(batch["input_ids"], batch["position_ids"])
@@ -131,7 +155,8 @@ class LitGPT(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         # after the forward, backward and optimizer step: the batch still holds its bytes
-        receipt = self.trainer.datamodule.receipts.digests.popleft()
+        receipts = self.trainer.datamodule.receipts
+        receipt = receipts.digests.popleft() if receipts else self.got  # --plain: no receipts
         intact = receipt == self.got == digest(batch)
         self.changed += not intact
         if self.record:
@@ -164,7 +189,7 @@ def main() -> None:
                                          save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, strategy="ddp", num_nodes=1,
-        max_steps=args.stop_after or args.steps, accumulate_grad_batches=args.accumulate,
+        max_steps=args.stop_after or args.steps or -1, max_epochs=1, accumulate_grad_batches=args.accumulate,
         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=bool(callbacks), num_sanity_val_steps=0, limit_val_batches=0,
     )

@@ -25,10 +25,11 @@ What Lightning (2.x) does with a train loader, and why this module exists:
   already sends each rank its own micro-batches and is passed through untouched
   (`use_distributed_sampler` does not matter).
 
-The iterable Lightning trains on has no `state_dict()` (Lightning would save the
-prefetching position in `loops.fit_loop.combined_loader` too, and load it over ours) and
-no `len()` (Lightning would then add the batches of the epoch done before a resume to
-it). The state lives in this DataModule (`checkpoint["OverlordDataModule"]`).
+The iterable Lightning trains on has no `state_dict()` (Lightning would also save the
+prefetching position, in `checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]`,
+and load it over ours) and no `len()` (Lightning would count the batches done before a
+resume against it). The state lives in the DataModule's entry of the checkpoint
+(`checkpoint["OverlordDataModule"]`, or a subclass's name).
 
 Each batch's loader state is taken as it is yielded and kept until the training step has
 it (one or two small dicts): `DataLoader.state_dict()` must stay cheap.

@@ -131,10 +131,41 @@ def test_lightning_resumes_from_modelcheckpoint_with_the_batches_of_an_uninterru
     lightning(out, data, rec, "--ring-kib", "256", "--ckpt-every", str(CKPT_EVERY), "--stop-after", str(STOP_AFTER))
     ckpt = torch.load(out / "checkpoints" / f"step={CKPT_EVERY}.ckpt", map_location="cpu", weights_only=False)
     # one loader state, rank 0's, kept by the DataModule; none in Lightning's combined_loader
-    assert "loader" in ckpt["DemoData"] and "combined_loader" not in ckpt["loops"]["fit_loop"]
+    assert "loader" in ckpt["DemoData"] and "combined_loader" not in ckpt["loops"]["fit_loop"]["state_dict"]
     second = lightning(out, data, rec, "--ring-kib", "256", "--ckpt-every", str(CKPT_EVERY), "--resume")
     assert f"resuming from step={CKPT_EVERY}.ckpt" in second
     assert_resumed_exactly(lightning_whole, records(rec))
+
+
+def test_lightning_given_the_dataloader_itself_resumes_a_finite_job_exactly(tmp_path, data):
+    """The DataLoader handed to Lightning as it is: Lightning calls iter() on it before
+    load_state_dict(), saves rank 0's state in loops.fit_loop.state_dict.combined_loader and loads it
+    on every rank; a finite job has a len(), so Lightning prefetches nothing and stops
+    at the job's end. len() must not shrink after load_state_dict(): Lightning adds the
+    batches done before the checkpoint to what it counts (like torch's DataLoader, whose
+    len() is the epoch's)."""
+    job = ["--plain", "--epochs", "1", "--sources", "books", "--steps", "0"]
+    whole = lightning(tmp_path / "whole", data, tmp_path / "whole.rec", *job)
+    out, rec = tmp_path / "cut", tmp_path / "cut.rec"
+    lightning(out, data, rec, *job, "--ckpt-every", str(CKPT_EVERY), "--stop-after", str(STOP_AFTER))
+    ckpt = torch.load(out / "checkpoints" / f"step={CKPT_EVERY}.ckpt", map_location="cpu", weights_only=False)
+    assert len(ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]) == 1  # rank 0's
+    second = lightning(out, data, rec, *job, "--ckpt-every", str(CKPT_EVERY), "--resume")
+    assert f"resuming from step={CKPT_EVERY}.ckpt" in second
+
+    full, cut = records(tmp_path / "whole.rec"), records(rec)
+    n = len(full[0])
+    assert n > STOP_AFTER + 2 and len(full[1]) == n, (len(full[0]), len(full[1]))
+    assert f"batches in this epoch: {n}\n" in whole, "len() of the finite job's DataLoader"
+    for r in range(2):
+        want = full[r][:STOP_AFTER] + full[r][CKPT_EVERY:]
+        got = [x["digest"] for x in cut[r]]
+        assert got == [x["digest"] for x in want], (
+            f"rank {r}: the resumed run trained on {len(got) - STOP_AFTER} batches, the uninterrupted run's "
+            f"{[next((k for k, w in enumerate(full[r]) if w['digest'] == g), None) for g in got[STOP_AFTER:]]}; "
+            f"expected {list(range(CKPT_EVERY, n))}"
+        )
+        assert all(x["intact"] for x in full[r] + cut[r])
 
 
 def test_accelerate_resumes_from_save_state_with_the_batches_of_an_uninterrupted_run(tmp_path, data):
