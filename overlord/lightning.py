@@ -93,13 +93,17 @@ class OverlordDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> _Batches:
         if self.loader is None:
-            if self.job is None:
-                raise ConfigError("OverlordDataModule has no job: pass one, or set `self.job` in setup()")
-            self.loader = DataLoader(self.job, **self.loader_kwargs)
+            self.loader = self.make_loader()
             if self._pending is not None:
                 self.loader.load_state_dict(self._pending)
             self._states = deque([self.loader.state_dict()])
         return _Batches(self)
+
+    def make_loader(self) -> DataLoader:
+        """The DataLoader of this run (override to build it another way)."""
+        if self.job is None:
+            raise ConfigError("OverlordDataModule has no job: pass one, or set `self.job` in setup()")
+        return DataLoader(self.job, **self.loader_kwargs)
 
     def _yield_batches(self) -> Iterator[dict]:
         if self.loader is None:
