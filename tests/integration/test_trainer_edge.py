@@ -196,3 +196,30 @@ def test_len_and_a_resume_at_the_end_of_a_finite_job(cluster, tmp_path):
     assert only["len"] == 0 and only["digests"] == [] and only["end"] == "stop", only
     assert only["stop_s"] < 5, only["stop_s"]  # no sidecar to wait on: the first next() ends it
     assert not sidecar_running(c.job)
+
+
+def test_lightning_checkpoints_with_the_loader_resume_exactly(cluster, tmp_path):
+    """The DataLoader passed straight to Lightning 2.6 (a finite job, so it has len() and
+    Lightning's fetcher does not prefetch): ModelCheckpoint's state (on_train_batch_end,
+    from fit_loop's combined_loader) resumes at exactly the next batch. Lightning calls
+    iter() before load_state_dict() (its iterable check)."""
+    script = Path(__file__).parent / "lightning_edge.py"
+    c = cluster(epochs=1, seed=4, mesh=Mesh(dp=1), batch=BatchSpec(global_batch=64, micro_batches=2,
+                                                                  context_length=512, ring_bytes=1 << 20))
+
+    def fit(name: str, max_steps: int, every: int, resume: Path | None = None) -> list[dict]:
+        out = tmp_path / f"{name}.jsonl"
+        args = [str(c.config), str(out), str(tmp_path / f"ckpt-{name}"), str(max_steps), str(every)]
+        base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+        proc = subprocess.run([sys.executable, str(script), *args, *([str(resume)] if resume else [])],
+                              env=base, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-4000:] + c.log()
+        spawned_sidecar_gone(c)
+        return [json.loads(line) for line in out.read_text().splitlines()]
+
+    whole = fit("whole", 30, 1000)
+    assert len(whole) == 30  # 960 samples / 64 = 15 steps x 2 micro-batches
+    cut = fit("cut", 7, 3)
+    assert [r["digest"] for r in cut] == [r["digest"] for r in whole[:7]]
+    resumed = fit("resumed", 30, 1000, resume=tmp_path / "ckpt-cut" / "step=6.ckpt")
+    assert [r["digest"] for r in resumed] == [r["digest"] for r in whole[6:]]
