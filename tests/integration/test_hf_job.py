@@ -1,7 +1,8 @@
 """A real job over Hugging Face data: a save_to_disk directory and a split of the HF cache
 (format: hf), tokenized by a tokenizer trained here (overlord.transforms_hf:Tokenize),
 through a sidecar and two trainer ranks: every row arrives exactly once, as its text's
-ids between BOS and EOS, truncated to context_length."""
+ids between BOS and EOS, truncated to context_length; and a missing tokenizer.json
+reaches every trainer as an error naming the source, the file and the fix."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import uuid
+from dataclasses import replace
 
 import datasets
 import pytest
@@ -59,21 +61,28 @@ def hf_job(tmp_path):
     )
     texts = {f"wiki:{f}:{r}": t for f, part in enumerate((saved["text"][:60], saved["text"][60:])) for r, t in enumerate(part)}
     texts |= {f"books:0:{r}": t for r, t in enumerate(books)}
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    cluster = Cluster(job, workdir)
+    made: list[Cluster] = []
+
+    def cluster(job: Job = job) -> Cluster:
+        workdir = tmp_path / f"work{len(made)}"
+        workdir.mkdir()
+        made.append(Cluster(job, workdir))
+        return made[-1]
+
     yield cluster, texts, Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    try:
-        cluster.stop()
-    finally:
-        cluster.kill_all()
-        left = list_segments(job.name)
-        unlink_all(job.name)
-    assert not left, f"shared-memory segments left behind: {left}"
+    for c in made:
+        try:
+            c.stop()
+        finally:
+            c.kill_all()
+            left = list_segments(c.job.name)
+            unlink_all(c.job.name)
+        assert not left, f"shared-memory segments left behind: {left}"
 
 
 def test_hf_sources_tokenized_arrive_exactly_once_as_their_text(hf_job):
-    cluster, texts, tok = hf_job
+    make, texts, tok = hf_job
+    cluster = make()
     assert [os.path.basename(p) for p in Source.files(cluster.job.sources[0])] == \
         ["data-00000-of-00002.arrow", "data-00001-of-00002.arrow"]
     cluster.start_sidecar()
@@ -96,3 +105,19 @@ def test_hf_sources_tokenized_arrive_exactly_once_as_their_text(hf_job):
         cut += decoded != texts[key]
     assert 0 < cut < len(samples), "long rows were cut at context_length, short ones kept whole"
     assert cluster.stop() == 0
+
+
+def test_a_missing_tokenizer_reaches_the_trainer_naming_source_file_and_fix(hf_job, tmp_path):
+    make, _, _ = hf_job
+    job = make().job
+    missing = str(tmp_path / "gone" / "tokenizer.json")
+    broken = replace(job, name=f"t{uuid.uuid4().hex[:8]}", run_dir=str(tmp_path / "run-broken"), sources=tuple(
+        replace(s, transform_args={"tokenizer": missing}) if s.name == "books" else s for s in job.sources))
+    cluster = make(broken)
+    cluster.start_sidecar()
+    cluster.start_trainers()
+    for rank, result in cluster.results(timeout=90).items():  # every rank, with its origin and the fix
+        end = result["end"]
+        assert end.startswith(f"RemoteRoleError: rank {rank} ") and "SourceLoader process" in end, end
+        assert f"ConfigError: source 'books': transform Tokenize: tokenizer file '{missing}' does not exist; " \
+               "set transform_args.tokenizer to a tokenizer.json" in end, end
