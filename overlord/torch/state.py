@@ -45,10 +45,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
+
 from overlord.config import Job
-from overlord.errors import ConfigError
-from overlord.loader import storage
-from overlord.loader.formats import FORMATS
+from overlord.errors import ConfigError, SourceReadError
+from overlord.loader.formats import FORMATS, locations
 
 FORMAT = 2
 _BEFORE = (-1, -1)  # the position before the first batch
@@ -166,18 +167,24 @@ def load(job: Job, rank: int, state: dict[str, Any]) -> Position:
 
 
 def source_rows(job: Job) -> dict[str, int]:
-    """Rows of every source (file metadata: Parquet footers, a JSONL line index).
+    """Rows of every source, from file metadata (Parquet footers, a JSONL line index,
+    Hugging Face Arrow files), the files the Source Loaders will read.
 
     Raises:
-        OverlordError: a file cannot be opened (its error names the source and file).
+        SourceReadError: a file cannot be listed or opened (naming the source and file).
     """
     rows = {}
     for src in job.sources:
         fmt = FORMATS[src.format]()
-        rows[src.name] = sum(
-            sum(fmt.open(loc, f"source {src.name!r} file {loc.uri!r}").group_rows())
-            for pattern in src.paths for loc in storage.expand(src.name, pattern)
-        )
+        total = 0
+        for loc in locations(src.name, src.format, src.paths):
+            where = f"source {src.name!r} file {loc.uri!r}"
+            try:
+                total += sum(fmt.open(loc, where).group_rows())
+            except (OSError, pa.ArrowException) as exc:
+                raise SourceReadError(f"counting the rows of {where} for len(): {exc}; fix Source.paths or "
+                                      "restore the file") from None
+        rows[src.name] = total
     return rows
 
 

@@ -122,3 +122,13 @@ def test_a_state_after_the_last_batch_ends_at_once(files, tmp_path):
     assert len(lo) == 0
     assert list(lo) == []  # no sidecar runs, none is spawned, nothing waited for
     assert lo.state_dict()["end"] is True and lo.state_dict()["batches"] == 20
+
+
+def test_a_file_len_cannot_count_is_named(files, tmp_path):
+    from overlord.errors import SourceReadError
+
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(b"not parquet at all")
+    job = job_of({**files, "broken": str(bad)}, tmp_path)
+    with pytest.raises(SourceReadError, match=r"source 'broken' file '.*bad.parquet' for len\(\)"):
+        states.length(job)
