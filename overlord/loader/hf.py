@@ -119,6 +119,12 @@ def _directory(source: str, path: str) -> list[Location]:
     """The files of a datasets directory: a saved Dataset, or a refusal that names the splits."""
     if os.path.isfile(os.path.join(path, STATE)):
         state = _json(source, os.path.join(path, STATE))
+        if state.get("_indices_data_files"):  # datasets 1.x kept a select/shuffle as an indices file
+            raise SourceReadError(
+                f"source {source!r}: {path!r} was saved with an indices mapping (an old datasets' select or "
+                "shuffle), which this reader does not apply; load it and save it again with datasets >= 2 "
+                "(save_to_disk writes the selected rows themselves)"
+            )
         files = [f.get("filename") for f in state.get("_data_files") or () if isinstance(f, dict)]
         if not files or not all(isinstance(f, str) for f in files):
             raise SourceReadError(f"source {source!r}: {os.path.join(path, STATE)!r} lists no data files; save the dataset again")

@@ -91,6 +91,19 @@ def test_file_order_is_state_json_not_names(tmp_path):
     assert [os.path.basename(p) for p in loader([path]).paths] == ["data-00001-of-00002.arrow", "data-00000-of-00002.arrow"]
 
 
+def test_a_state_json_that_needs_datasets_to_read_is_refused(tmp_path):
+    path = saved(tmp_path / "ds", shards=1)
+    state_file = os.path.join(path, "state.json")
+    state = json.loads(open(state_file).read())
+    open(state_file, "w").write(json.dumps({**state, "_indices_data_files": [{"filename": "indices.arrow"}]}))
+    with pytest.raises(SourceReadError, match=r"was saved with an indices mapping .* save it again with datasets >= 2"):
+        loader([path])
+    os.remove(os.path.join(path, "data-00000-of-00001.arrow"))
+    open(state_file, "w").write(json.dumps(state))
+    with pytest.raises(SourceReadError, match=r"lacks \['data-00000-of-00001.arrow'\] that its state.json lists"):
+        loader([path])
+
+
 def test_hf_reads_the_same_order_and_bytes_as_the_same_rows_in_jsonl(tmp_path):
     # one record batch of 22 rows, cut into blocks of 4, and 22 JSON lines in blocks of 4:
     # the same row groups, hence the same order and samples
