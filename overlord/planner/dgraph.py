@@ -417,6 +417,7 @@ class DGraph:
                 )
             dropped += int((bucket >= 0).sum())
             bucket[:] = -1
+            encoder_rank = None if encoder_rank is None else np.full(len(items), -1, dtype=np.int64)
         placed = np.flatnonzero(bucket >= 0)
         # keep each micro-batch in selection order, so the bytes do not depend on the balancer's internals
         order = placed[np.lexsort((placed, mbin[placed], bucket[placed]))]

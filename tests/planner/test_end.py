@@ -144,3 +144,19 @@ def test_too_little_data_for_one_step_is_refused_naming_the_fix():
 def test_a_global_batch_smaller_than_the_micro_batches_is_refused():
     with pytest.raises(ConfigError, match="raise global_batch to at least 8"):
         make([100], dp=4, micro_batches=2, global_batch=4)
+
+
+def test_a_mixture_moved_at_run_time_ends_with_a_sampleless_step_not_empty_micro_batches():
+    class Switch:  # stands for Dynamic: weights the trainers' metrics change between steps
+        w = np.array([1.0, 0.0])
+
+        def weights(self, step):
+            return self.w
+
+    schedule = Switch()
+    core = make([20, 2], weights=None, schedule=schedule)
+    assert [core.plan_step().last for _ in range(2)] == [False, False]  # 4 of source 0 left: a partial step follows
+    schedule.w = np.array([0.0, 1.0])  # now only source 1 (2 samples) is weighted: 2 for 2 x 2 micro-batches
+    plan = core.plan_step()
+    assert plan.last and plan.samples() == 0 and plan.dropped == 2  # the constructors deliver nothing, close
+    assert core.plan_step() is None
