@@ -6,7 +6,8 @@ exist, and again when a resume has fixed its step:
 
     {"pid": 4242, "resume": true, "decided": false, "spawned": true}
 
-`spawned`: started by a DataLoader (`--exit-when-idle`); such a sidecar may be stopped
+`spawned`: started by a DataLoader (which sets $OVERLORD_SPAWNED_BY to its pid in the
+sidecar's environment; `--exit-when-idle` alone does not say it); such a sidecar may be stopped
 and started again by a DataLoader of the same job to go back to an earlier state
 (nothing else depends on it). A trainer that loads a state and finds a sidecar that
 is not waiting for positions cannot be served by it: the sidecar delivers the batches
@@ -30,6 +31,7 @@ from overlord.shm import pid_alive as alive
 from overlord.sidecar.layout import client_ring
 
 MODE_NAME = "sidecar-mode.json"
+SPAWNED_BY = "OVERLORD_SPAWNED_BY"  # environment: the pid of the DataLoader that started this sidecar
 LOCK_NAME = "sidecar.lock"
 
 
@@ -48,6 +50,11 @@ class Mode:
 
 def _path(job: Job) -> Path:
     return job.run_path / MODE_NAME
+
+
+def spawned_here() -> bool:
+    """Whether this process (a sidecar) was started by a DataLoader."""
+    return bool(os.environ.get(SPAWNED_BY))
 
 
 def write(job: Job, *, resume: bool, decided: bool, spawned: bool) -> None:

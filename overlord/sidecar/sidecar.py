@@ -224,7 +224,7 @@ class Sidecar(NodeMember):
             self.r.hdel(self.keys.ckpt_delta, *later)
         mapping = {"step": step, **{f"skip:{r}": (p[0] - step) * mb + p[1] for r, p in positions.items()}}
         self.r.hset(self.keys.resume, mapping=mapping)
-        mode.write(self.job, resume=True, decided=True, spawned=self.exit_when_idle)
+        mode.write(self.job, resume=True, decided=True, spawned=mode.spawned_here())
         log.info("resuming job %r at step %d (micro-batches already consumed per rank: %s)",
                  self.job.name, step, {r: mapping[f"skip:{r}"] for r in positions})
         # the state before `step` says the job's last step came before it
@@ -283,7 +283,7 @@ class Sidecar(NodeMember):
             self._publish(self.r, layout)
         self._create_rings(layout)
         # what a trainer that loads a state finds here (overlord.sidecar.mode)
-        mode.write(self.job, resume=self.resume, decided=False, spawned=self.exit_when_idle)
+        mode.write(self.job, resume=self.resume, decided=False, spawned=mode.spawned_here())
         if self.resume and self._await_positions():
             self._end_at_once()
             return
