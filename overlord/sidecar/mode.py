@@ -7,12 +7,12 @@ exist, and again when a resume has fixed its step:
     {"pid": 4242, "resume": true, "decided": false, "spawned": true}
 
 `spawned`: started by a DataLoader (which sets $OVERLORD_SPAWNED_BY to its pid in the
-sidecar's environment; `--exit-when-idle` alone does not say it); such a sidecar may be stopped
-and started again by a DataLoader of the same job to go back to an earlier state
-(nothing else depends on it). A trainer that loads a state and finds a sidecar that
-is not waiting for positions cannot be served by it: the sidecar delivers the batches
-after the position it chose, never earlier ones. `rewind_blockers` names what stops a
-restart; `stop` ends a spawned sidecar within a bound.
+sidecar's environment; `--exit-when-idle` alone does not say it). A trainer that loads
+a state and finds a sidecar that is not waiting for positions cannot be served by it:
+the sidecar delivers the batches after the position it chose, never earlier ones. A
+spawned one may be stopped and started again with --resume (`rewind`: once every live
+process reading its rings asked for it, since each rank of the job loads a state);
+one run by `overlord sidecar` or a service manager is not stopped by a trainer.
 """
 
 from __future__ import annotations
@@ -24,11 +24,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
+
 from overlord.config import Job
-from overlord.errors import RingError
+from overlord.errors import ConfigError, OverlordError, RingError
 from overlord.shm import Ring
 from overlord.shm import pid_alive as alive
 from overlord.sidecar.layout import client_ring
+from overlord.store import Keys
 
 MODE_NAME = "sidecar-mode.json"
 SPAWNED_BY = "OVERLORD_SPAWNED_BY"  # environment: the pid of the DataLoader that started this sidecar
@@ -97,13 +100,9 @@ def current(job: Job, timeout_s: float) -> Mode | None:
         time.sleep(0.02)
 
 
-def rewind_blockers(job: Job, mode: Mode) -> list[str]:
-    """Why this process may not restart the sidecar (empty: it may): one not spawned by a
-    DataLoader, or a trainer in another live process reading one of its rings."""
-    if not mode.spawned:
-        return [f"the sidecar (pid {mode.pid}) was not started by a DataLoader (`overlord sidecar` or a service "
-                "manager runs it), so a trainer does not stop it"]
-    why = []
+def readers(job: Job) -> dict[int, int]:
+    """rank -> pid of the live process that reads its ring on this node (ranks read by none left out)."""
+    out = {}
     for rank in job.ranks_of_node(job.node):
         try:
             ring = Ring.attach(client_ring(job, rank), timeout=0.01)
@@ -113,9 +112,61 @@ def rewind_blockers(job: Job, mode: Mode) -> list[str]:
             pid = ring.consumer_pid
         finally:
             ring.close()
-        if pid and pid != os.getpid() and alive(pid):
-            why.append(f"rank {rank} is read by another live process (pid {pid})")
-    return why
+        if pid and alive(pid):
+            out[rank] = pid
+    return out
+
+
+def rewind(job: Job, r, found: Mode, rank: int, at: tuple[int, int], timeout_s: float) -> None:
+    """Restart the spawned sidecar `found` so that it resumes from the trainers' states,
+    once every other live process reading one of its rings asked for the same (each
+    trainer of a data-parallel job loads a state: the last of them to ask stops it).
+    Returns when it is gone; the caller starts one with --resume and reports `at`.
+
+    A trainer's request is `rewind:<rank>` in the job's `resume` hash (its pid and
+    position); the hash goes with the old run (a new sidecar publishes afresh).
+
+    Raises:
+        ConfigError: the sidecar was not started by a DataLoader, or another process
+            still reads from it and did not ask within `timeout_s`, or it did not stop.
+    """
+    if not found.spawned:
+        raise ConfigError(
+            f"rank {rank} of job {job.name!r}: the state resumes at step {at[0]} micro-batch {at[1]}, but the sidecar "
+            f"(pid {found.pid}) already serves the job from its own position and cannot go back: it was not started "
+            "by a DataLoader (`overlord sidecar` or a service manager runs it), so a trainer does not stop it. Stop "
+            "it, start it with `overlord sidecar --config JOB.yaml --resume`, and load the state on every rank "
+            "before iterating"
+        )
+    me = os.getpid()
+    keys = Keys(job.name)
+    try:
+        r.hset(keys.resume, f"rewind:{rank}", json.dumps({"pid": me, "at": list(at)}))
+    except (redis.RedisError, OverlordError):
+        pass  # its Redis is gone with it: nothing left to agree on
+    deadline = time.monotonic() + timeout_s
+    waiting: dict[int, int] = {}
+    while alive(found.pid):
+        try:
+            asked = {int(k.split(b":")[1]): json.loads(v)["pid"] for k, v in r.hgetall(keys.resume).items()
+                     if k.startswith(b"rewind:")}
+        except (redis.RedisError, OverlordError):
+            time.sleep(0.05)  # on its way out
+            continue
+        waiting = {rk: pid for rk, pid in readers(job).items() if pid != me and asked.get(rk) != pid}
+        if not waiting:
+            stop(job, found.pid, max(0.1, deadline - time.monotonic()))
+            break
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if alive(found.pid):
+        who = ", ".join(f"rank {rk} (pid {pid})" for rk, pid in sorted(waiting.items())) or "nothing"
+        raise ConfigError(
+            f"rank {rank} of job {job.name!r}: resuming at step {at[0]} micro-batch {at[1]} needs the sidecar "
+            f"(pid {found.pid}) started again, but within {timeout_s:g}s {who} still read from it without loading "
+            f"a state: load the state on every rank before iterating (or stop the sidecar: kill -TERM {found.pid})"
+        )
 
 
 def stop(job: Job, pid: int, timeout_s: float) -> bool:

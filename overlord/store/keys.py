@@ -30,7 +30,8 @@ and multi-key transactions work on a managed cluster as on one server.
     overlord:{job}:workers              hash   stream -> transform workers (threads) the Planner's scaler set
     overlord:{job}:scaling              stream one entry per scaling decision (step, source, workers, share, cost)
     overlord:{job}:ckpt-layout          string the streams (JSON) those checkpoints belong to
-    overlord:{job}:resume               hash   position:<rank> (trainer), step and skip:<rank> (sidecar)
+    overlord:{job}:resume               hash   position:<rank> (trainer), step and skip:<rank> (sidecar), rewind:<rank> (a
+                                               trainer asking a spawned sidecar to restart for an earlier state)
     overlord:{job}:job                  string the job's config (JSON)
     overlord:{job}:placement            hash   unit (loader<k>, constructor<h>) -> node that runs it (several nodes)
     overlord:{job}:placements           stream one entry per unit the Planner moved (unit, from, to, reason)

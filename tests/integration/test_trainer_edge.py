@@ -146,6 +146,23 @@ def test_a_new_loader_in_the_same_process_goes_back_to_an_earlier_state(cluster,
     spawned_sidecar_gone(c)
 
 
+def test_every_rank_going_back_in_its_own_process_restarts_the_spawned_sidecar_once(cluster, tmp_path):
+    """Two rank processes (as under torchrun or Lightning's DDP), each making a new
+    DataLoader that loads rank 0's earlier state while its first one still holds its
+    ring: the last rank to ask stops the spawned sidecar, one --resume sidecar follows,
+    and both ranks get the batches after the state again, byte-identical."""
+    c = cluster(**JOB)
+    s4 = tmp_path / "s4.json"
+    runs = {r: start(c, f"p{r}", [{"batches": 10, "save_at": {"4": str(s4)} if r == 0 else {}},
+                                  {"load": [str(s4)], "batches": 6}], RANK=r, WORLD_SIZE=2) for r in range(2)}
+    got = finish(c, runs)
+    for r in range(2):
+        one, two = got[r]
+        assert (one["end"], two["end"]) == ("limit", "limit"), f"rank {r}: {two['end']}\n{c.log()}"
+        assert two["digests"] == one["digests"][4:10], f"rank {r}"
+    spawned_sidecar_gone(c)
+
+
 def test_going_back_on_a_sidecar_no_loader_spawned_is_refused_with_what_to_do(cluster, tmp_path):
     c = cluster(seed=8, mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512,
                                                         ring_bytes=1 << 20))
