@@ -68,7 +68,8 @@ def _from_local(env: Mapping[str, str]) -> tuple[int | None, str]:
     if local is None:
         return None, how
     if local_world is not None and not 0 <= local < local_world:
-        raise ConfigError(f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}; the launcher set them wrong")
+        raise ConfigError(f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}; "
+                          "the launcher set them wrong")
     if node is not None and local_world is not None:
         return node * local_world + local, how
     one_node = node == 0 or (node is None and (local_world is None or world is None or local_world >= world))

@@ -55,7 +55,8 @@ def test_per_rank_states_of_the_first_format_still_load(files, tmp_path):
 
 def test_merge_keeps_ranks_at_other_positions_exact(files, tmp_path):
     job = job_of(files, tmp_path)
-    merged = states.merge([states.make(job, 0, states.Position(5, 0, 11)), states.make(job, 1, states.Position(5, 1, 12))])
+    merged = states.merge([states.make(job, 0, states.Position(5, 0, 11)),
+                           states.make(job, 1, states.Position(5, 1, 12))])
     assert states.load(job, 0, merged).last == (5, 0)
     assert states.load(job, 1, merged).last == (5, 1)
 
@@ -64,7 +65,8 @@ def test_other_job_or_a_mid_step_state_of_another_mesh_is_refused(files, tmp_pat
     job = job_of(files, tmp_path)
     with pytest.raises(ConfigError, match="the state is of job 'other', not 'st'"):
         states.load(job, 0, {"job": "other", "step": 1, "microbatch": 0, "batches": 3})
-    narrow = {"job": "st", "rank": 1, "batches": 3, "step": 1, "microbatch": 0, "mesh": [4, 1, 1, 1], "micro_batches": 2}
+    narrow = {"job": "st", "rank": 1, "batches": 3, "step": 1, "microbatch": 0, "mesh": [4, 1, 1, 1],
+              "micro_batches": 2}
     with pytest.raises(ConfigError, match="needs a state taken at a step boundary"):
         states.load(job, 0, narrow)
     assert states.load(job, 0, {**narrow, "microbatch": 1}).next(2) == (2, 0)
