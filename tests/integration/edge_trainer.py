@@ -6,9 +6,10 @@ same process (the sidecar a first phase spawned keeps running), as a framework w
 Each phase: {"load": [FILE, ...] (states loaded in order: the last wins), "iter_first":
 bool (iter() before loading, as Lightning does), "batches": N (0: to the end),
 "save_at": {"K": FILE} (the state after K batches), "spawn": bool, "hold_s": S (sleep
-after the first batch)}. OUT (JSON) has per phase: the rank, len() before the first batch
-(or its TypeError), the keys, steps and a sha256 of every batch, the seconds to the
-first next(), and how it ended ("stop", "limit" or the error class and message).
+after the first batch)}. OUT (JSON) has per phase: the rank, len() and `remaining`
+before the first batch (or len()'s TypeError), the keys, steps and a sha256 of every
+batch, the seconds to the first next(), and how it ended ("stop", "limit" or the error
+class and message).
 """
 
 import hashlib
@@ -39,7 +40,7 @@ def run_phase(config: str, phase: dict) -> dict:
             with open(path) as fh:
                 loader.load_state_dict(json.load(fh))
         try:
-            rec["len"] = len(loader)
+            rec["len"], rec["remaining"] = len(loader), loader.remaining
         except TypeError as exc:
             rec["len"] = f"TypeError: {exc}"
         it = iter(loader) if it is None else it

@@ -180,7 +180,8 @@ def test_going_back_on_a_sidecar_no_loader_spawned_is_refused_with_what_to_do(cl
 
 def test_len_and_a_resume_at_the_end_of_a_finite_job(cluster, tmp_path):
     """len() raised TypeError for every job; a state saved after the last batch hung
-    (or, with the sidecar's fix, still needed a sidecar started for nothing)."""
+    (or, with the sidecar's fix, still needed a sidecar started for nothing). len() is
+    the whole job's micro-batches for the rank, `remaining` what is left after a state."""
     c = cluster(**FINITE)
     mid = {r: tmp_path / f"mid{r}.json" for r in range(2)}
     end = {r: tmp_path / f"end{r}.json" for r in range(2)}
@@ -202,9 +203,10 @@ def test_len_and_a_resume_at_the_end_of_a_finite_job(cluster, tmp_path):
     for r in range(2):
         resumed, ended = second[r]
         assert resumed["end"] == "stop", resumed["end"]
-        assert resumed["len"] == len(first[r]["digests"]) - 10 == len(resumed["digests"])
+        assert resumed["len"] == len(first[r]["digests"])  # the whole job's, as torch's len() is the epoch's
+        assert resumed["remaining"] == len(first[r]["digests"]) - 10 == len(resumed["digests"])
         assert resumed["digests"] == first[r]["digests"][10:]
-        assert ended["len"] == 0 and ended["digests"] == [] and ended["end"] == "stop", ended
+        assert (ended["len"], ended["remaining"]) == (0, 0) and ended["digests"] == [] and ended["end"] == "stop"
     spawned_sidecar_gone(c)
 
     # a fresh process with only the end state starts no sidecar and waits for nothing
@@ -218,8 +220,8 @@ def test_len_and_a_resume_at_the_end_of_a_finite_job(cluster, tmp_path):
 def test_lightning_checkpoints_with_the_loader_resume_exactly(cluster, tmp_path):
     """The DataLoader passed straight to Lightning 2.6 (a finite job, so it has len() and
     Lightning's fetcher does not prefetch): ModelCheckpoint's state (on_train_batch_end,
-    from fit_loop's combined_loader) resumes at exactly the next batch. Lightning calls
-    iter() before load_state_dict() (its iterable check)."""
+    from fit_loop's combined_loader) resumes at exactly the next batch, within Lightning's
+    same epoch. Lightning calls iter() before load_state_dict() (its iterable check)."""
     script = Path(__file__).parent / "lightning_edge.py"
     c = cluster(epochs=1, seed=4, mesh=Mesh(dp=1), batch=BatchSpec(global_batch=64, micro_batches=2,
                                                                   context_length=512, ring_bytes=1 << 20))
@@ -240,3 +242,6 @@ def test_lightning_checkpoints_with_the_loader_resume_exactly(cluster, tmp_path)
     assert [r["digest"] for r in cut] == [r["digest"] for r in whole[:7]]
     resumed = fit("resumed", 30, 1000, resume=tmp_path / "ckpt-cut" / "step=6.ckpt")
     assert [r["digest"] for r in resumed] == [r["digest"] for r in whole[6:]]
+    # len() is the whole job's, so Lightning's epoch (its restored count + what follows)
+    # ends with the job: a len() that shrank ended it 6 batches early (lost with max_epochs=1)
+    assert [(r["epoch"], r["batch_idx"]) for r in resumed] == [(0, i) for i in range(6, 30)]

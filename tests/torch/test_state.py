@@ -96,12 +96,12 @@ def test_jobs_without_a_known_length_raise_type_error(files, tmp_path):
         states.length(job_of(files, tmp_path, mixing={"kind": "dynamic"}))
 
 
-def test_len_is_what_this_rank_still_gets(files, tmp_path):
+def test_len_is_the_whole_job_and_remaining_what_this_rank_still_gets(files, tmp_path):
     job = job_of(files, tmp_path)  # 10 steps x 2 micro-batches (161 samples)
     lo = loader(job, rank=1)
-    assert len(lo) == 20
+    assert (len(lo), lo.remaining) == (20, 20)
     lo.load_state_dict(states.make(job, 0, states.Position(3, 1, 8)))  # rank 0's state, rank 1 loads it
-    assert len(lo) == 12
+    assert (len(lo), lo.remaining) == (20, 12)  # len() as torch's: the epoch's, not shrunk by a resume
     with pytest.raises(TypeError, match="runs forever"):
         len(loader(job_of(files, tmp_path, epochs=None)))
 
@@ -112,16 +112,16 @@ def test_iter_then_load_any_number_of_times_and_the_last_wins(files, tmp_path):
     assert iter(lo) is lo  # attaches nothing yet: Lightning checks iterability first
     lo.load_state_dict(states.make(job, 0, states.Position(7, 1, 16)))
     lo.load_state_dict(states.make(job, 0, states.Position(2, 0, 5)))
-    assert lo.state_dict()["batches"] == 5 and lo._resume_at == (2, 1) and len(lo) == 15
+    assert lo.state_dict()["batches"] == 5 and lo._resume_at == (2, 1) and lo.remaining == 15
     lo.load_state_dict(states.make(job, 0, states.Position()))  # a fresh start's state
-    assert lo._resume_at is None and len(lo) == 20
+    assert lo._resume_at is None and lo.remaining == 20
 
 
 def test_a_state_after_the_last_batch_ends_at_once(files, tmp_path):
     job = job_of(files, tmp_path)
     lo = loader(job)
     lo.load_state_dict(states.make(job, 0, states.Position(9, 1, 20, end=True)))
-    assert len(lo) == 0
+    assert len(lo) == 0 and lo.remaining == 0
     assert list(lo) == []  # no sidecar runs, none is spawned, nothing waited for
     assert lo.state_dict()["end"] is True and lo.state_dict()["batches"] == 20
 
