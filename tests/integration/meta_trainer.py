@@ -1,7 +1,7 @@
 """A trainer rank for the end-of-job and feedback tests: records each batch's meta.
 
     RANK=r WORLD_SIZE=w python meta_trainer.py CONFIG OUT [--batches N] [--sleep S]
-        [--load-state FILE] [--save-state FILE] [--report-at STEP --report JSON]
+        [--load-state FILE] [--save-state FILE] [--report-at STEP --report JSON] [--remote grpc://HOST:PORT]
 
 Writes OUT (JSON): per batch its step, micro-batch, sample keys and `last` flag, and how
 iteration ended ("stop", "limit", or the error). With --report-at it reports the
@@ -43,7 +43,7 @@ def main() -> None:
     report_at = int(args.get("--report-at", -1))
     record = {"batches": [], "end": None, "reported": None}
     try:
-        loader = DataLoader(config)
+        loader = DataLoader(config, remote=args.get("--remote"))
         if "--load-state" in args:
             with open(args["--load-state"]) as fh:
                 loader.load_state_dict(json.load(fh))
