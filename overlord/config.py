@@ -343,6 +343,13 @@ class Job:
                 f"BatchSpec.global_batch={self.batch.global_batch} is not divisible by "
                 f"Mesh.dp={self.mesh.dp}; make it a multiple of dp"
             )
+        if self.batch.global_batch // self.mesh.dp < self.batch.micro_batches:
+            raise ConfigError(
+                f"BatchSpec.global_batch={self.batch.global_batch} gives each of the Mesh.dp={self.mesh.dp} "
+                f"data-parallel ranks {self.batch.global_batch // self.mesh.dp} sample(s) a step, fewer than its "
+                f"BatchSpec.micro_batches={self.batch.micro_batches}: micro-batches would be empty; raise "
+                f"global_batch to at least {self.mesh.dp * self.batch.micro_batches} or lower micro_batches"
+            )
         if (self.flight_cert is None) != (self.flight_key is None):
             raise ConfigError("Job.flight_cert and Job.flight_key go together: give both for TLS, or neither")
         if self.autoscale is not None:

@@ -57,3 +57,11 @@ def test_mesh_coordinates_tp_fastest():
     assert mesh.coords(0) == {"dp": 0, "pp": 0, "cp": 0, "tp": 0}
     assert mesh.coords(1)["tp"] == 1 and mesh.coords(2)["cp"] == 1 and mesh.coords(4)["dp"] == 1
     assert mesh.ranks_of_dp(1) == [4, 5, 6, 7]
+
+
+def test_more_micro_batches_than_a_rank_gets_samples_is_refused():
+    """global_batch 8 over dp 2 gives each rank 4 samples a step: 8 micro-batches would
+    deliver empty ones (issue 16/17: 96 empty micro-batches were delivered)."""
+    with pytest.raises(ConfigError, match=r"micro_batches=8: micro-batches would be empty; raise global_batch to at least 16"):
+        Job(name="j", sources=(src(),), mesh=Mesh(dp=2), batch=BatchSpec(global_batch=8, micro_batches=8))
+    Job(name="j", sources=(src(),), mesh=Mesh(dp=2), batch=BatchSpec(global_batch=8, micro_batches=4))
