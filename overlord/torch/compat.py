@@ -144,7 +144,7 @@ def apply(job: Job, torch_kwargs: dict[str, Any], *, timeout_s: float | None) ->
              "generator": None, "pin_memory_device": "", "in_order": True}
     for name, default in quiet.items():
         value = torch_kwargs.get(name, default)
-        if value != default and value is not None and not (name == "prefetch_factor" and value is None):
+        if value is not None and value != default:
             _warn_once(name, value)
     timeout = torch_kwargs.get("timeout")
     if timeout:
