@@ -163,6 +163,25 @@ def test_every_rank_going_back_in_its_own_process_restarts_the_spawned_sidecar_o
     spawned_sidecar_gone(c)
 
 
+def test_going_back_while_another_rank_still_reads_is_refused_in_bounded_time(cluster, tmp_path):
+    """Only rank 0 loads an earlier state while rank 1 keeps training: the spawned sidecar
+    is not stopped under rank 1; rank 0 gets, within its timeout, an error naming rank 1
+    and its pid, and rank 1's batches are those of an undisturbed run."""
+    expected = reference(cluster, 10, **JOB)
+    c = cluster(**JOB)
+    s2 = tmp_path / "s2.json"
+    runs = {0: start(c, "p0", [{"batches": 6, "save_at": {"2": str(s2)}},
+                               {"load": [str(s2)], "batches": 4, "timeout": 4}], RANK=0, WORLD_SIZE=2),
+            1: start(c, "p1", [{"batches": 10, "hold_s": 15}], RANK=1, WORLD_SIZE=2)}
+    got = finish(c, runs)
+    end = got[0][1]["end"]
+    assert end.startswith("ConfigError: rank 0 of job") and "within 4s" in end, end
+    assert f"rank 1 (pid {runs[1][0].pid}) still read from it" in end, end
+    assert got[0][1]["digests"] == []
+    assert got[1][0]["end"] == "limit" and got[1][0]["digests"] == expected[1]["digests"]
+    spawned_sidecar_gone(c)
+
+
 def test_going_back_on_a_sidecar_no_loader_spawned_is_refused_with_what_to_do(cluster, tmp_path):
     c = cluster(seed=8, mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512,
                                                         ring_bytes=1 << 20))
