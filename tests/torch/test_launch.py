@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 from overlord.config import Job, Mesh, Source
 from overlord.errors import ConfigError
@@ -69,3 +70,14 @@ def test_world_must_match_the_mesh(tmp_path):
     check_world(job, Launch(1, 2, "RANK=1 WORLD_SIZE=2"))
     with pytest.raises(ConfigError, match=r"world size is 3 \(RANK=1 WORLD_SIZE=3\) .* = 2 ranks; set Job.mesh"):
         check_world(job, Launch(1, 3, "RANK=1 WORLD_SIZE=3"))
+
+
+def test_a_real_process_group_is_read_first(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        got = detect(env={})
+        assert (got.rank, got.world_size, got.how) == (0, 1, "torch.distributed (the initialized process group)")
+        with pytest.raises(ConfigError, match=r"torch.distributed says rank 0 of 1 .* rank 1 of 2"):
+            detect(env={"LOCAL_RANK": "1", "WORLD_SIZE": "2"})
+    finally:
+        dist.destroy_process_group()
