@@ -165,7 +165,10 @@ class LitGPT(pl.LightningModule):
             self.record.flush()
 
     def on_train_end(self) -> None:
-        print(f"rank {self.global_rank}: {self.changed} batches changed after the loader yielded them", flush=True)
+        data = self.trainer.datamodule
+        loader = data.plain if self.args.plain else data.loader
+        print(f"rank {self.global_rank}: {self.changed} batches changed after the loader yielded them, "
+              f"{loader.copies} copied out of the ring (held beyond what it leases)", flush=True)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.args.lr, weight_decay=0.01)

@@ -9,8 +9,9 @@ load_state), which holds one loader state, rank 0's. A step is one micro-batch o
 loader's two, so the checkpoint is taken mid-step. Each rank must train on exactly the
 batches of the uninterrupted run, in order: steps 0..4, then 3..7 again, with the same
 losses (model and optimizer restored). Lightning fetches batch i+1 before it trains on
-batch i; with 256 KiB rings (three batches) every batch still holds, at the end of its
-step, the bytes it had when the loader yielded it.
+batch i; with 256 KiB rings (three batches) and 64 KiB rings (one: the held batch is
+copied out) every batch still holds, at the end of its step, the bytes it had when the
+loader yielded it.
 
 Every run stops its sidecar and leaves no shared-memory segment behind.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -115,6 +117,8 @@ def lightning_whole(tmp_path_factory, data) -> dict[int, list[dict]]:
     tmp = tmp_path_factory.mktemp("lightning")
     out = lightning(tmp / "whole", data, tmp / "whole.rec", "--ring-kib", "256")
     assert "rank 0: 0 batches changed" in out and "rank 1: 0 batches changed" in out, out[-6000:]
+    # zero-copy: the ring leases all Lightning holds
+    assert re.findall(r"yielded them, (\d+) copied", out) == ["0", "0"], out[-6000:]
     return records(tmp / "whole.rec")
 
 
@@ -123,6 +127,20 @@ def test_lightning_batches_keep_their_bytes_while_lightning_holds_them(lightning
         assert [x["batch"] for x in lightning_whole[r]] == list(range(STEPS))
         changed = [x["batch"] for x in lightning_whole[r] if not x["intact"]]
         assert not changed, f"rank {r}: batches {changed} changed between the loader's yield and the end of their step"
+
+
+def test_lightning_holding_more_than_the_ring_can_lease_gets_copies_with_the_same_bytes(tmp_path, data,
+                                                                                       lightning_whole):
+    """A 64 KiB ring holds one of these ~40 KiB batches while Lightning holds two: the
+    second is copied out of the ring, never overwritten, and the job does not stall."""
+    out = lightning(tmp_path / "small", data, tmp_path / "small.rec", "--ring-kib", "64")
+    copied = [int(n) for n in re.findall(r"yielded them, (\d+) copied", out)]
+    assert "rank 0: 0 batches changed" in out and "rank 1: 0 batches changed" in out, out[-6000:]
+    assert len(copied) == 2 and all(copied), out[-6000:]  # the copy path ran on both ranks
+    small = records(tmp_path / "small.rec")
+    for r in range(2):
+        assert [x["digest"] for x in small[r]] == [x["digest"] for x in lightning_whole[r]]
+        assert all(x["intact"] for x in small[r])
 
 
 def test_lightning_resumes_from_modelcheckpoint_with_the_batches_of_an_uninterrupted_run(
