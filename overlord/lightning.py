@@ -2,8 +2,8 @@
 
     from overlord.lightning import OverlordDataModule
 
-    trainer = L.Trainer(strategy="ddp", max_steps=10_000,
-                        callbacks=[ModelCheckpoint(every_n_train_steps=500, save_top_k=-1)])
+    trainer = pl.Trainer(strategy="ddp", max_steps=10_000,
+                         callbacks=[ModelCheckpoint(every_n_train_steps=500, save_top_k=-1)])
     trainer.fit(model, datamodule=OverlordDataModule("job.yaml"), ckpt_path=ckpt)
 
 What Lightning (2.x) does with a train loader, and why this module exists:
