@@ -47,15 +47,13 @@ from overlord.errors import (
 from overlord.shm import pid_alive as alive
 from overlord.shm import Ring, decode_batch
 from overlord.shm._lease import LeasedReader
+from overlord.sidecar import mode
 from overlord.sidecar.layout import client_ring
 from overlord.sidecar.sidecar import sidecar_running
+from overlord.torch import compat, launch
+from overlord.torch import state as states
 from overlord.torch.nodes import _SLICE_S, NodeReader
 
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value not in (None, "") else default
 
 
 class DataLoader(NodeReader):
@@ -63,8 +61,12 @@ class DataLoader(NodeReader):
 
     Args:
         job: the job, or a path to its YAML/JSON config.
-        rank: global rank; defaults to $RANK (torchrun), else 0.
-        world_size: defaults to $WORLD_SIZE, else the mesh's world size; must match the mesh.
+        rank: global rank; by default read where the launcher put it: an initialized
+            torch.distributed process group, else $RANK, else $NODE_RANK x
+            $LOCAL_WORLD_SIZE + $LOCAL_RANK (Lightning's launcher sets LOCAL_RANK and
+            WORLD_SIZE only), else 0; sources that disagree raise ConfigError
+            (overlord.torch.launch).
+        world_size: read like rank, else the mesh's world size; must match the mesh.
         timeout_s: longest wait for one batch; defaults to Job.timeout_s.
         copy: yield tensors that own their memory instead of views into the ring.
         pin_memory: yield pinned copies (CUDA machines only; ignored with a warning elsewhere).
@@ -73,6 +75,11 @@ class DataLoader(NodeReader):
             location (e.g. "grpc://node0:8815", its Job.flight_port) instead of from a
             local ring; defaults to $OVERLORD_REMOTE. The job's token comes from
             $OVERLORD_FLIGHT_TOKEN (or the run directory on the sidecar's node).
+
+        *torch_args, **torch_kwargs: what a script passes to torch.utils.data.DataLoader
+            (batch_size, shuffle, num_workers, drop_last, timeout, ...): each takes effect,
+            is refused (ConfigError) or is warned about once, saying which Job field to set
+            instead (overlord.torch.compat).
 
     Each item is one micro-batch: a dict of tensors (see overlord.constructor.packing).
     `last_meta` holds the current batch's step, micro-batch index and sample keys.
@@ -90,7 +97,7 @@ class DataLoader(NodeReader):
     def __init__(
         self,
         job: Job | str | os.PathLike,
-        *,
+        *torch_args: Any,
         rank: int | None = None,
         world_size: int | None = None,
         timeout_s: float | None = None,
@@ -98,14 +105,22 @@ class DataLoader(NodeReader):
         pin_memory: bool = False,
         spawn_sidecar: bool = True,
         remote: str | None = None,
+        **torch_kwargs: Any,
     ) -> None:
+        compat.refuse_dataset(job)
+        torch_kwargs = {**compat.positional(torch_args), **torch_kwargs}
+        pin_memory = bool(torch_kwargs.pop("pin_memory", pin_memory))
         self.config_path = None if isinstance(job, Job) else Path(job)
         self.job = job if isinstance(job, Job) else Job.from_file(job)
-        self.rank = rank if rank is not None else _env_int("RANK", 0)
+        timeout_s = compat.apply(self.job, torch_kwargs, timeout_s=timeout_s)
+        self.launcher = launch.detect(rank, world_size)  # and how it was found, for messages
+        self.rank = self.launcher.rank
+        if not 0 <= self.rank < self.job.mesh.world_size:
+            raise ConfigError(f"rank {self.rank} ({self.launcher.how}) is not in job {self.job.name!r}'s mesh of "
+                              f"{self.job.mesh.world_size} ranks; fix the launch or Job.mesh")
+        launch.check_world(self.job, self.launcher)
         if self.job.multi_node:  # this rank's node, as torchrun placed it
             self.job = self.job.on_node(self.job.node_of_rank(self.rank))
-        world = world_size if world_size is not None else _env_int("WORLD_SIZE", self.job.mesh.world_size)
-        self.job.check_world(world)
         self.coords = self.job.mesh.coords(self.rank)
         self.timeout_s = timeout_s or self.job.timeout_s
         self.copy = copy
@@ -121,6 +136,8 @@ class DataLoader(NodeReader):
         self._redis = None  # opened by report_metrics and resumption only
         self._resume_at: tuple[int, int] | None = None  # (step, micro-batch) of the next batch
         self._loaded = (-1, -1)  # (step, micro-batch) of the last batch before a resume
+        self._position = states.Position()  # the loaded state's (or the start's) position
+        self._total: int | None = None  # micro-batches of a finite job per rank, once counted
         self._last = (-1, -1)  # (step, micro-batch) of the last batch delivered
         self.dropped = 0  # micro-batches received twice (after a restart upstream) and dropped
         self.recoveries = 0  # sidecars this loader started again after one died
@@ -166,6 +183,7 @@ class DataLoader(NodeReader):
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    env={**os.environ, mode.SPAWNED_BY: str(os.getpid())},  # a loader may restart it (a rewind)
                     start_new_session=True,  # outlives this rank: the other ranks still need it
                 )
             deadline = time.monotonic() + self.timeout_s
@@ -184,7 +202,9 @@ class DataLoader(NodeReader):
 
     def _connect(self) -> Ring:
         name = client_ring(self.job, self.rank)
-        if self.spawn_sidecar and not sidecar_running(self.job):
+        if self._resume_at is not None:
+            self._resumable_sidecar()
+        elif self.spawn_sidecar and not sidecar_running(self.job):
             self._spawn()
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -205,11 +225,49 @@ class DataLoader(NodeReader):
                     "`overlord sidecar --config JOB.yaml` or pass spawn_sidecar=True "
                     f"(a sidecar that failed to start says why in its log; spawned ones in {self.job.run_path}/sidecar.log)"
                 )
-        ring.claim_consumer()
+        try:
+            ring.claim_consumer()
+        except RingError:
+            other = ring.consumer_pid
+            ring.close()
+            raise ConfigError(
+                f"rank {self.rank} of job {self.job.name!r} is already read by another live process (pid {other}); "
+                f"this process (pid {os.getpid()}) took rank {self.rank} from {self.launcher.how}. Two trainers claim "
+                "one rank: check what the launcher sets (RANK, or NODE_RANK/LOCAL_WORLD_SIZE/LOCAL_RANK), or pass "
+                "DataLoader(rank=...)"
+            ) from None
         self.sidecar_pid = ring.creator_pid
         if self._resume_at is not None:
             self._report_position()
         return ring
+
+    def _resumable_sidecar(self) -> None:
+        """Before attaching with a loaded state: make sure the sidecar will serve the
+        batches after it. One that still waits for the trainers' positions (started with
+        --resume) will; none running: start one with --resume; one that already serves a
+        run (fresh, or a resume that chose its step) delivers only what follows its own
+        position, so a DataLoader that spawned it stops it and starts it again with
+        --resume (a rewind), or the load is refused (overlord.sidecar.mode)."""
+        if not sidecar_running(self.job):
+            if self.spawn_sidecar:
+                self._spawn()
+            return  # else the attach loop waits for one started with --resume
+        found = mode.current(self.job, self.timeout_s)
+        if found is None or found.awaiting:
+            return  # gone (the attach loop starts another), or waiting for this rank
+        step, mb = self._resume_at
+        if not self.spawn_sidecar:
+            raise ConfigError(
+                f"rank {self.rank} of job {self.job.name!r}: the state resumes at step {step} micro-batch {mb}, but "
+                f"the sidecar (pid {found.pid}) already serves the job from its own position and cannot go back, "
+                "and this DataLoader may not start another (spawn_sidecar=False). Stop it, start it with "
+                "`overlord sidecar --config JOB.yaml --resume`, and load the state on every rank before iterating"
+            )
+        mode.rewind(self.job, self._control(), found, self.rank, self._resume_at, self.timeout_s)
+        warnings.warn(f"rank {self.rank}: stopped the sidecar of job {self.job.name!r} (pid {found.pid}) that served "
+                      f"later batches; starting one that resumes at step {step} micro-batch {mb}", stacklevel=4)
+        self._redis = None  # its embedded Redis stopped with it
+        self._spawn()
 
     def _report_position(self) -> None:
         """Tell a resuming sidecar where this rank stopped (it waits for every rank)."""
@@ -220,9 +278,21 @@ class DataLoader(NodeReader):
     # -- iterating -----------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self.remote is None and not self.job.multi_node and self._ring is None and not self._done:
-            self._ring = self._connect()
+        """This loader (one pass over the whole job). Nothing is attached until the first
+        batch is asked for, so `load_state_dict()` may still follow (Lightning checks
+        that a loader is iterable before it loads the checkpoint's state)."""
+        if self._done and self._position.end and self._resume_at is not None and self._ring is None:
+            self._report_end()
         return self
+
+    def _report_end(self) -> None:
+        """A state saved after the job's last batch: nothing to wait for, but a sidecar
+        that waits for every rank's position (to serve ranks a step behind) hears it."""
+        if self.remote is None and not self.job.multi_node and sidecar_running(self.job):
+            found = mode.current(self.job, self.timeout_s)  # at once unless it is starting
+            if found is not None and found.awaiting:
+                self._report_position()
+        self._resume_at = None  # reported once
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._done:
@@ -386,7 +456,30 @@ class DataLoader(NodeReader):
         return self._copies_before + (self._leases.copies if self._leases is not None else 0)
 
     def __len__(self) -> int:
-        raise TypeError("overlord.torch.DataLoader has no length: sources are mixed by weight step by step")
+        """Micro-batches this rank gets from a finite job (`Job.epochs` set) from its start,
+        whatever state was loaded, as torch's DataLoader's len() is its whole epoch's; 0
+        once the job's last batch was consumed (a state saved after it). Lightning counts
+        the batches done before a checkpoint against len() (`fetched += ready`): a len()
+        that shrank on a resume ended its epoch that many batches early, and with
+        `max_epochs=1` silently dropped the job's last batches. What is left: `remaining`.
+
+        Raises:
+            TypeError: the job runs forever, or its length is not known before it runs (a
+                `Job.mixing` schedule, a source with `on_error: skip`); frameworks take
+                that as a loader without length (overlord.torch.state).
+        """
+        if self._now().end:
+            return 0
+        if self._total is None:
+            self._total = states.length(self.job)
+        return self._total
+
+    @property
+    def remaining(self) -> int:
+        """Micro-batches this rank still gets from a finite job: after a resume, those
+        after the loaded state; 0 after the last batch. TypeError as len()."""
+        position = self._now()
+        return states.remaining(len(self), position, self.job.batch.micro_batches) if not position.end else 0
 
     # -- metrics for dynamic mixing ---------------------------------------------------
 
@@ -404,63 +497,69 @@ class DataLoader(NodeReader):
 
     # -- checkpointing -------------------------------------------------------------------
 
+    def _now(self) -> states.Position:
+        """This rank's position: the last batch yielded, or the loaded state's."""
+        if self._last == self._loaded:  # nothing yielded since the load (or the start)
+            return states.Position(*self._position.last, self.batches, self._position.end)
+        return states.Position(*self._last, self.batches, bool(self.last_meta.get("last")))
+
     def state_dict(self) -> dict[str, Any]:
-        """The position this rank has consumed (step, micro-batch, batches)."""
-        return {
-            "job": self.job.name,
-            "rank": self.rank,
-            "batches": self.batches,
-            "step": self.last_meta.get("step", self._loaded[0]),
-            "microbatch": self.last_meta.get("microbatch", self._loaded[1]),
-            "mesh": self._mesh,
-            "micro_batches": self.job.batch.micro_batches,
-        }
+        """The job-wide state: where every rank stands, so any rank's state resumes all.
+
+        The position is the last batch this DataLoader *yielded*; every rank of a
+        data-parallel job is at the same one whenever it saves (overlord.torch.state).
+        Small and cheap (no I/O): call it as often as a checkpoint needs.
+
+        Prefetch rule: save the state when every batch yielded has been trained on.
+        A loop that fetches batch i+1 before it saves the checkpoint of step i must
+        save the state it took right after batch i (Lightning with a loader of no
+        `len()`: overlord.lightning keeps it per batch). Under Lightning 2.6 with this
+        loader as the train dataloader, a finite job has `len()`, so Lightning's
+        fetcher does not prefetch and ModelCheckpoint (on_train_batch_end) saves
+        exactly the batches trained; under Accelerate (`register_for_checkpointing`,
+        `save_state` after the optimizer step) nothing is prefetched: the loader is not
+        a torch DataLoader, so `prepare()` passes it through.
+        """
+        return states.make(self.job, self.rank, self._now())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the batch after `state` (from `state_dict()`), with identical bytes.
+        """Resume after `state` (any rank's `state_dict()`, or a per-rank state of the
+        first format), with the bytes of an uninterrupted run.
 
-        Call it before iterating, on every rank, with a sidecar started with `--resume`
-        (a sidecar this loader spawns is). The sidecar continues from the planner
-        checkpoint of the earliest rank's step, kept in Redis across restarts.
+        Call it on every rank before the first batch; calling `iter()` before it is fine,
+        and so is calling it again (the last state wins). The sidecar must serve the
+        batches after the state: one started with `--resume` does (a sidecar this loader
+        spawns is); one a DataLoader spawned that already serves the job is stopped and
+        started again with `--resume` once every live process reading it asked for it
+        (each rank loads a state); any other is refused, saying what to do. A state saved after the job's
+        last batch resumes to an immediate end: StopIteration at once, `len()` 0.
 
         A state from a different mesh (another DP size) is accepted at a step boundary:
         the job continues exactly once from the Planner's per-source cursors, on the
         new mesh (its bytes then differ from the old mesh's, as they must).
 
         Raises:
-            OverlordError: iteration already began.
-            ConfigError: the state belongs to another job or rank, or to another mesh
-                and not at a step boundary.
+            OverlordError: this DataLoader already yielded a batch.
+            ConfigError: the state belongs to another job, or to another mesh and not at
+                a step boundary; or the job runs on several nodes.
         """
-        if self._ring is not None or self.batches:
-            raise OverlordError("load_state_dict() must be called before iterating the DataLoader")
-        same_mesh = state.get("mesh", self._mesh) == self._mesh
-        if state.get("job") != self.job.name or (same_mesh and state.get("rank") != self.rank):
-            raise ConfigError(
-                f"state is for job {state.get('job')!r} rank {state.get('rank')}, "
-                f"not job {self.job.name!r} rank {self.rank}"
+        if self._last != self._loaded:
+            raise OverlordError(
+                f"load_state_dict() after rank {self.rank}'s DataLoader yielded a batch (step {self._last[0]} "
+                f"micro-batch {self._last[1]}): load the state before the first batch, or make a new DataLoader"
             )
-        if not state.get("batches"):
-            return  # nothing consumed yet: a fresh start
-        if self.job.multi_node:
+        position = states.load(self.job, self.rank, state)
+        if position.batches and self.job.multi_node:
             raise ConfigError("load_state_dict() on a job on several nodes is not supported yet: a node that "
                               "restarts rejoins the running job by itself; restart a stopped job fresh")
-        last_mb = self.job.batch.micro_batches - 1
-        if not same_mesh and (state.get("micro_batches") != self.job.batch.micro_batches or state["microbatch"] != last_mb):
-            # the Planner's cursors are per source, not per rank: a new mesh can continue
-            # from them, but only where every old rank had finished the same step
-            raise ConfigError(
-                f"resuming job {self.job.name!r} on mesh dp/pp/cp/tp={self._mesh} from a state of mesh "
-                f"{state.get('mesh')} needs a state taken at a step boundary (after micro-batch {last_mb} of a step, "
-                f"with the same micro_batches); this one stopped at step {state['step']} micro-batch "
-                f"{state['microbatch']}. Save the loader state right after a step's last micro-batch"
-            )
-        self._loaded = self._last = (int(state["step"]), int(state["microbatch"]))
-        step, mb = int(state["step"]), int(state["microbatch"]) + 1
-        if mb == self.job.batch.micro_batches:
-            step, mb = step + 1, 0
-        self._resume_at = (step, mb)
-        self.batches = int(state["batches"])
+        if self._ring is not None:  # attached by a next() that yielded nothing: attach again
+            self._ring.close()
+            self._ring = None
+        self._position = position
+        self._loaded = self._last = position.last
+        self.batches = position.batches
+        self._resume_at = position.next(self.job.batch.micro_batches) if position.batches else None
+        self._done = position.end
 
     def __del__(self) -> None:
         try:
