@@ -27,11 +27,16 @@ Layout of the bookkeeping (counter values as in native/ring.h, `tail <= cursor`)
      | rec A (live) | WRAP | rec B (ended) | rec C (live) |  unread ...   |
        _held: [A.start, A.end, live] [A.end, C.start, ended] ... in ring order
 
-A consumer that leases must not also use `Ring.read()` on the same ring.
+A consumer that leases must not also use `Ring.read()` on the same ring, and one
+process has at most one open reader of a ring: a second one would move the tail under
+the first one's leases (refused). A forked child never ends its parent's leases (its
+copies of the arrays die with it), and a tail that moved under the bookkeeping is an
+error at the next read, never a silent overwrite.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -55,10 +60,21 @@ class LeasedReader:
 
     def __init__(self, ring: Ring) -> None:
         self.ring = ring
-        self._cursor = ring._handle().tail
+        h = ring._handle()
+        self._identity = (ring.name, h.creator_pid)
+        other = _READERS.get(self._identity)
+        if other is not None and other() is not None and other()._open():
+            raise RingError(
+                f"ring {ring.name!r} is already read by another open reader in this process (pid {os.getpid()}); "
+                "close the other DataLoader of this rank before making a new one"
+            )
+        _READERS[self._identity] = weakref.ref(self)
+        self._pid = os.getpid()
+        self._cursor = h.tail
         self._held: deque[list] = deque()  # [start, end, live] per record, in ring order
         self._ended: deque[int] = deque()  # starts of records whose last reference died
         self._lock = threading.Lock()
+        self._broken: str | None = None  # the tail moved under the leases: said at the next read
         self.leased = 0  # records handed out zero-copy
         self.copies = 0  # records copied out from under the consumer (it held too much)
         self.copied_bytes = 0
@@ -75,6 +91,8 @@ class LeasedReader:
         next_check = time.monotonic() + PEER_CHECK_S
         while True:
             self._settle()
+            if self._broken is not None:
+                raise RingError(self._broken)
             h = ring._handle()
             status, off, n, nxt = h.peek(self._cursor)
             if status == _native.OK:
@@ -114,6 +132,18 @@ class LeasedReader:
         with self._lock:
             self._held.clear()
             self._ended.clear()
+            self._closed = True
+
+    _closed = False
+
+    def _open(self) -> bool:
+        if self._closed:
+            return False
+        try:
+            self.ring._handle()
+        except RingError:
+            return False  # its ring was closed in this process
+        return True
 
     # ------------------------------------------------------------------ leases
     def _hand_out(self, off: int, n: int, nxt: int) -> np.ndarray:
@@ -123,13 +153,15 @@ class LeasedReader:
             self._held.append([start, nxt, _LIVE])
         self._cursor = nxt
         self.leased += 1
-        weakref.finalize(record, _end_lease, weakref.ref(self), start)
+        end = weakref.finalize(record, _end_lease, weakref.ref(self), start, self._pid)
+        end.atexit = False  # an exiting process does not tend the ring
         return record
 
     def _skip_to(self, nxt: int) -> None:
         with self._lock:
             self._held.append([self._cursor, nxt, _ENDED])
         self._cursor = nxt
+        self._settle()  # nothing else may end before the producer needs the WRAP's space
 
     def _end(self, start: int) -> None:
         self._ended.append(start)  # atomic; never blocks the thread dropping the record
@@ -137,7 +169,7 @@ class LeasedReader:
 
     def _settle(self) -> None:
         """Mark ended leases and move the ring's tail over the ended prefix."""
-        while self._ended:
+        while True:
             if not self._lock.acquire(blocking=False):
                 return  # its holder settles what we queued before it lets go
             try:
@@ -154,14 +186,21 @@ class LeasedReader:
                     self._release_to(tail)
             finally:
                 self._lock.release()
+            if not self._ended:
+                return
 
     def _release_to(self, tail: int) -> None:
         try:
             h = self.ring._handle()
         except RingError:
             return  # the ring was closed here; its space is no longer ours to manage
-        if not h.release_to(tail):
-            raise RingError(f"ring {self.ring.name!r}: lease bookkeeping ran off the ring (tail {tail})")
+        if not h.release_to(tail) and self._broken is None:
+            # someone else moved the tail (another consumer of this ring?): records this
+            # process still holds may have been overwritten; never go on silently
+            self._broken = (
+                f"ring {self.ring.name!r}: its tail moved past {tail} under this reader's leases (now {h.tail}); "
+                "another process or reader consumed this ring, so batches held here may have been overwritten"
+            )
 
     def _pinning(self) -> bool:
         with self._lock:
@@ -191,7 +230,12 @@ class LeasedReader:
             self._release_to(tail)
 
 
-def _end_lease(reader_ref: weakref.ref, start: int) -> None:
+_READERS: dict[tuple[str, int], weakref.ref] = {}  # (ring name, creator pid) -> its reader here
+
+
+def _end_lease(reader_ref: weakref.ref, start: int, pid: int) -> None:
+    if os.getpid() != pid:
+        return  # a forked child's copy of the record died; the parent still holds it
     reader = reader_ref()
     if reader is not None:
         reader._end(start)

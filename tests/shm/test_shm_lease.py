@@ -186,3 +186,49 @@ def test_a_producer_in_another_process_never_overwrites_a_held_record(job, spawn
         kept.clear()
         consumer.close()
         consumer.unlink()
+
+
+def test_a_second_open_reader_of_one_ring_in_a_process_is_refused(pair):
+    from overlord.errors import RingError
+
+    _, consumer, reader = pair
+    again = Ring.attach(consumer.name, timeout=1)
+    try:
+        with pytest.raises(RingError, match="already read by another open reader in this process"):
+            LeasedReader(again)
+        reader.close()
+        LeasedReader(again).close()  # once the first is closed, a new one may read
+    finally:
+        again.close()
+
+
+def test_a_forked_child_never_ends_its_parents_leases(pair):
+    import os
+
+    producer, consumer, reader = pair
+    for i in range(2):
+        producer.write(pattern(i, 3000), timeout=1)
+    held = [reader.read(timeout=1) for _ in range(2)]
+    used = consumer.pending()
+    pid = os.fork()
+    if pid == 0:  # the child drops its copies of the records and collects them
+        held.clear()
+        gc.collect()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert consumer.pending() == used, "the child's copies died: the parent's leases must stand"
+    assert [bytes(r) for r in held] == [pattern(i, 3000) for i in range(2)]
+
+
+def test_a_tail_moved_under_the_leases_is_an_error_not_silence(pair):
+    from overlord.errors import RingError
+
+    producer, consumer, reader = pair
+    for i in range(3):
+        producer.write(pattern(i, 1000), timeout=1)
+    a = reader.read(timeout=1)
+    b = reader.read(timeout=1)
+    consumer._handle().release_to(consumer._handle().tail + 2 * 1008 + 16)  # someone else consumed past both
+    del a, b
+    with pytest.raises(RingError, match="tail moved past .* batches held here may have been overwritten"):
+        reader.read(timeout=1)
