@@ -1,6 +1,8 @@
 # Two commands on a fresh machine with Python 3.11 and a C compiler:
 #   make demo   -- set everything up and run the demo job end to end
-#   make test   -- set everything up and run the test suite
+#   make test   -- set everything up and run the test suite (the quick tier, < 6 min on 2 cores)
+# make test-slow runs the rest (several nodes, failover, autoscaling, the training
+# examples under torchrun, Lightning and Accelerate); CI (.ci/run) runs both.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +10,7 @@ STAMP := $(VENV)/.overlord-installed
 # CPU machines take the CPU wheel; set TORCH_SPEC= to keep an existing (CUDA) torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test install clean bench
+.PHONY: demo test test-slow install clean bench
 
 $(STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringmodule.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +25,10 @@ demo: $(STAMP)
 	$(BIN)/overlord demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow tests
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

@@ -21,7 +21,7 @@ import torch
 from overlord.shm import list_segments, unlink_all
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # make test-slow
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from overlord.autoscale.profile import journaled
 from overlord.sidecar.layout import Layout
 from overlord.store import EmbeddedRedis, Keys, connect
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # make test-slow
 
 JOB = dict(seed=4, epochs=1, mesh=Mesh(dp=2),
            batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),

@@ -55,6 +55,7 @@ def test_sidecar_refuses_a_bad_config(tmp_path):
     assert out.returncode == 2 and "Source.weight=-1" in out.stderr
 
 
+@pytest.mark.slow  # make test-slow: ~20 s
 def test_dataloader_spawns_a_sidecar_when_none_runs(cluster):
     from overlord.torch import DataLoader
 

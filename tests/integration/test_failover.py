@@ -21,7 +21,7 @@ from overlord.sidecar.sidecar import sidecar_running
 from overlord.status import redis_url_of
 from overlord.store import Keys, connect
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # make test-slow
 
 JOB = dict(seed=3, epochs=1, mesh=Mesh(dp=4), loader_processes=2, plan_ahead=2, timeout_s=30.0,
            batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=1 << 20))

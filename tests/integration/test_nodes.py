@@ -26,7 +26,7 @@ from overlord.store import EmbeddedRedis, Keys, connect
 
 from harness import Nodes, assert_delivered, make_job
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # make test-slow
 
 NODES = ("n0", "n1", "n2")
 JOB = dict(seed=5, epochs=1, mesh=Mesh(dp=3), loader_processes=3, plan_ahead=2, timeout_s=30.0, nodes=NODES,

@@ -163,6 +163,7 @@ def test_every_rank_going_back_in_its_own_process_restarts_the_spawned_sidecar_o
     spawned_sidecar_gone(c)
 
 
+@pytest.mark.slow  # make test-slow: ~20 s
 def test_going_back_while_another_rank_still_reads_is_refused_in_bounded_time(cluster, tmp_path):
     """Only rank 0 loads an earlier state while rank 1 keeps training: the spawned sidecar
     is not stopped under rank 1; rank 0 gets, within its timeout, an error naming rank 1
