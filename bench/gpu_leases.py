@@ -21,7 +21,6 @@ Usage: python bench/gpu_leases.py [--steps 400] [--hold 4] [--json]
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import signal
@@ -37,15 +36,9 @@ import torch
 
 from overlord.demo.run import demo_job
 from overlord.sidecar.sidecar import sidecar_running
-from overlord.torch import DataLoader
+from overlord.torch import DataLoader, batch_digest
 
 
-def digest(batch: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(batch):
-        h.update(name.encode())
-        h.update(batch[name].contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 def run(job, mode: str, steps: int, hold: int) -> dict:
@@ -66,7 +59,7 @@ def run(job, mode: str, steps: int, hold: int) -> dict:
         for i in range(steps):
             t0 = time.perf_counter()
             batch = next(it)
-            seen.append(digest(batch))
+            seen.append(batch_digest(batch))
             on_gpu = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
             del batch  # the CPU batch dies now: a leased one's ring space goes back to the producer
             torch.cuda.synchronize()
@@ -74,8 +67,8 @@ def run(job, mode: str, steps: int, hold: int) -> dict:
             held.append((i, on_gpu))
             if len(held) > hold:
                 j, old = held.pop(0)
-                changed += digest(old) != seen[j]
-        changed += sum(digest(b) != seen[j] for j, b in held)
+                changed += batch_digest(old) != seen[j]
+        changed += sum(batch_digest(b) != seen[j] for j, b in held)
         copies = loader.copies
         loader.close()
     finally:

@@ -29,7 +29,6 @@ loader's 2-micro-batch steps.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 
 from common import demo_job, start_sidecar, stop_sidecar
-from overlord.torch import DataLoader
+from overlord.torch import DataLoader, batch_digest
 from train_gpt import CONTEXT, GPT, WEIGHTS
 
 
@@ -69,13 +68,6 @@ class Progress:
         self.step = int(state["step"])
 
 
-def digest(batch: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(batch):
-        t = batch[name]
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
 
 
 def main() -> None:
@@ -109,7 +101,7 @@ def main() -> None:
         batches = iter(loader)
         for step in range(progress.step, args.steps):
             batch = next(batches)
-            got = digest(batch)
+            got = batch_digest(batch)
             b = {k: v.to(accelerator.device) for k, v in batch.items()}
             logits = model(b["input_ids"], b["position_ids"])
             loss = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100)
@@ -118,7 +110,7 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             if record:
                 record.write(json.dumps({"step": step, "digest": got, "loss": loss.item(),
-                                         "intact": got == digest(batch)}) + "\n")
+                                         "intact": got == batch_digest(batch)}) + "\n")
                 record.flush()
             progress.step = done = step + 1
             if args.ckpt_every and done % args.ckpt_every == 0:

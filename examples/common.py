@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import signal
@@ -35,7 +34,7 @@ from overlord import BatchSpec, Job, Mesh, Source
 from overlord.demo.corpus import IMAGE_TRANSFORM, TEXT_TRANSFORM, generate_corpus
 from overlord.shm import list_segments
 from overlord.sidecar.sidecar import sidecar_running
-from overlord.torch import DataLoader
+from overlord.torch import DataLoader, batch_digest
 
 
 def parse_args(description: str, **defaults) -> argparse.Namespace:
@@ -196,13 +195,8 @@ class Recorder:
     def __call__(self, step: int, microbatch: int, batch: dict[str, torch.Tensor], loss: float) -> None:
         if self.fh is None:
             return
-        digest = hashlib.sha256()
-        for name in sorted(batch):
-            t = batch[name]
-            digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-            digest.update(t.numpy().tobytes())
         images = len(batch["image_grid"]) if "image_grid" in batch else 0
-        self.fh.write(json.dumps({"step": step, "microbatch": microbatch, "digest": digest.hexdigest(),
+        self.fh.write(json.dumps({"step": step, "microbatch": microbatch, "digest": batch_digest(batch),
                                   "loss": loss, "images": images}) + "\n")
         self.fh.flush()
 

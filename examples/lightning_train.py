@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import os
 from collections import deque
 from pathlib import Path
 
@@ -45,7 +43,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from common import demo_job, start_sidecar, stop_sidecar
 from overlord.lightning import OverlordDataModule
-from overlord.torch import DataLoader
+from overlord.torch import DataLoader, batch_digest
 from train_gpt import CONTEXT, GPT, WEIGHTS
 
 
@@ -71,13 +69,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def digest(batch: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(batch):
-        t = batch[name]
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
 
 
 class Receipts:
@@ -89,7 +80,7 @@ class Receipts:
 
     def __iter__(self):
         for batch in self.batches:
-            self.digests.append(digest(batch))
+            self.digests.append(batch_digest(batch))
             yield batch
 
 
@@ -147,7 +138,7 @@ class LitGPT(pl.LightningModule):
             print(f"batches in this epoch: {self.trainer.num_training_batches}", flush=True)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        self.got = digest(batch)  # Lightning has fetched the next batch by now
+        self.got = batch_digest(batch)  # Lightning has fetched the next batch by now
         logits = self.model(batch["input_ids"], batch["position_ids"])
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
         self.loss = loss.item()
@@ -157,7 +148,7 @@ class LitGPT(pl.LightningModule):
         # after the forward, backward and optimizer step: the batch still holds its bytes
         receipts = self.trainer.datamodule.receipts
         receipt = receipts.digests.popleft() if receipts else self.got  # --plain: no receipts
-        intact = receipt == self.got == digest(batch)
+        intact = receipt == self.got == batch_digest(batch)
         self.changed += not intact
         if self.record:
             self.record.write(json.dumps({"batch": batch_idx, "digest": self.got, "loss": self.loss,

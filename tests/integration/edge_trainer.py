@@ -12,22 +12,14 @@ batch, the seconds to the first next(), and how it ended ("stop", "limit" or the
 class and message).
 """
 
-import hashlib
 import json
 import os
 import sys
 import time
 
-from overlord.torch import DataLoader
+from overlord.torch import DataLoader, batch_digest
 
 
-def digest(batch) -> str:
-    h = hashlib.sha256()
-    for name in sorted(batch):
-        t = batch[name]
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.numpy().tobytes())
-    return h.hexdigest()
 
 
 def run_phase(config: str, phase: dict) -> dict:
@@ -51,7 +43,7 @@ def run_phase(config: str, phase: dict) -> dict:
                 rec["first_s"] = time.monotonic() - started
             rec["keys"].append(loader.last_meta["keys"])
             rec["steps"].append([loader.last_meta["step"], loader.last_meta["microbatch"]])
-            rec["digests"].append(digest(batch))
+            rec["digests"].append(batch_digest(batch))
             n = len(rec["digests"])
             if n in saves:
                 with open(saves[n], "w") as fh:

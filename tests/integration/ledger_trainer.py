@@ -11,13 +11,12 @@ checkpoint: after a kill -9 it holds what was consumed up to the last checkpoint
 With --spawn 1 the loader starts (and after a kill -9, restarts) the sidecar itself.
 """
 
-import hashlib
 import json
 import os
 import sys
 import time
 
-from overlord.torch import DataLoader
+from overlord.torch import DataLoader, batch_digest
 
 
 def main() -> None:
@@ -36,14 +35,9 @@ def main() -> None:
             with open(args["--load-state"]) as fh:
                 loader.load_state_dict(json.load(fh))
         for batch in loader:
-            digest = hashlib.sha256()
-            for name in sorted(batch):
-                t = batch[name]
-                digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-                digest.update(t.numpy().tobytes())
             record["keys"].append(loader.last_meta["keys"])
             record["steps"].append([loader.last_meta["step"], loader.last_meta["microbatch"]])
-            record["digests"].append(digest.hexdigest())
+            record["digests"].append(batch_digest(batch))
             if every and len(record["digests"]) % every == 0:
                 # one file, one rename: the ledger and the state it belongs to agree
                 _save(out, {**record, "end": "checkpoint", "state": loader.state_dict()})

@@ -5,24 +5,17 @@ lease gets copies. A real sidecar, embedded Redis and ring; small rings so they 
 
 from __future__ import annotations
 
-import hashlib
 
 import pytest
 
 from overlord import BatchSpec, Mesh
-from overlord.torch import DataLoader
+from overlord.torch import DataLoader, batch_digest
 
 pytestmark = pytest.mark.timeout(180)
 
 STEPS = 80
 
 
-def digest(batch) -> str:
-    h = hashlib.sha256()
-    for name in sorted(batch):
-        h.update(name.encode())
-        h.update(batch[name].contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def run(job, hold: int, keep_first: bool = False):
@@ -32,18 +25,18 @@ def run(job, hold: int, keep_first: bool = False):
     held, seen, changed = [], [], []
     first = None
     for i, batch in enumerate(loader):
-        seen.append(digest(batch))
+        seen.append(batch_digest(batch))
         if keep_first and first is None:
             first = batch
         held.append((i, batch))
         if len(held) > hold:
             j, old = held.pop(0)
-            if digest(old) != seen[j]:
+            if batch_digest(old) != seen[j]:
                 changed.append(j)
         if i + 1 == STEPS:
             break
-    changed += [j for j, b in held if digest(b) != seen[j]]
-    if first is not None and digest(first) != seen[0]:
+    changed += [j for j, b in held if batch_digest(b) != seen[j]]
+    if first is not None and batch_digest(first) != seen[0]:
         changed.append(0)
     copies = loader.copies
     loader.close()
