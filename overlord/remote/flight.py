@@ -16,6 +16,8 @@ Two kinds of stream, both the records of one shared-memory ring, unchanged:
     ticket: JSON {"job": name, "token": str, "lz4": bool,
                   "rank": int, "after": [step, mb]}          a trainer's micro-batches
                or {"job", "token", "lz4", "loader": int, "dp": int}   samples
+            checked before use (parse_ticket): anything else is answered with a
+            FlightServerError saying what is wrong, never a traceback
 
 With `Job.flight_cert`/`flight_key` the endpoint speaks only TLS (grpc+tls://) and
 readers verify it against $OVERLORD_FLIGHT_CA (or the certificate itself).
@@ -101,6 +103,52 @@ def job_token(job: Job, *, create: bool = False, r=None) -> str:
         ) from None
 
 
+TICKET_HOLDS = ('a ticket is a JSON object {"job": str, "token": str, "lz4": bool, "rank": int, '
+                '"after": [step, microbatch]} or {"job": str, "token": str, "lz4": bool, "loader": int, "dp": int}; '
+                "read with overlord.remote.RemoteReader")
+MAX_TICKET_BYTES = 4096  # a real one is ~120 B
+_INT64 = 2**63 - 1
+
+
+def parse_ticket(raw: bytes) -> dict:
+    """The request a ticket holds, its shape and types checked before anything uses it.
+
+    Raises:
+        flight.FlightServerError: saying what is wrong and what a ticket holds (the
+            client sees the message; no traceback crosses).
+    """
+    def bad(what: str) -> flight.FlightServerError:
+        return flight.FlightServerError(f"bad ticket: {what}; {TICKET_HOLDS}")
+
+    def integer(value: object, low: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and low <= value <= _INT64
+
+    if len(raw) > MAX_TICKET_BYTES:
+        raise bad(f"{len(raw)} bytes, more than {MAX_TICKET_BYTES}")
+    try:
+        request = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise bad(f"not JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
+    if not isinstance(request, dict):
+        raise bad(f"a JSON {type(request).__name__}, not an object")
+    for key in ("job", "token"):
+        if not isinstance(request.get(key), str):
+            raise bad(f"{key!r} is {request.get(key)!r}, not a string")
+    if not isinstance(request.get("lz4", False), bool):
+        raise bad(f"'lz4' is {request['lz4']!r}, not true or false")
+    if "loader" in request or "dp" in request:
+        for key in ("loader", "dp"):
+            if not integer(request.get(key), 0):
+                raise bad(f"{key!r} is {request.get(key)!r}, not an integer in [0, 2^63)")
+        return request
+    if not integer(request.get("rank"), 0):
+        raise bad(f"'rank' is {request.get('rank')!r}, not an integer in [0, 2^63)")
+    after = request.get("after", [-1, -1])
+    if not (isinstance(after, list) and len(after) == 2 and all(integer(v, -1) for v in after)):
+        raise bad(f"'after' is {after!r}, not [step, microbatch] (two integers >= -1; [-1, -1]: from the start)")
+    return request
+
+
 class BatchServer(flight.FlightServerBase):
     """Serves one job's micro-batches, by rank, over Flight."""
 
@@ -129,12 +177,7 @@ class BatchServer(flight.FlightServerBase):
         return client_ring(self.job, rank)
 
     def do_get(self, context, ticket):
-        try:
-            request = json.loads(ticket.ticket)
-        except ValueError:
-            raise flight.FlightServerError(
-                "the ticket is not JSON {job, token, lz4, rank, after} or {job, token, lz4, loader, dp}; "
-                "read with overlord.remote.RemoteReader") from None
+        request = parse_ticket(ticket.ticket)
         name = self._check(request)
         after = tuple(request["after"]) if request.get("after") and tuple(request["after"]) >= (0, 0) else None
         try:

@@ -5,6 +5,7 @@ token are refused."""
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 
 import pyarrow.flight as flight
 import pytest
@@ -58,8 +59,6 @@ def _wait_port(port: int, timeout: float = 30) -> None:
 
 
 def test_a_wrong_token_or_job_is_refused(cluster):
-    from dataclasses import replace
-
     port = _free_port()
     c = cluster(**JOB, flight_port=port)
     c.start_sidecar()
@@ -95,4 +94,57 @@ def test_flight_over_tls_serves_the_same_bytes_and_refuses_plain_text(cluster, t
     c.start_trainers(ranks=[1], remote=f"grpc+tls://localhost:{port}")
     got = c.results()
     assert all(rec["end"] == "stop" for rec in got.values()), {r: rec["end"] for r, rec in got.items()}
+    assert c.stop() == 0
+
+
+BAD_TICKETS = {  # ticket bytes -> what the answer must say
+    b"not json at all": "not JSON",
+    b"\xff\xfe\x00": "not JSON",
+    b"[" * 100_000: "more than 4096",
+    b'["job", "token"]': "a JSON list, not an object",
+    b'"just a string"': "a JSON str, not an object",
+    b"{}": "'job' is None, not a string",
+    b'{"job": "j", "token": 5}': "'token' is 5, not a string",
+    b'{"job": "j", "token": "t", "lz4": "yes", "rank": 0}': "'lz4' is 'yes'",
+    b'{"job": "j", "token": "t"}': "'rank' is None",
+    b'{"job": "j", "token": "t", "rank": "0"}': "'rank' is '0'",
+    b'{"job": "j", "token": "t", "rank": true}': "'rank' is True",
+    b'{"job": "j", "token": "t", "rank": -1}': "'rank' is -1",
+    b'{"job": "j", "token": "t", "rank": 99999999999999999999999}': "'rank' is 99999999999999999999999",
+    b'{"job": "j", "token": "t", "rank": 0, "after": "x"}': "'after' is 'x'",
+    b'{"job": "j", "token": "t", "rank": 0, "after": [1.5, 0]}': "'after' is [1.5, 0]",
+    b'{"job": "j", "token": "t", "rank": 0, "after": [0]}': "'after' is [0]",
+    b'{"job": "j", "token": "t", "rank": 0, "after": [-2, 0]}': "'after' is [-2, 0]",
+    b'{"job": "j", "token": "t", "rank": 0, "after": [0, 18446744073709551616]}': "'after' is [0, 18446744073709551616]",
+    b'{"job": "j", "token": "t", "loader": 0}': "'dp' is None",
+    b'{"job": "j", "token": "t", "loader": -3, "dp": 0}': "'loader' is -3",
+}
+
+
+def test_malformed_tickets_are_answered_with_a_message_and_the_endpoint_keeps_serving(cluster, corpus_keys):
+    port = _free_port()
+    c = cluster(**JOB, flight_port=port)
+    c.start_sidecar()
+    _wait_port(port)
+    client = flight.FlightClient(f"grpc://127.0.0.1:{port}")
+    try:
+        for raw, says in BAD_TICKETS.items():
+            with pytest.raises(flight.FlightServerError) as err:
+                client.do_get(flight.Ticket(raw)).read_all()
+            message = str(err.value)
+            assert says in message and "a ticket is a JSON object" in message, (raw[:60], message)
+            assert "Traceback" not in message and 'File "' not in message, message
+    finally:
+        client.close()
+    # a well-formed ticket of the wrong job is refused by authentication, not by shape
+    with pytest.raises(flight.FlightUnauthenticatedError, match="serves job"):
+        next(iter(RemoteReader(replace(c.job, name="otherjob"), f"grpc://127.0.0.1:{port}", 0,
+                               token=job_token(c.job))))
+    # and the endpoint still serves a good client its whole stream
+    c.start_trainers(ranks=[0])
+    c.start_trainers(ranks=[1], remote=f"grpc://127.0.0.1:{port}")
+    got = c.results()
+    assert all(rec["end"] == "stop" for rec in got.values()), {r: rec["end"] for r, rec in got.items()}
+    seen = [k for rec in got.values() for batch in rec["keys"] for k in batch]
+    assert len(seen) == len(set(seen)) and set(seen) == corpus_keys
     assert c.stop() == 0
