@@ -24,11 +24,12 @@ def _sidecar(args: argparse.Namespace) -> int:
         os.environ["OVERLORD_MEMORY_MB"] = str(args.memory_mb)
     if args.node:
         job = job.on_node(args.node)
-    if args.flight_port or args.metrics_port is not None:
+    if args.flight_port or args.metrics_port is not None or args.metrics_host:
         import dataclasses
 
         job = dataclasses.replace(job, flight_port=args.flight_port or job.flight_port,
-                                  metrics_port=job.metrics_port if args.metrics_port is None else args.metrics_port or None)
+                                  metrics_port=job.metrics_port if args.metrics_port is None else args.metrics_port or None,
+                                  metrics_host=args.metrics_host or job.metrics_host)
     return Sidecar(job, exit_when_idle=args.exit_when_idle, resume=args.resume).run()
 
 
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                    "of what is available)")
     p.add_argument("--metrics-port", type=lambda v: int(v) if v.strip() else 0,  # "" from an unset variable: none
                    help="serve Prometheus metrics on this port (/metrics); 0: none (default: the config's metrics_port)")
+    p.add_argument("--metrics-host",
+                   help="the address /metrics listens on (default: the config's metrics_host, else 127.0.0.1 on one "
+                        "node, 0.0.0.0 on several); $OVERLORD_METRICS_TOKEN makes it require that bearer token")
     p.set_defaults(fn=_sidecar)
     p = sub.add_parser("check", help="check what a sidecar needs from this host: shared memory, Redis, sources")
     p.add_argument("--config", required=True, help="job YAML/JSON")

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import parse_qsl, unquote, urlencode
 
 from overlord.errors import ConfigError
 
@@ -258,6 +259,15 @@ class Job:
         seed: job seed; with the step it fixes every batch's bytes.
         epochs: stop after this many passes over every source; None runs forever.
         redis_url: external Redis (redis://, rediss://, unix://); None starts an embedded one.
+            Its password never leaves the process that was given it: stored configs
+            (`to_dict`/`to_json`: job.json in the run directory, the Redis job key,
+            spawned-job.json) hold the URL without it, and processes take it from
+            $OVERLORD_REDIS_PASSWORD, or from the file $OVERLORD_REDIS_PASSWORD_FILE
+            names (readable by its owner only, mode 0600). Put it in the URL of a config
+            file only you can read (`rediss://user:pw@host:6379/0`), or leave it out
+            (`rediss://user@host:6379/0`) and set one of those variables; the sidecar
+            hands it to its roles and servers in their environment, never in argv or a
+            file.
         run_dir: where the sidecar keeps its socket, logs and embedded Redis data.
         loader_processes: processes hosting Source Loaders (the CPU budget); None picks.
         buffer_samples: bound of each Source Loader's read buffer, in samples.
@@ -270,9 +280,14 @@ class Job:
             (overlord.remote), for trainers without a sidecar on their node; requests
             carry the job's token ($OVERLORD_FLIGHT_TOKEN, or the run directory's
             flight.token). None: no remote path.
-        metrics_port: serve Prometheus metrics on this TCP port (`/metrics`, every
-            interface), from a process of the sidecar's own; a sidecar's
-            `--metrics-port` sets it per node. None: no endpoint.
+        metrics_port: serve Prometheus metrics on this TCP port (`/metrics`, on
+            `metrics_host`), from a process of the sidecar's own; a sidecar's
+            `--metrics-port` sets it per node. None: no endpoint. With
+            $OVERLORD_METRICS_TOKEN set (in the sidecar's environment) a request must
+            carry `Authorization: Bearer <token>`, or it gets 401.
+        metrics_host: the address `/metrics` listens on; a sidecar's `--metrics-host`
+            sets it per node. None: 127.0.0.1 (this host only) for a job on one node,
+            0.0.0.0 for a job on several nodes (a Prometheus elsewhere scrapes each).
         flight_cert, flight_key: PEM certificate chain and private key: the Flight
             endpoint then speaks TLS only (grpc+tls://). Readers verify the server against
             $OVERLORD_FLIGHT_CA, else against flight_cert itself (a self-signed one).
@@ -316,6 +331,7 @@ class Job:
     flight_cert: str | None = None
     flight_key: str | None = None
     metrics_port: int | None = None
+    metrics_host: str | None = None
     node: str = ""
     nodes: tuple[str, ...] = ()
     strategy: str = "overlord.planner.strategies:balanced"
@@ -467,7 +483,11 @@ class Job:
     # -- (de)serialisation -------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The job as plain data, `redis_url` without its password (what is stored)."""
+        data = dataclasses.asdict(self)
+        if self.redis_url is not None:
+            data["redis_url"] = split_redis_password(self.redis_url)[0]
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -503,6 +523,33 @@ class Job:
         if "job" in data and len(data) == 1:
             data = data["job"]
         return cls.from_dict(data)
+
+
+def split_redis_password(url: str) -> tuple[str, str | None]:
+    """`url` without its password, and the password (None when it names none).
+
+    The password is the userinfo's (`scheme://user:pw@host`, `scheme://:pw@host`; the
+    user stays: `scheme://user@host`, `scheme://@host`) or redis-py's `password=` query
+    parameter; percent-escapes in it are decoded.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url, None
+    password = None
+    base, q, query = rest.partition("?")
+    if q:
+        params = parse_qsl(query, keep_blank_values=True)
+        for key, value in params:
+            if key == "password":
+                password = value
+        query = urlencode([(k, v) for k, v in params if k != "password"])
+    if "@" in base:
+        userinfo, host = base.rsplit("@", 1)  # the last @: a password may hold one
+        user, colon, secret = userinfo.partition(":")
+        if colon:
+            password = unquote(secret)
+        base = f"{user}@{host}"
+    return f"{scheme}://{base}" + (f"?{query}" if query else ""), password
 
 
 def _checked_keys(cls: type, data: Any, where: str) -> dict[str, Any]:

@@ -58,6 +58,7 @@ from overlord.config import Job
 from overlord.errors import ConfigError, PeerDied, RingClosed, RingTimeout
 from overlord.shm import Ring, decode_batch
 from overlord.sidecar.layout import client_ring, sample_ring
+from overlord.store.client import password_env
 
 log = logging.getLogger("overlord.remote")
 
@@ -362,5 +363,5 @@ def start_server_process(job: Job, token: str, run_dir: Path) -> subprocess.Pope
     token travels in its environment, never in argv."""
     from overlord.sidecar import service
 
-    return service.start("overlord.remote.server", run_dir, "flight.log", {TOKEN_ENV: token})
+    return service.start("overlord.remote.server", run_dir, "flight.log", {TOKEN_ENV: token, **password_env(job.redis_url)})
 

@@ -314,7 +314,9 @@ class Sidecar(NodeMember):
             log.info("serving rings over Arrow Flight on port %d%s", self.job.flight_port,
                      " (TLS)" if self.job.flight_cert else "")
         if self.job.metrics_port:
-            log.info("serving Prometheus metrics on port %d (/metrics)", self.job.metrics_port)
+            from overlord.metrics import metrics_host
+
+            log.info("serving Prometheus metrics on %s port %d (/metrics)", metrics_host(self.job), self.job.metrics_port)
         log.info(
             "sidecar for job %r on node %r: %d stream(s) in %d loader process(es), %d DP group(s), redis %s",
             self.job.name, self.job.node, len(layout.streams), layout.loaders, self.job.mesh.dp,

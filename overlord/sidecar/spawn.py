@@ -24,6 +24,8 @@ import traceback
 from pathlib import Path
 
 from overlord import heap
+from overlord.config import split_redis_password
+from overlord.store.client import password_env
 from overlord.store.server import die_with_parent
 
 
@@ -119,7 +121,9 @@ def fork_role(role: str, index: int, run_dir: Path, redis_url: str, attempt: int
         os.close(devnull)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        os.environ["OVERLORD_REDIS_URL"] = redis_url
+        # the child reads the URL without its password; the password travels beside it
+        os.environ["OVERLORD_REDIS_URL"] = split_redis_password(redis_url)[0]
+        os.environ.update(password_env(redis_url))
         from overlord.sidecar.role import main
 
         code = main([role, "--run-dir", str(run_dir), "--index", str(index), "--attempt", str(attempt)])

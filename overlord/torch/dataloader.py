@@ -50,6 +50,7 @@ from overlord.shm._lease import LeasedReader
 from overlord.sidecar import mode
 from overlord.sidecar.layout import client_ring
 from overlord.sidecar.sidecar import sidecar_running
+from overlord.store.client import password_env
 from overlord.torch import compat, launch
 from overlord.torch import state as states
 from overlord.torch.nodes import _SLICE_S, NodeReader
@@ -183,7 +184,9 @@ class DataLoader(NodeReader):
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env={**os.environ, mode.SPAWNED_BY: str(os.getpid())},  # a loader may restart it (a rewind)
+                    # a loader may restart it (a rewind); the Redis password, cut from the config
+                    # file, travels in the environment
+                    env={**os.environ, **password_env(self.job.redis_url), mode.SPAWNED_BY: str(os.getpid())},
                     start_new_session=True,  # outlives this rank: the other ranks still need it
                 )
             deadline = time.monotonic() + self.timeout_s

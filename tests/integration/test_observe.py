@@ -7,11 +7,13 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
 
 from overlord import BatchSpec, Mesh
+from overlord.metrics import metrics_host
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -92,3 +94,74 @@ def test_metrics_endpoint_top_and_json_logs_describe_a_running_job(cluster, monk
     assert {r["role"] for r in records} >= {"sidecar", "planner0", "loader0", "metrics"}, logs
     assert all(r["job"] == job and r["node"] == c.job.node for r in records if r["role"] != "sidecar"), records
     assert all({"time", "level", "logger", "pid", "message"} <= set(r) for r in records)
+
+
+def _listening(port: int) -> set[str]:
+    """The IPv4 addresses a TCP socket listens on at `port` (from /proc/net/tcp)."""
+    found = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(b) for b in reversed(bytes.fromhex(address))))
+    return found
+
+
+def _get(url: str, token: str | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def _wait_listening(port: int, c) -> set[str]:
+    deadline = time.monotonic() + 30
+    while not _listening(port):
+        assert time.monotonic() < deadline, f"nothing listens on port {port}\n{c.log()}"
+        time.sleep(0.1)
+    return _listening(port)
+
+
+def test_metrics_listen_on_loopback_by_default_and_require_the_bearer_token(cluster, monkeypatch):
+    from harness import free_port
+
+    port, token = free_port(), "metrics-t0ken"
+    monkeypatch.setenv("OVERLORD_METRICS_TOKEN", token)  # the sidecar's environment, inherited by its server
+    c = cluster(**JOB, metrics_port=port)
+    c.start_sidecar()
+    assert _wait_listening(port, c) == {"127.0.0.1"}  # loopback only, not 0.0.0.0
+    url = f"http://127.0.0.1:{port}/metrics"
+    for given in (None, "wrong", token + "x", ""):
+        status, body = _get(url, given)
+        assert status == 401 and "Authorization: Bearer" in body and "overlord_up" not in body, (given, status, body)
+    status, body = _get(url, token)
+    assert status == 200 and "overlord_up" in body, (status, body[:300])
+    assert c.stop() == 0, c.log()
+
+
+def test_metrics_listen_on_the_configured_address_and_are_open_without_a_token(cluster, monkeypatch):
+    from harness import free_port
+
+    port = free_port()
+    monkeypatch.delenv("OVERLORD_METRICS_TOKEN", raising=False)
+    c = cluster(**JOB, metrics_port=port, metrics_host="127.0.0.2")  # Linux routes all of 127/8 to lo
+    c.start_sidecar()
+    assert _wait_listening(port, c) == {"127.0.0.2"}
+    status, body = _get(f"http://127.0.0.2:{port}/metrics")
+    assert status == 200 and "overlord_up" in body, (status, body[:300])
+    with pytest.raises(urllib.error.URLError):  # nothing on 127.0.0.1
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+    assert c.stop() == 0, c.log()
+
+
+def test_metrics_host_is_loopback_on_one_node_and_every_interface_on_several(corpus, tmp_path):
+    from harness import make_job
+
+    one = make_job(corpus, tmp_path / "one")
+    several = make_job(corpus, tmp_path / "two", nodes=("n0", "n1"), redis_url="redis://127.0.0.1:1/0", flight_port=1)
+    assert metrics_host(one) == "127.0.0.1"
+    assert metrics_host(several) == "0.0.0.0"
+    assert metrics_host(make_job(corpus, tmp_path / "three", nodes=("n0", "n1"), redis_url="redis://127.0.0.1:1/0",
+                                 flight_port=1, metrics_host="10.0.0.5")) == "10.0.0.5"

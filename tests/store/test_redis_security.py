@@ -8,16 +8,25 @@ front (tls_proxy.py) with a certificate from a test CA sits before it. Only
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import redis
 
-from overlord.errors import StoreError
+from overlord.config import BatchSpec, Job, Mesh, Source
+from overlord.demo.corpus import TEXT_TRANSFORM, generate_corpus
+from overlord.errors import ConfigError, StoreError
 from overlord.planner.lease import Lease
+from overlord.shm import list_segments, unlink_all
+from overlord.sidecar.sidecar import sidecar_running
 from overlord.store import EmbeddedRedis, Keys, connect
-from overlord.store.client import CA_ENV
+from overlord.store.client import CA_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV
 from tls_proxy import TlsProxy, issue_certs
 
 pytestmark = [
@@ -178,3 +187,110 @@ def test_acl_refuses_keys_outside_the_overlord_prefix(secured, ca_env):
         r.close()
     assert secured.admin.exists("other:key") == 0
     assert secured.admin.get(Keys("acl").layout) == b"v"
+
+
+# a trainer rank that starts the job's sidecar itself (DataLoader's spawn path) and
+# prints how many samples one epoch gave it
+_TRAINER = """
+import sys
+from overlord.torch import DataLoader
+loader = DataLoader(sys.argv[1])
+print(sum(len(loader.last_meta["keys"]) for _ in loader))
+loader.close()
+"""
+
+
+def _values(admin: redis.Redis, key: bytes) -> bytes:
+    """Every byte a key holds, whatever its type."""
+    kind = admin.type(key)
+    if kind == b"string":
+        return admin.get(key) or b""
+    if kind == b"hash":
+        return b"".join(k + v for k, v in admin.hgetall(key).items())
+    if kind == b"list":
+        return b"".join(admin.lrange(key, 0, -1))
+    if kind == b"set":
+        return b"".join(admin.smembers(key))
+    if kind == b"zset":
+        return b"".join(m for m, _ in admin.zrange(key, 0, -1, withscores=True))
+    if kind == b"stream":
+        return b"".join(k + v for _, fields in admin.xrange(key) for k, v in fields.items())
+    return b""
+
+
+def _run_spawning_trainer(secured, tmp_path, monkeypatch, config_for) -> tuple[Job, str]:
+    """Run one epoch of a job on `secured` from a trainer that spawns its sidecar; the
+    job, and what the trainer printed and logged."""
+    corpus = generate_corpus(tmp_path / "corpus", seed=3, text_sources=1, image_sources=0, rows_per_source=96,
+                             files_per_source=1, row_group_size=32)
+    (name, files), = corpus.items()
+    job = Job(name=f"pw{os.getpid() % 10000}", sources=(Source(name=name, paths=tuple(files), transform=TEXT_TRANSFORM),),
+              mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, micro_batches=2, context_length=256, ring_bytes=1 << 20),
+              epochs=1, redis_url=secured.url(), run_dir=str(tmp_path / "run"), timeout_s=20.0,
+              sample_ring_bytes=1 << 20, buffer_samples=64)
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(config_for(job)))
+    config.chmod(0o600)  # the user's own config file
+    monkeypatch.setenv("OVERLORD_LOG", "DEBUG")  # every log line a role may write
+    try:
+        done = subprocess.run([sys.executable, "-c", _TRAINER, str(config)], capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ, RANK="0", WORLD_SIZE="1"))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert int(done.stdout.split()[-1]) == 96, done.stdout  # one epoch, every sample once
+        deadline = time.monotonic() + 60
+        while sidecar_running(job):  # the spawned sidecar exits once its trainer is gone
+            assert time.monotonic() < deadline, "the spawned sidecar did not exit after its trainer"
+            time.sleep(0.1)
+    finally:
+        left = list_segments(job.name)
+        unlink_all(job.name)
+    assert not left, f"shared-memory segments left behind: {left}"
+    return job, done.stdout + done.stderr
+
+
+def _assert_password_nowhere(secured, job: Job, output: str) -> None:
+    keys = list(secured.admin.scan_iter(match=f"{Keys(job.name).base}*", count=1000))
+    assert Keys(job.name).job_config.encode() in keys, keys  # the job ran and published its config
+    for key in keys:
+        assert PASSWORD.encode() not in _values(secured.admin, key), f"the Redis password is in {key!r}"
+    stored = json.loads(secured.admin.get(Keys(job.name).job_config))
+    assert stored["redis_url"] == f"rediss://{USER}@127.0.0.1:{secured.port}/0"  # the user stays, the password goes
+    files = [p for p in job.run_path.rglob("*") if p.is_file()]
+    assert {"job.json", "spawned-job.json", "sidecar.log", "loader0.log"} <= {p.name for p in files}, files
+    for path in files:
+        assert PASSWORD.encode() not in path.read_bytes(), f"the Redis password is in {path}"
+    assert PASSWORD not in output
+
+
+def test_a_password_in_the_config_file_reaches_every_role_but_nothing_stored(secured, ca_env, tmp_path, monkeypatch):
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    monkeypatch.delenv(PASSWORD_FILE_ENV, raising=False)
+    job, output = _run_spawning_trainer(secured, tmp_path, monkeypatch,
+                                        lambda job: {**job.to_dict(), "redis_url": job.redis_url})
+    _assert_password_nowhere(secured, job, output)
+
+
+def test_a_password_from_a_0600_file_named_in_the_environment(secured, ca_env, tmp_path, monkeypatch):
+    secret = tmp_path / "redis.pw"
+    secret.write_text(PASSWORD + "\n")
+    secret.chmod(0o600)
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret))
+    job, output = _run_spawning_trainer(secured, tmp_path, monkeypatch, lambda job: job.to_dict())  # no password in it
+    _assert_password_nowhere(secured, job, output)
+
+
+def test_a_password_file_others_may_read_is_refused(secured, ca_env, tmp_path, monkeypatch):
+    secret = tmp_path / "redis.pw"
+    secret.write_text(PASSWORD)
+    secret.chmod(0o644)
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret))
+    with pytest.raises(ConfigError, match=rf"has mode 0644: others may read the Redis password; chmod 600 {secret}"):
+        connect(secured.url(f"{USER}@"), timeout_s=5)
+    secret.chmod(0o600)
+    r = connect(secured.url(f"{USER}@"), timeout_s=5)
+    try:
+        assert r.set(Keys("pwfile").layout, b"v")
+    finally:
+        r.close()
