@@ -22,6 +22,8 @@ ranks of its node plus the job-wide figures:
     overlord_source_buffered_bytes{..}            their bytes (what the buffer holds in memory)
     overlord_source_workers{..}                   transform workers
     overlord_source_skipped_total{..}             bad rows skipped (on_error: skip)
+    overlord_source_skipped_files_total{..}       files skipped whole (on_error: skip)
+    overlord_source_skipped_row_groups_total{..}  unreadable row groups skipped (on_error: skip)
     overlord_trainer_batches_total{rank}
     overlord_trainer_wait_seconds_total{rank}     time in DataLoader.__next__ (stall)
     overlord_trainer_copies_total{rank}           batches copied out of the ring: the trainer
@@ -37,23 +39,14 @@ PromQL's `rate()`; `overlord top` takes them between two snapshots.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
-import os
-import socket
-import socketserver
 import subprocess
-import threading
 import time
-from typing import Any, Callable, Iterator
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import Any, Iterator
 
-from overlord.config import Job, split_redis_password
+from overlord.config import Job
 from overlord.store import Keys
-from overlord.store.client import password_env
-
-TOKEN_ENV = "OVERLORD_METRICS_TOKEN"
 
 
 def snapshot(r, keys: Keys) -> dict[str, Any]:
@@ -177,6 +170,10 @@ class JobCollector:
                                     ("source", "stream")),
             "workers": gauge("source_workers", "transform workers of the stream", ("source", "stream")),
             "skipped": counter("source_skipped", "bad rows skipped (on_error: skip)", ("source", "stream")),
+            "skipped_files": counter("source_skipped_files", "files skipped whole (on_error: skip)",
+                                     ("source", "stream")),
+            "skipped_row_groups": counter("source_skipped_row_groups", "unreadable row groups skipped "
+                                          "(on_error: skip)", ("source", "stream")),
         }
         for record in snap["loaders"].values():
             if not self._mine(record.get("node")):
@@ -189,6 +186,8 @@ class JobCollector:
                 families["buffered_bytes"].add_metric(at, s["buffered_bytes"])
                 families["workers"].add_metric(at, s["workers"])
                 families["skipped"].add_metric(at, s["skipped"])
+                families["skipped_files"].add_metric(at, s.get("skipped_files", 0))
+                families["skipped_row_groups"].add_metric(at, s.get("skipped_row_groups", 0))
         yield from families.values()
         batches = counter("trainer_batches", "micro-batches the trainer read", ("rank",))
         wait = counter("trainer_wait_seconds", "seconds the trainer waited in DataLoader.__next__", ("rank",))
@@ -224,61 +223,16 @@ def start_metrics_process(job: Job, run_dir, redis_url: str) -> subprocess.Popen
     """Serve /metrics for this node in a process of its own (overlord.sidecar.service)."""
     from overlord.sidecar import service
 
-    return service.start("overlord.metrics", run_dir, "metrics.log",
-                         {"OVERLORD_REDIS_URL": split_redis_password(redis_url)[0], **password_env(redis_url)})
-
-
-def metrics_host(job: Job) -> str:
-    """The address /metrics listens on: `Job.metrics_host`, else loopback on one node and
-    every interface on several (a Prometheus elsewhere scrapes each node)."""
-    if job.metrics_host:
-        return job.metrics_host
-    return "0.0.0.0" if job.multi_node else "127.0.0.1"
-
-
-class _Server(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-        pass  # a scrape every few seconds is not news
-
-
-def guarded(app: Callable, token: str | None) -> Callable:
-    """`app` behind `Authorization: Bearer <token>` (compared in constant time); None: open."""
-    if not token:
-        return app
-    want = f"Bearer {token}".encode()
-
-    def check(environ, start_response):
-        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
-        if not hmac.compare_digest(given, want):
-            start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
-                                                ("WWW-Authenticate", 'Bearer realm="overlord"')])
-            return [f"401: /metrics needs the header 'Authorization: Bearer <token>' with the token the "
-                    f"sidecar has in ${TOKEN_ENV}\n".encode()]
-        return app(environ, start_response)
-
-    return check
-
-
-def serve_http(app: Callable, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
-    """Serve the WSGI `app` on (host, port) from a daemon thread (IPv4 or IPv6 by `host`)."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    server_class = type("_MetricsServer", (_Server,), {"address_family": family})
-    server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True, name="metrics-http")
-    thread.start()
-    return server, thread
+    return service.start("overlord.metrics", run_dir, "metrics.log", {"OVERLORD_REDIS_URL": redis_url})
 
 
 def main(argv: list[str] | None = None) -> int:
+    import os
+
     from overlord.sidecar import service
 
     def start(job: Job):
-        # deferred: prometheus_client is needed by this server process only
-        from prometheus_client import make_wsgi_app
+        from prometheus_client import start_http_server
         from prometheus_client.core import CollectorRegistry
 
         from overlord.store import connect
@@ -286,12 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         registry = CollectorRegistry()
         registry.register(JobCollector(job, connect(os.environ["OVERLORD_REDIS_URL"], timeout_s=5),
                                        node=job.node if job.multi_node else None))
-        token = os.environ.get(TOKEN_ENV) or None
-        host = metrics_host(job)
-        server, _ = serve_http(guarded(make_wsgi_app(registry), token), host, job.metrics_port)
-        logging.getLogger("overlord.metrics").info(
-            "serving Prometheus metrics on %s port %d (/metrics)%s", host, job.metrics_port,
-            f", bearer token from ${TOKEN_ENV} required" if token else "")
+        server, _ = start_http_server(job.metrics_port, registry=registry)
+        logging.getLogger("overlord.metrics").info("serving Prometheus metrics on port %d (/metrics)",
+                                                   job.metrics_port)
         return server.shutdown
 
     return service.main("metrics", argv, start)

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from overlord.config import Job
+from overlord.loader.skips import FILE_FIELDS, per_file
 from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.lease import holder
 from overlord.store import Keys, connect
@@ -130,8 +131,13 @@ def render(status: dict[str, Any]) -> str:
         lines.append(f"replay: Data Constructor {dp[1:]} restarted at step {step}")
     if status["resume"].get("step") is not None:
         lines.append(f"resumed at step {status['resume']['step']}")
+    for (source, uri), n in sorted(per_file(status["counters"]).items()):
+        what = "skipped whole (not readable, or lacks a declared column)" if n["whole"] else (
+            f"{n['rows']} row(s) skipped" + (f", {n['groups']} unreadable row group(s)" if n["groups"] else ""))
+        lines.append(f"skipped (on_error: skip): source {source!r} file {uri!r}: {what}; the loader log says why")
     for k, v in sorted(status["counters"].items()):
-        lines.append(f"counter {k} = {v}")
+        if not k.startswith(FILE_FIELDS):
+            lines.append(f"counter {k} = {v}")
     for e in status["errors"]:
         lines.append(f"ERROR {e}")
     return "\n".join(lines)

@@ -52,6 +52,13 @@ CHUNK = 64  # samples prepared per stream between two looks at the plans
 Item = tuple[int, int, int]  # (stream, epoch, seq)
 
 
+def ring_max_record(capacity: int) -> int:
+    """The largest record a ring created with `capacity` bytes holds (Ring.max_record:
+    the capacity rounded up to a power of two, at least 4096, less the record header),
+    known to a Shadow Loader too, which maps no ring."""
+    return min((1 << max(12, (capacity - 1).bit_length())) - 8, (1 << 32) - 1)
+
+
 class LoaderProcess:
     """The Source Loaders of loader process `ctx.index`, active or shadow (`ctx.role`)."""
 
@@ -65,7 +72,8 @@ class LoaderProcess:
             src = job.sources[layout.stream_source[i]]
             partition = int(layout.streams[i].rsplit(".", 1)[1])
             self.loaders[i] = SourceLoader(src, partition, seed=job.seed, epochs=job.epochs,
-                                           context_length=job.batch.context_length)
+                                           context_length=job.batch.context_length,
+                                           max_sample_bytes=ring_max_record(job.sample_ring_bytes))
         self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in self.hosted}  # not yet sent
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every constructor finished it
         self.kept: dict[Item, Prepared] = {}  # samples of those steps
@@ -175,6 +183,10 @@ class LoaderProcess:
                 try:
                     self._journal()
                 except Exception:  # noqa: BLE001 - a profile is never worth failing the exit
+                    pass
+                try:  # the skip counters reach Redis even when a loader stops on them
+                    self._publish_skips()
+                except redis.RedisError:
                     pass
             for ring in self.rings:
                 ring.close()
@@ -324,8 +336,14 @@ class LoaderProcess:
             token=int(self.token or 0),
         )
         self._pipe.xadd(self.keys.meta(self.layout.streams[i]), meta.encode(chunk))
-        if loader.skipped:
-            self._pipe.hset(self.keys.counters, f"skipped:{loader.source.name}.{loader.partition}", loader.skipped)
+        if loader.skips.any:
+            self._pipe.hset(self.keys.counters, mapping=loader.skips.fields())
+
+    def _publish_skips(self) -> None:
+        """Every stream's skip counters (`skips.py`), now."""
+        fields = {k: v for loader in self.loaders.values() if loader.skips.any for k, v in loader.skips.fields().items()}
+        if fields:
+            self.r.hset(self.keys.counters, mapping=fields)
 
     def _flush_reports(self) -> None:
         pipe = self._pipe
@@ -361,6 +379,7 @@ class LoaderProcess:
             streams[self.layout.streams[i]] = {
                 "prepared": loader.profile.samples, "transform_s": round(loader.profile.seconds, 4),
                 "buffered": len(self.buffers[i]), "workers": loader.workers, "skipped": loader.skipped,
+                "skipped_files": loader.skips.files_skipped, "skipped_row_groups": loader.skips.groups_skipped,
                 "epoch": loader.epoch, "buffered_bytes": sum(p.nbytes for p in self.buffers[i].values()),
             }
         kept = sum(p.nbytes for p in self.kept.values())  # sent, kept until every constructor finished the step

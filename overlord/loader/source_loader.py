@@ -7,6 +7,18 @@ the source's sample transform, and hands out prepared samples with their metadat
 handles, footers and row-group buffers exist once here, never once per trainer rank or
 worker. Bad input raises `SourceReadError` naming source, file and row; with
 `on_error: skip` the row is dropped and counted instead.
+
+What `on_error: skip` covers (the unit skipped, decided by the file's bytes only, so an
+active, shadow or restarted loader skips the same; counted per file, `skips.py`):
+
+    a file that is not the format's (random bytes, truncated)   the file, at start
+    a file lacking a declared column (Source.columns)            the file, at start
+    a row group (JSONL block, Arrow record batch) not decoding   its rows, in order
+    a bad row, a transform that raises or breaks the contract    the row
+    a sample larger than the sample ring can ever hold           the sample
+
+A partition whose every row of an epoch is skipped ends the job with a SourceReadError
+naming the source and the counts (a stream that never yields would stall every step).
 """
 
 from __future__ import annotations
@@ -27,10 +39,14 @@ from overlord.errors import ConfigError, SchemaError, SourceReadError
 from overlord.loader import storage
 from overlord.loader.formats import FORMATS, BadRow, Chunk, OpenFile, locations
 from overlord.loader.order import EpochOrder, RowGroups
+from overlord.loader.skips import Skips
+from overlord.shm import batch_nbytes
 from overlord.sidecar.layout import stream_name
 from overlord.transforms import build, sample_metadata
 
 _OPEN_FILES = 2  # open files kept per Source Loader (an LRU)
+# the largest record meta a loader process adds to a sample in the sample ring (flow.push)
+_META_BOUND = {"s": 1 << 31, "e": 1 << 31, "q": 1 << 62, "t": 1 << 62, "b": 1 << 31, "m": 1 << 31}
 
 
 @dataclass(slots=True)
@@ -46,6 +62,18 @@ class Prepared:
     nbytes: int
 
 
+class _UnreadableGroup:
+    """A row group that cannot be read, skipped under on_error: skip: each row is bad."""
+
+    nbytes = 0
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def row(self, i: int) -> dict:
+        raise BadRow(self.why)
+
+
 class SourceLoader:
     """Reads one partition of one source, in order, through its transform.
 
@@ -56,16 +84,21 @@ class SourceLoader:
         epochs: stop after this many epochs; None cycles forever.
         context_length: the job's BatchSpec.context_length, for a transform built from
             `Source.transform_args` that truncates to it (see transforms.build).
+        max_sample_bytes: the largest record the loader-to-constructor ring can ever
+            hold (`ring_max_record(Job.sample_ring_bytes)`); a larger sample is a bad
+            row. None: not checked here.
     """
 
     def __init__(
-        self, source: Source, partition: int, *, seed: int, epochs: int | None, context_length: int | None = None
+        self, source: Source, partition: int, *, seed: int, epochs: int | None, context_length: int | None = None,
+        max_sample_bytes: int | None = None,
     ) -> None:
         self.source = source
         self.partition = partition
         self.name = stream_name(source.name, partition)
         self.seed = seed
         self.epochs = epochs
+        self.max_sample_bytes = max_sample_bytes
         self.locations = locations(source.name, source.format, source.paths)
         self.paths = [loc.uri for loc in self.locations]
         try:
@@ -77,13 +110,17 @@ class SourceLoader:
         # row group -> its rows (an Arrow table, or raw JSONL lines), for the row groups of
         # the current window; rows become Python objects one at a time (smaller that way)
         self._rows: dict[int, Chunk] = {}
-        counts = [self._open(i).group_rows() for i in range(len(self.paths))]
-        difficulty = [self._open(i).difficulty(source.difficulty) for i in range(len(self.paths))] if source.difficulty else None
+        self.skips = Skips(source.name, self.name)
+        # a file skipped whole (on_error: skip) has no row groups: the order never reaches it
+        readable = [self._survey(i) for i in range(len(self.paths))]
+        counts = [self._open(i).group_rows() if ok else [] for i, ok in enumerate(readable)]
+        difficulty = [self._open(i).difficulty(source.difficulty) if ok else [] for i, ok in enumerate(readable)] \
+            if source.difficulty else None
         self.groups = RowGroups.from_counts(counts, difficulty)
         self.epoch = 0
         self.seq = 0  # next seq to prepare in self.epoch
-        self.skipped = 0
         self._delivered_in_epoch = 0  # samples prepared (not skipped) in self.epoch
+        self._whole_epoch = True  # self.epoch is read from seq 0 by this loader (not resumed mid-epoch)
         self._order = self._make_order(0)
         self.profile = Profile()  # what its samples cost (journaled for the auto-partitioner)
         self.workers = 1
@@ -95,28 +132,47 @@ class SourceLoader:
     def _where(self, file: int) -> str:
         return f"source {self.source.name!r} file {self.paths[file]!r}"
 
-    def _open(self, file: int) -> OpenFile:
+    @property
+    def skipped(self) -> int:
+        """Rows skipped so far (on_error: skip), every cause; per file in `self.skips`."""
+        return self.skips.rows
+
+    def _survey(self, file: int) -> bool:
+        """Open `file` at start; False when on_error: skip skips it whole."""
+        return self._open(file, survey=True) is not None
+
+    def _open(self, file: int, survey: bool = False) -> OpenFile:
         handle = self._files.get(file)
         if handle is not None:
             self._files.move_to_end(file)
             return handle
+        skip = survey and self.source.on_error == "skip"
         try:
             handle = self.format.open(self.locations[file], self._where(file))
         except FileNotFoundError:
             raise SourceReadError(f"{self._where(file)} is missing; restore it or remove it from Source.paths") from None
+        except PermissionError as exc:  # the machine's doing, not the file's bytes: never skipped
+            raise SourceReadError(f"{self._where(file)} cannot be opened ({exc}); fix its permissions") from None
         except (pa.ArrowException, OSError) as exc:
+            why = f"not a readable {self.format.label} file ({storage.redact(str(exc))})"
+            if skip:
+                self.skips.file(file, self.paths[file], why)
+                return None  # type: ignore[return-value] - only _survey asks with survey=True
             remote = f" ({storage.hint(self.paths[file])})" if storage.is_uri(self.paths[file]) else ""
             raise SourceReadError(
-                f"{self._where(file)} is not a readable {self.format.label} file ({storage.redact(str(exc))}); "
-                f"replace the file or remove it from Source.paths{remote}"
+                f"{self._where(file)} is {why}; replace the file, remove it from Source.paths, "
+                f"or set on_error: skip on the source to skip it{remote}"
             ) from None
         if self.source.columns and handle.names is not None:
             names = handle.names
             missing = [c for c in self.source.columns if c not in names]
             if missing:
+                if skip:
+                    self.skips.file(file, self.paths[file], f"no column(s) {missing} of Source.columns; it has {names}")
+                    return None  # type: ignore[return-value]
                 raise SchemaError(
                     f"{self._where(file)} has no column(s) {missing}; it has {names}. "
-                    "Fix Source.columns or the file"
+                    "Fix Source.columns or the file, or set on_error: skip on the source to skip such files"
                 )
         self._files[file] = handle
         while len(self._files) > _OPEN_FILES:
@@ -131,10 +187,15 @@ class SourceLoader:
         try:
             chunk = self._open(file).read_group(group, self.source.columns)
         except (pa.ArrowException, OSError) as exc:
-            raise SourceReadError(
-                f"{self._where(file)} row group {group} (rows from {int(self.groups.first_row[rg])}) "
-                f"cannot be read ({storage.redact(str(exc))}); replace the file or remove it from Source.paths"
-            ) from None
+            why = f"cannot be read ({storage.redact(str(exc))})"
+            if self.source.on_error != "skip":
+                raise SourceReadError(
+                    f"{self._where(file)} row group {group} (rows {int(self.groups.first_row[rg])} to "
+                    f"{int(self.groups.first_row[rg] + self.groups.rows[rg]) - 1}) {why}; replace the file, "
+                    "remove it from Source.paths, or set on_error: skip on the source to skip its unreadable parts"
+                ) from None
+            self.skips.group(file, self.paths[file], group, why)
+            chunk = _UnreadableGroup(f"row group {group} {why}")
         self._rows[rg] = chunk
         return chunk
 
@@ -167,6 +228,7 @@ class SourceLoader:
             if not self.finished:
                 self._order = self._make_order(epoch)
         self.seq, self._delivered_in_epoch = seq, 0
+        self._whole_epoch = seq == 0
         self._rows.clear()
 
     def prepare_at(self, epoch: int, seqs) -> list[Prepared]:
@@ -190,6 +252,7 @@ class SourceLoader:
         self.epoch += 1
         self.seq = 0
         self._delivered_in_epoch = 0
+        self._whole_epoch = True
         self._rows.clear()
         if not self.finished:
             self._order = self._make_order(self.epoch)
@@ -231,6 +294,8 @@ class SourceLoader:
         ended: list[tuple[int, int]] = []
         while len(out) < limit and not self.finished:
             if self.seq >= self.epoch_length:
+                if self._delivered_in_epoch == 0 and self._whole_epoch and self.skips.any:
+                    raise SourceReadError(self._nothing_left())
                 ended.append((self.epoch, self._delivered_in_epoch))
                 self._advance_epoch()
                 if out:
@@ -240,14 +305,38 @@ class SourceLoader:
             seqs = range(self.seq, min(self.seq + limit - len(out), self.epoch_length))
             reads = [self._read(q) for q in seqs]
             self.seq = seqs.stop
-            for sample in self._transform_all(reads):
+            for read, sample in zip(reads, self._transform_all(reads)):
+                sample = self._fits(read, sample)
                 if sample is not None:
                     self._delivered_in_epoch += 1
                     out.append(sample)
         return out, ended
 
     def _prepare_one(self, seq: int) -> Prepared | None:
-        return self._transform(self._read(seq))
+        read = self._read(seq)
+        return self._fits(read, self._transform(read))
+
+    def _fits(self, read, sample: Prepared | None) -> Prepared | None:
+        """`sample`, or a bad row when it is larger than the sample ring can ever hold
+        (it would stop the loader process at the push; this names it and honours skip)."""
+        limit = self.max_sample_bytes
+        if sample is None or limit is None or sample.nbytes <= limit // 2:
+            return sample  # the record's header and meta are far below half a ring (>= 64 KiB)
+        size = batch_nbytes(sample.arrays, {**_META_BOUND, "k": sample.key})
+        if size <= limit:
+            return sample
+        return self._reject(
+            read[1], f"the sample is {size} B as a ring record ({sample.nbytes} B of arrays), larger than the "
+            f"largest record the loader-to-constructor ring can hold ({limit} B); raise Job.sample_ring_bytes "
+            "or make the transform's samples smaller", None)
+
+    def _nothing_left(self) -> str:
+        return (
+            f"source {self.source.name!r} partition {self.partition} of {self.source.partitions}: every row of "
+            f"epoch {self.epoch} was skipped (on_error: skip), so it can never yield a sample: "
+            f"{self.skipped} row(s) skipped; {self.skips.summary()}. Fix or replace those files, or remove them "
+            "from Source.paths"
+        )
 
     def state_bytes(self) -> int:
         """Memory of the file-access state: footers of open files (or JSONL's line index),
@@ -335,8 +424,7 @@ class SourceLoader:
     def _reject(self, where, what: str, cause: Exception | None) -> None:
         """A bad row: counted and dropped under on_error: skip, else raised naming it."""
         if self.source.on_error == "skip":
-            with self._lock:
-                self.skipped += 1
+            self.skips.row(where.file, self.paths[where.file], where.row_in_file, what)
             return None
         raise SourceReadError(
             f"{self._where(where.file)} row {where.row_in_file}: {what}. "
