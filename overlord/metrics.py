@@ -39,14 +39,23 @@ PromQL's `rate()`; `overlord top` takes them between two snapshots.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import os
+import socket
+import socketserver
 import subprocess
+import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from overlord.config import Job
+from overlord.config import Job, split_redis_password
 from overlord.store import Keys
+from overlord.store.client import password_env
+
+TOKEN_ENV = "OVERLORD_METRICS_TOKEN"
 
 
 def snapshot(r, keys: Keys) -> dict[str, Any]:
@@ -223,16 +232,61 @@ def start_metrics_process(job: Job, run_dir, redis_url: str) -> subprocess.Popen
     """Serve /metrics for this node in a process of its own (overlord.sidecar.service)."""
     from overlord.sidecar import service
 
-    return service.start("overlord.metrics", run_dir, "metrics.log", {"OVERLORD_REDIS_URL": redis_url})
+    return service.start("overlord.metrics", run_dir, "metrics.log",
+                         {"OVERLORD_REDIS_URL": split_redis_password(redis_url)[0], **password_env(redis_url)})
+
+
+def metrics_host(job: Job) -> str:
+    """The address /metrics listens on: `Job.metrics_host`, else loopback on one node and
+    every interface on several (a Prometheus elsewhere scrapes each node)."""
+    if job.metrics_host:
+        return job.metrics_host
+    return "0.0.0.0" if job.multi_node else "127.0.0.1"
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass  # a scrape every few seconds is not news
+
+
+def guarded(app: Callable, token: str | None) -> Callable:
+    """`app` behind `Authorization: Bearer <token>` (compared in constant time); None: open."""
+    if not token:
+        return app
+    want = f"Bearer {token}".encode()
+
+    def check(environ, start_response):
+        given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+        if not hmac.compare_digest(given, want):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                                ("WWW-Authenticate", 'Bearer realm="overlord"')])
+            return [f"401: /metrics needs the header 'Authorization: Bearer <token>' with the token the "
+                    f"sidecar has in ${TOKEN_ENV}\n".encode()]
+        return app(environ, start_response)
+
+    return check
+
+
+def serve_http(app: Callable, host: str, port: int) -> tuple[WSGIServer, threading.Thread]:
+    """Serve the WSGI `app` on (host, port) from a daemon thread (IPv4 or IPv6 by `host`)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("_MetricsServer", (_Server,), {"address_family": family})
+    server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name="metrics-http")
+    thread.start()
+    return server, thread
 
 
 def main(argv: list[str] | None = None) -> int:
-    import os
-
     from overlord.sidecar import service
 
     def start(job: Job):
-        from prometheus_client import start_http_server
+        # deferred: prometheus_client is needed by this server process only
+        from prometheus_client import make_wsgi_app
         from prometheus_client.core import CollectorRegistry
 
         from overlord.store import connect
@@ -240,9 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         registry = CollectorRegistry()
         registry.register(JobCollector(job, connect(os.environ["OVERLORD_REDIS_URL"], timeout_s=5),
                                        node=job.node if job.multi_node else None))
-        server, _ = start_http_server(job.metrics_port, registry=registry)
-        logging.getLogger("overlord.metrics").info("serving Prometheus metrics on port %d (/metrics)",
-                                                   job.metrics_port)
+        token = os.environ.get(TOKEN_ENV) or None
+        host = metrics_host(job)
+        server, _ = serve_http(guarded(make_wsgi_app(registry), token), host, job.metrics_port)
+        logging.getLogger("overlord.metrics").info(
+            "serving Prometheus metrics on %s port %d (/metrics)%s", host, job.metrics_port,
+            f", bearer token from ${TOKEN_ENV} required" if token else "")
         return server.shutdown
 
     return service.main("metrics", argv, start)
