@@ -229,6 +229,9 @@ class BatchSpec:
         packing: pack several documents per row (cu_seqlens) instead of one padded row each.
         ring_bytes: capacity of each client's shared-memory ring.
         drop_last: drop a final partial step at the end of the last epoch.
+        vocab_size: the model's vocabulary size: every token id a transform returns
+            (input_ids, labels) must lie in [0, vocab_size), else the row is a bad row
+            (see Source.on_error). None: token ids are only checked to be >= 0.
     """
 
     global_batch: int = 32
@@ -237,12 +240,17 @@ class BatchSpec:
     packing: bool = True
     ring_bytes: int = 16 << 20
     drop_last: bool = False
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "micro_batches", "context_length", "ring_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"BatchSpec.{name}={value!r} must be an int >= 1")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or isinstance(self.vocab_size, bool)
+                                            or self.vocab_size < 1):
+            raise ConfigError(f"BatchSpec.vocab_size={self.vocab_size!r} must be an int >= 1 (the model's vocabulary "
+                              "size), or null")
         if self.ring_bytes < 1 << 16:
             raise ConfigError(f"BatchSpec.ring_bytes={self.ring_bytes} is below 64 KiB; raise it")
 

@@ -75,7 +75,8 @@ def measure(job, samples: int = 64) -> dict[str, SourceCost]:
 
     profiles = {}
     for src in job.sources:
-        loader = SourceLoader(src, 0, seed=job.seed, epochs=job.epochs, context_length=job.batch.context_length)
+        loader = SourceLoader(src, 0, seed=job.seed, epochs=job.epochs, context_length=job.batch.context_length,
+                              vocab_size=job.batch.vocab_size)
         loader.prepare(min(8, samples))  # warm-up: imports, first file open
         loader.profile = Profile()
         loader.prepare(samples)

@@ -72,7 +72,7 @@ class LoaderProcess:
             src = job.sources[layout.stream_source[i]]
             partition = int(layout.streams[i].rsplit(".", 1)[1])
             self.loaders[i] = SourceLoader(src, partition, seed=job.seed, epochs=job.epochs,
-                                           context_length=job.batch.context_length,
+                                           context_length=job.batch.context_length, vocab_size=job.batch.vocab_size,
                                            max_sample_bytes=ring_max_record(job.sample_ring_bytes))
         self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in self.hosted}  # not yet sent
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every constructor finished it

@@ -37,6 +37,7 @@ from overlord.autoscale.profile import Profile
 from overlord.config import Source
 from overlord.errors import ConfigError, SchemaError, SourceReadError
 from overlord.loader import storage
+from overlord.loader.contract import ContractError, check_sample
 from overlord.loader.formats import FORMATS, BadRow, Chunk, OpenFile, locations
 from overlord.loader.order import EpochOrder, RowGroups
 from overlord.loader.skips import Skips
@@ -84,6 +85,8 @@ class SourceLoader:
         epochs: stop after this many epochs; None cycles forever.
         context_length: the job's BatchSpec.context_length, for a transform built from
             `Source.transform_args` that truncates to it (see transforms.build).
+        vocab_size: the job's BatchSpec.vocab_size: token ids at or above it are bad rows
+            (the transform output contract, contract.py).
         max_sample_bytes: the largest record the loader-to-constructor ring can ever
             hold (`ring_max_record(Job.sample_ring_bytes)`); a larger sample is a bad
             row. None: not checked here.
@@ -91,13 +94,14 @@ class SourceLoader:
 
     def __init__(
         self, source: Source, partition: int, *, seed: int, epochs: int | None, context_length: int | None = None,
-        max_sample_bytes: int | None = None,
+        vocab_size: int | None = None, max_sample_bytes: int | None = None,
     ) -> None:
         self.source = source
         self.partition = partition
         self.name = stream_name(source.name, partition)
         self.seed = seed
         self.epochs = epochs
+        self.vocab_size = vocab_size
         self.max_sample_bytes = max_sample_bytes
         self.locations = locations(source.name, source.format, source.paths)
         self.paths = [loc.uri for loc in self.locations]
@@ -412,9 +416,10 @@ class SourceLoader:
     def _finish(self, read, arrays, seconds: float) -> Prepared | None:
         """A transform's output for one row, checked, as a Prepared sample."""
         seq, where, _, read_s = read
-        if not isinstance(arrays, dict) or not all(isinstance(v, np.ndarray) for v in arrays.values()):
-            exc = TypeError(f"returned {type(arrays).__name__}; a transform must return dict[str, numpy.ndarray]")
-            return self._reject(where, f"transform {self.source.transform} raised TypeError: {exc}", exc)
+        try:
+            arrays = check_sample(arrays, vocab_size=self.vocab_size)
+        except ContractError as exc:  # the output contract (contract.py): a bad row like any other
+            return self._reject(where, f"the output of transform {self.source.transform} breaks the contract: {exc}", exc)
         key = f"{self.source.name}:{where.file}:{where.row_in_file}"
         tokens, patches, nbytes = sample_metadata(arrays)
         with self._lock:

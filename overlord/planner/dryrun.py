@@ -75,7 +75,7 @@ def dry_run(job: Job, steps: int = 20) -> DryRun:
     for i, name in enumerate(layout.streams):
         src = job.sources[layout.stream_source[i]]
         loader = SourceLoader(src, int(name.rsplit(".", 1)[1]), seed=job.seed, epochs=job.epochs,
-                              context_length=job.batch.context_length)
+                              context_length=job.batch.context_length, vocab_size=job.batch.vocab_size)
         samples, ended = loader.prepare(per_stream)
         chunks.append((i, MetaChunk(
             epoch=samples[0].epoch if samples else 0, seq=np.asarray([s.seq for s in samples], np.int64),
