@@ -9,7 +9,7 @@ read back zero-copy with `decode_batch`. Segment names come only from
 from overlord.shm._batch import batch_nbytes, decode_batch, encode_batch_into, write_batch
 from overlord.shm._proc import pid_alive
 from overlord.shm._pyring import Ring
-from overlord.shm._segment import unlink_segment
+from overlord.shm._segment import segment_bytes, unlink_segment
 from overlord.shm.names import cleanup_stale, job_prefix, list_segments, segment_name, unlink_all
 
 __all__ = [  # sorted
@@ -21,6 +21,7 @@ __all__ = [  # sorted
     "job_prefix",
     "list_segments",
     "pid_alive",
+    "segment_bytes",
     "segment_name",
     "unlink_all",
     "unlink_segment",

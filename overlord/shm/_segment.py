@@ -6,10 +6,16 @@ roles never silently share a ring; the creator initialises the header and stores
 magic last, so an attacher that sees the magic sees a complete header. Attaching polls
 because the attacher may start before the creator: the segment may not exist yet, may
 exist with size 0 (created, not yet sized), or be sized with its magic still 0.
+
+Creating reserves every page of the segment (posix_fallocate on tmpfs): the rings are
+written for the whole job, and a page that cannot be had when first written kills the
+writer with SIGBUS; reserved at creation, a /dev/shm too small for the rings is a
+RingError at start that names the segment, the sizes and the fix.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import time
@@ -21,6 +27,7 @@ from overlord.shm import _ring as _native
 from overlord.shm._proc import self_identity
 
 ATTACH_POLL_S = 0.005  # creating a segment takes microseconds; polling is cheap
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 
 _CHECK_WORDS = {
     _native.EMAGIC: "bad magic",
@@ -29,11 +36,18 @@ _CHECK_WORDS = {
 }
 
 
+def segment_bytes(capacity: int) -> int:
+    """The bytes a ring of `capacity` takes in /dev/shm (header page, capacity rounded up
+    to a power of two), all reserved at creation."""
+    return _native.segment_size(_native.round_capacity(max(int(capacity), 1)))
+
+
 def create_segment(name: str, capacity: int) -> mmap.mmap:
     """Create, map and initialise a ring segment; returns the mapping.
 
     Raises:
-        RingError: The segment already exists, or capacity exceeds the maximum.
+        RingError: The segment already exists, capacity exceeds the maximum, or
+            /dev/shm has no room for all of its pages.
     """
     cap = _native.round_capacity(max(int(capacity), 0))
     if cap == 0:
@@ -47,6 +61,7 @@ def create_segment(name: str, capacity: int) -> mmap.mmap:
             "remove it with overlord.shm.cleanup_stale(job)"
         ) from None
     try:
+        _reserve(name, shm.fd, size)
         mm = mmap.mmap(shm.fd, size)
     except BaseException:
         unlink_segment(name)
@@ -59,6 +74,22 @@ def create_segment(name: str, capacity: int) -> mmap.mmap:
         unlink_segment(name)
         raise RingError(f"ring {name!r}: could not initialise a {size} B segment for capacity {cap}")
     return mm
+
+
+def _reserve(name: str, fd: int, size: int) -> None:
+    """Allocate every page of the segment now, or raise RingError saying why and what to change."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            return  # a filesystem that cannot reserve: the pages come on first write, as before
+        st = os.statvfs(SHM_DIR)
+        raise RingError(
+            f"ring {name!r}: cannot reserve its {size} B ({size / 2**20:.1f} MiB) segment in {SHM_DIR} "
+            f"({exc.strerror}): {st.f_bavail * st.f_frsize} B free of {st.f_blocks * st.f_frsize} B; give the "
+            "job more shared memory (the container's shm_size / docker run --shm-size, or a larger tmpfs on "
+            f"{SHM_DIR}), or lower BatchSpec.ring_bytes / Job.sample_ring_bytes"
+        ) from None
 
 
 def attach_segment(name: str, timeout: float) -> mmap.mmap:

@@ -3,9 +3,10 @@ anything, each failure with what to change.
 
 - **Shared memory.** Every ring lives in `/dev/shm`. Docker gives a container 64 MiB
   there by default, far less than a job's rings: the first write past it would kill
-  the writer with SIGBUS mid-job. The rings are sparse (memory is used as records are
-  written), so the check compares what the rings may hold at most with the size of
-  the filesystem, and warns when that is more than is free now.
+  the writer with SIGBUS mid-job. Each ring's pages are reserved when the sidecar
+  creates it (overlord.shm), so the check compares the bytes of every ring this
+  node's sidecar creates with what is free in /dev/shm now (this job's own segments,
+  which a start replaces, counted as free), as well as with the filesystem's size.
 - **Redis.** The configured Redis must answer a PING within a few seconds.
 - **Sources.** Every source's paths must match at least one file.
 
@@ -20,6 +21,7 @@ import os
 
 from overlord.config import Job
 from overlord.errors import OverlordError, StartupError
+from overlord.shm import list_segments, segment_bytes
 
 log = logging.getLogger("overlord.checks")
 
@@ -61,8 +63,49 @@ def check_shm(job: Job, loaders: int, path: str = SHM_PATH) -> None:
     error, warning = shm_problem(ring_bytes(job, loaders), st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize, path)
     if error:
         raise StartupError(f"job {job.name!r} on node {job.node!r}: {error}")
+    check_shm_reservation(job, loaders, path)
     if warning:
         log.warning("job %r: %s", job.name, warning)
+
+
+def reserved_ring_bytes(job: Job, loaders: int) -> int:
+    """The /dev/shm bytes this node's sidecar reserves: a segment per ring from every
+    loader process to every DP group (on several nodes too: a loader may move here)
+    and per client ring of its ranks, each its header page plus its capacity rounded
+    up to a power of two (overlord.shm.segment_bytes)."""
+    return (loaders * job.mesh.dp * segment_bytes(job.sample_ring_bytes)
+            + _client_rings(job) * segment_bytes(job.batch.ring_bytes))
+
+
+def _client_rings(job: Job) -> int:
+    return len(job.ranks_of_node(job.node)) if job.multi_node else job.mesh.world_size
+
+
+def check_shm_reservation(job: Job, loaders: int, path: str = SHM_PATH) -> None:
+    """Refuse a start whose rings cannot all be reserved in `path` now.
+
+    Raises:
+        StartupError: naming the bytes the rings reserve, what is free, and the fix.
+    """
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    own = 0  # this job's segments left in place: a start replaces them
+    for name in list_segments(job.name):
+        try:
+            own += os.stat(os.path.join(path, name.lstrip("/"))).st_blocks * 512
+        except OSError:
+            pass
+    needed = reserved_ring_bytes(job, loaders)
+    if needed > free + own:
+        raise StartupError(
+            f"job {job.name!r} on node {job.node!r}: its rings reserve {_size(needed)} ({needed} B: "
+            f"{loaders} loader process(es) x {job.mesh.dp} DP group(s) of Job.sample_ring_bytes="
+            f"{job.sample_ring_bytes} and {_client_rings(job)} "
+            f"client ring(s) of BatchSpec.ring_bytes={job.batch.ring_bytes}, each rounded up to a power of two) "
+            f"but {path} has {_size(free + own)} free ({free + own} B of {st.f_blocks * st.f_frsize} B); give the "
+            f"sidecar more shared memory (`docker run --shm-size={_size((needed + st.f_blocks * st.f_frsize - free - own) * 5 // 4)}`, "
+            f"compose shm_size, a larger tmpfs on {path}) or lower Job.sample_ring_bytes / BatchSpec.ring_bytes"
+        )
 
 
 def check_redis(url: str, timeout_s: float = 5.0) -> None:
