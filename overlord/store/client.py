@@ -119,6 +119,7 @@ def password_env(url: str | None) -> dict[str, str]:
 
 def redact(url: str) -> str:
     """The URL with any password replaced, for messages and logs."""
+    url = split_redis_password(url)[0]  # a `password=` query parameter goes too
     if "@" not in url:
         return url
     scheme, rest = url.split("://", 1)

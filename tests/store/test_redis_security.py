@@ -19,14 +19,14 @@ import time
 import pytest
 import redis
 
-from overlord.config import BatchSpec, Job, Mesh, Source
+from overlord.config import BatchSpec, Job, Mesh, Source, split_redis_password
 from overlord.demo.corpus import TEXT_TRANSFORM, generate_corpus
 from overlord.errors import ConfigError, StoreError
 from overlord.planner.lease import Lease
 from overlord.shm import list_segments, unlink_all
 from overlord.sidecar.sidecar import sidecar_running
 from overlord.store import EmbeddedRedis, Keys, connect
-from overlord.store.client import CA_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV
+from overlord.store.client import CA_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV, env_password, redact
 from tls_proxy import TlsProxy, issue_certs
 
 pytestmark = [
@@ -294,3 +294,30 @@ def test_a_password_file_others_may_read_is_refused(secured, ca_env, tmp_path, m
         assert r.set(Keys("pwfile").layout, b"v")
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("url, stored, password", [
+    ("rediss://overlord:s3cret@h:6380/0", "rediss://overlord@h:6380/0", "s3cret"),
+    ("redis://:Pw-only-1@h/1", "redis://@h/1", "Pw-only-1"),
+    ("redis://u:p%40ss@w@rd@h/0", "redis://u@h/0", "p@ss@w@rd"),  # the last @ ends the userinfo
+    ("redis://h:6379/0?password=Qu3ry-pw&db=2", "redis://h:6379/0?db=2", "Qu3ry-pw"),
+    ("unix://u:Sock-pw@/run/redis.sock?db=0", "unix://u@/run/redis.sock?db=0", "Sock-pw"),
+    ("redis://u@h/0", "redis://u@h/0", None),
+    ("unix:///run/overlord/redis.sock", "unix:///run/overlord/redis.sock", None),
+])
+def test_the_stored_url_has_no_password(url, stored, password):
+    assert split_redis_password(url) == (stored, password)
+    job = Job(name="urls", sources=(Source(name="s", paths=("x",)),), redis_url=url)
+    assert job.to_dict()["redis_url"] == stored and (password is None or password not in job.to_json())
+    assert job.redis_url == url  # the process that was given it keeps it
+    assert password is None or password not in redact(url)
+
+
+def test_the_environment_password_is_for_urls_without_one_never_for_the_embedded_socket(monkeypatch):
+    monkeypatch.setenv(PASSWORD_ENV, "from-env")
+    monkeypatch.delenv(PASSWORD_FILE_ENV, raising=False)
+    assert env_password("rediss://overlord@h:6380/0") == "from-env"
+    assert env_password("redis://h:6379/0") == "from-env"
+    assert env_password("rediss://overlord:own@h:6380/0") is None  # the URL's own wins
+    assert env_password("unix:///run/overlord/redis.sock") is None  # the embedded server has no password
+    assert env_password("unix://@/run/redis.sock") == "from-env"  # an external socket with a user part
