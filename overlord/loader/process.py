@@ -90,6 +90,7 @@ class LoaderProcess:
         self._pipe = None  # metadata reports queued for one round trip
         self._journaled = time.monotonic()
         self._stated = 0.0  # when the running totals were last published
+        self._skips_published: dict[int, int] = {}  # stream -> Skips.version last written to Redis
 
     # -- start -------------------------------------------------------------------------
 
@@ -336,12 +337,13 @@ class LoaderProcess:
             token=int(self.token or 0),
         )
         self._pipe.xadd(self.keys.meta(self.layout.streams[i]), meta.encode(chunk))
-        if loader.skips.any:
+        if loader.skips.version != self._skips_published.get(i, 0):  # only what changed since the last report
+            self._skips_published[i] = loader.skips.version
             self._pipe.hset(self.keys.counters, mapping=loader.skips.fields())
 
     def _publish_skips(self) -> None:
         """Every stream's skip counters (`skips.py`), now."""
-        fields = {k: v for loader in self.loaders.values() if loader.skips.any for k, v in loader.skips.fields().items()}
+        fields = {k: v for ld in self.loaders.values() if ld.skips.any for k, v in ld.skips.fields().items()}
         if fields:
             self.r.hset(self.keys.counters, mapping=fields)
 

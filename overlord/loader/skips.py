@@ -57,6 +57,7 @@ class Skips:
         self.source, self.stream = source, stream
         self.files: dict[int, FileSkips] = {}
         self.rows = 0
+        self.version = 0  # bumped at every change: the loader process publishes only then
         self._lock = threading.Lock()
 
     def _file(self, index: int, uri: str) -> FileSkips:
@@ -70,6 +71,7 @@ class Skips:
         with self._lock:
             entry = self._file(index, uri)
             entry.whole, entry.why = why, entry.why or why
+            self.version += 1
         log.warning("source %r file %r skipped whole (on_error: skip): %s", self.source, uri, why)
 
     def group(self, index: int, uri: str, group: int, why: str) -> None:
@@ -80,12 +82,14 @@ class Skips:
                 return  # read again (a later window, a resume): counted and logged once
             entry.groups.append(group)
             entry.why = entry.why or why
+            self.version += 1
         log.warning("source %r file %r row group %d skipped (on_error: skip): %s", self.source, uri, group, why)
 
     def row(self, index: int, uri: str, row: int, why: str) -> None:
         """Row `row` of file `index` is skipped; the first of a file is logged."""
         with self._lock:
             self.rows += 1
+            self.version += 1
             entry = self._file(index, uri)
             entry.rows += 1
             first = entry.rows == 1 and not entry.groups

@@ -123,7 +123,8 @@ def test_a_resumed_or_shadow_loader_skips_the_same_rows(damaged):
 
 
 def test_partitions_share_the_work_and_count_their_own_row_groups(damaged):
-    parts = [loader([damaged], partition=p, partitions=2, on_error="skip", columns=("id", "text", "lang")) for p in (0, 1)]
+    parts = [loader([damaged], partition=p, partitions=2, on_error="skip", columns=("id", "text", "lang"))
+             for p in (0, 1)]
     got = [k for ld in parts for k in keys(drain(ld))]
     assert sorted(got) == sorted(READABLE)
     assert sum(ld.skipped for ld in parts) == 10
