@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 import redis
@@ -218,37 +220,73 @@ def _values(admin: redis.Redis, key: bytes) -> bytes:
     return b""
 
 
-def _run_spawning_trainer(secured, tmp_path, monkeypatch, config_for) -> tuple[Job, str]:
-    """Run one epoch of a job on `secured` from a trainer that spawns its sidecar; the
-    job, and what the trainer printed and logged."""
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape_up(port: int, sidecar: subprocess.Popen, timeout: float = 30) -> None:
+    """Wait until the sidecar's /metrics says its Redis answers (the metrics process
+    logged in with the password its environment carries)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            if any(line.startswith("overlord_up{") and line.endswith(" 1.0") for line in text.splitlines()):
+                return
+        except OSError:
+            pass
+        assert sidecar.poll() is None, f"the sidecar exited with {sidecar.returncode}"
+        assert time.monotonic() < deadline, "/metrics never said overlord_up 1"
+        time.sleep(0.2)
+
+
+def _run_job(secured, tmp_path, monkeypatch, config_for, *, own_sidecar: bool) -> tuple[Job, str]:
+    """Run one epoch of a job on `secured`: `overlord sidecar` started first (with
+    /metrics), or a trainer that spawns its sidecar (DataLoader's spawn path). Returns
+    the job and everything the processes printed."""
     corpus = generate_corpus(tmp_path / "corpus", seed=3, text_sources=1, image_sources=0, rows_per_source=96,
                              files_per_source=1, row_group_size=32)
     (name, files), = corpus.items()
+    port = _free_port() if own_sidecar else None
     job = Job(name=f"pw{os.getpid() % 10000}", sources=(Source(name=name, paths=tuple(files), transform=TEXT_TRANSFORM),),
               mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, micro_batches=2, context_length=256, ring_bytes=1 << 20),
               epochs=1, redis_url=secured.url(), run_dir=str(tmp_path / "run"), timeout_s=20.0,
-              sample_ring_bytes=1 << 20, buffer_samples=64)
+              sample_ring_bytes=1 << 20, buffer_samples=64, metrics_port=port)
     config = tmp_path / "job.json"
     config.write_text(json.dumps(config_for(job)))
     config.chmod(0o600)  # the user's own config file
     monkeypatch.setenv("OVERLORD_LOG", "DEBUG")  # every log line a role may write
+    said = tmp_path / "sidecar.out"
+    sidecar = None
     try:
+        if own_sidecar:
+            with open(said, "wb") as out:
+                sidecar = subprocess.Popen([sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config),
+                                            "--exit-when-idle"], stdout=out, stderr=subprocess.STDOUT)
+            _scrape_up(port, sidecar)
         done = subprocess.run([sys.executable, "-c", _TRAINER, str(config)], capture_output=True, text=True,
                               timeout=120, env=dict(os.environ, RANK="0", WORLD_SIZE="1"))
         assert done.returncode == 0, done.stdout + done.stderr
         assert int(done.stdout.split()[-1]) == 96, done.stdout  # one epoch, every sample once
+        if sidecar is not None:
+            assert sidecar.wait(timeout=60) == 0, said.read_text()
         deadline = time.monotonic() + 60
-        while sidecar_running(job):  # the spawned sidecar exits once its trainer is gone
-            assert time.monotonic() < deadline, "the spawned sidecar did not exit after its trainer"
+        while sidecar_running(job):  # a spawned sidecar exits once its trainer is gone
+            assert time.monotonic() < deadline, "the sidecar did not exit after its trainer"
             time.sleep(0.1)
     finally:
+        if sidecar is not None and sidecar.poll() is None:
+            sidecar.kill()
+            sidecar.wait(timeout=30)
         left = list_segments(job.name)
         unlink_all(job.name)
     assert not left, f"shared-memory segments left behind: {left}"
-    return job, done.stdout + done.stderr
+    return job, done.stdout + done.stderr + (said.read_text() if said.exists() else "")
 
 
-def _assert_password_nowhere(secured, job: Job, output: str) -> None:
+def _assert_password_nowhere(secured, job: Job, output: str, files_made: set[str]) -> None:
     keys = list(secured.admin.scan_iter(match=f"{Keys(job.name).base}*", count=1000))
     assert Keys(job.name).job_config.encode() in keys, keys  # the job ran and published its config
     for key in keys:
@@ -256,18 +294,29 @@ def _assert_password_nowhere(secured, job: Job, output: str) -> None:
     stored = json.loads(secured.admin.get(Keys(job.name).job_config))
     assert stored["redis_url"] == f"rediss://{USER}@127.0.0.1:{secured.port}/0"  # the user stays, the password goes
     files = [p for p in job.run_path.rglob("*") if p.is_file()]
-    assert {"job.json", "spawned-job.json", "sidecar.log", "loader0.log"} <= {p.name for p in files}, files
+    assert files_made <= {p.name for p in files}, files
     for path in files:
         assert PASSWORD.encode() not in path.read_bytes(), f"the Redis password is in {path}"
     assert PASSWORD not in output
 
 
 def test_a_password_in_the_config_file_reaches_every_role_but_nothing_stored(secured, ca_env, tmp_path, monkeypatch):
+    """`overlord sidecar` with the password in the user's config: its roles and its
+    metrics process log in with it (from their environment), and nothing stores it."""
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
     monkeypatch.delenv(PASSWORD_FILE_ENV, raising=False)
-    job, output = _run_spawning_trainer(secured, tmp_path, monkeypatch,
-                                        lambda job: {**job.to_dict(), "redis_url": job.redis_url})
-    _assert_password_nowhere(secured, job, output)
+    job, output = _run_job(secured, tmp_path, monkeypatch, lambda job: {**job.to_dict(), "redis_url": job.redis_url},
+                           own_sidecar=True)
+    _assert_password_nowhere(secured, job, output, {"job.json", "loader0.log", "planner0.log", "metrics.log"})
+
+
+def test_a_spawned_sidecar_gets_the_configs_password_in_its_environment_not_a_file(secured, ca_env, tmp_path,
+                                                                                   monkeypatch):
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    monkeypatch.delenv(PASSWORD_FILE_ENV, raising=False)
+    job, output = _run_job(secured, tmp_path, monkeypatch, lambda job: {**job.to_dict(), "redis_url": job.redis_url},
+                           own_sidecar=False)
+    _assert_password_nowhere(secured, job, output, {"job.json", "spawned-job.json", "sidecar.log", "loader0.log"})
 
 
 def test_a_password_from_a_0600_file_named_in_the_environment(secured, ca_env, tmp_path, monkeypatch):
@@ -276,8 +325,9 @@ def test_a_password_from_a_0600_file_named_in_the_environment(secured, ca_env, t
     secret.chmod(0o600)
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
     monkeypatch.setenv(PASSWORD_FILE_ENV, str(secret))
-    job, output = _run_spawning_trainer(secured, tmp_path, monkeypatch, lambda job: job.to_dict())  # no password in it
-    _assert_password_nowhere(secured, job, output)
+    # no password in the config; the trainer spawns the sidecar, which spawns the roles
+    job, output = _run_job(secured, tmp_path, monkeypatch, lambda job: job.to_dict(), own_sidecar=False)
+    _assert_password_nowhere(secured, job, output, {"job.json", "spawned-job.json", "sidecar.log", "loader0.log"})
 
 
 def test_a_password_file_others_may_read_is_refused(secured, ca_env, tmp_path, monkeypatch):
