@@ -290,14 +290,15 @@ def resolve(spec: str) -> Callable[..., object]:
         ) from exc
     except Exception as exc:  # the module itself raised at import time
         raise ConfigError(
-            f"transform spec {spec!r}: importing {module_name!r} failed: {exc!r}"
+            f"transform spec {spec!r}: importing {module_name!r} failed: {exc!r}; fix that module"
         ) from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise ConfigError(
-                f"transform spec {spec!r}: {module_name!r} has no attribute {attr_path!r}"
+                f"transform spec {spec!r}: {module_name!r} has no attribute {attr_path!r}; "
+                "check the name after the ':'"
             ) from None
     if not callable(obj):
         raise ConfigError(
@@ -322,7 +323,7 @@ def build(spec: str, args: dict | None = None, *, context_length: int | None = N
 
     Raises:
         ConfigError: the spec does not resolve, `args` do not fit the factory's
-            parameters, or `spec` names a class but no `args` are given.
+            parameters, the factory raises, or `spec` names a class but no `args` are given.
     """
     fn = resolve(spec)
     if args is None:
@@ -348,7 +349,15 @@ def build(spec: str, args: dict | None = None, *, context_length: int | None = N
                 f"transform spec {spec!r}: Source.transform_args {sorted(args)} do not fit it ({exc}); "
                 f"it takes {accepted}"
             ) from None
-    made = fn(**kwargs)
+    try:
+        made = fn(**kwargs)
+    except ConfigError:
+        raise  # the factory's own message names what to change
+    except Exception as exc:  # the user's factory: any failure is reported naming its spec and arguments
+        raise ConfigError(
+            f"transform spec {spec!r} with Source.transform_args {args} failed to build its transform: "
+            f"{type(exc).__name__}: {exc}; fix the arguments (or the factory)"
+        ) from exc
     if not callable(made):
         raise ConfigError(f"transform spec {spec!r} with Source.transform_args returned a {type(made).__name__}, not a transform")
     return made

@@ -8,7 +8,15 @@ anything, each failure with what to change.
   node's sidecar creates with what is free in /dev/shm now (this job's own segments,
   which a start replaces, counted as free), as well as with the filesystem's size.
 - **Redis.** The configured Redis must answer a PING within a few seconds.
-- **Sources.** Every source's paths must match at least one file.
+- **Sources.** Every source's paths must match at least one file, and the job must be
+  able to yield: a job whose sources all have 0 rows (an empty JSONL or Parquet file)
+  would "complete" with no batch, and with `epochs: null` a source with 0 rows would
+  stall the Planner, which waits for every source's samples. Counting stops at the
+  first row of each source (a JSONL file is scanned, a Parquet footer read).
+- **Transforms.** Every source's transform (and decode) imports and builds here, so a
+  missing module, one that raises at import, a missing attribute or a failing
+  `transform_args` factory is named with its source now, not by a loader at the first
+  batch. The modules are imported into the checking process.
 
 `overlord check --config job.yaml` runs them all and prints each result; the sidecar
 runs them on start and refuses to start with the first problem.
@@ -19,9 +27,13 @@ from __future__ import annotations
 import logging
 import os
 
-from overlord.config import Job
-from overlord.errors import OverlordError, StartupError
+import pyarrow as pa
+
+from overlord.config import Job, Source
+from overlord.errors import ConfigError, OverlordError, StartupError
+from overlord.loader.formats import FORMATS, locations
 from overlord.shm import list_segments, segment_bytes
+from overlord.transforms import build, resolve
 
 log = logging.getLogger("overlord.checks")
 
@@ -127,6 +139,80 @@ def check_sources(job: Job) -> None:
             raise StartupError(str(exc)) from None
         if not files:
             raise StartupError(f"source {source.name!r}: paths {list(source.paths)} match no file; fix Source.paths")
+    check_yield(job)
+
+
+def source_rows(source: Source) -> tuple[int, list[str], list[str]]:
+    """(rows, files, unreadable): whether the source has a row, counting file by file
+    until the first file with rows; `files` are those looked at, `unreadable` those that
+    did not open (the Source Loader reports or skips them by `on_error`)."""
+    fmt = FORMATS[source.format]()
+    seen: list[str] = []
+    unreadable: list[str] = []
+    for loc in locations(source.name, source.format, source.paths):
+        seen.append(loc.uri)
+        try:
+            rows = sum(fmt.open(loc, f"source {source.name!r} file {loc.uri!r}").group_rows())
+        except (pa.ArrowException, OSError, OverlordError):
+            unreadable.append(loc.uri)
+            continue
+        if rows:
+            return rows, seen, unreadable
+    return 0, seen, unreadable
+
+
+def yield_problem(job: Job, empty: dict[str, tuple[list[str], list[str]]]) -> tuple[str | None, str | None]:
+    """(error, warning) for a job whose sources in `empty` (name -> (files, unreadable))
+    have no row (pure)."""
+    if not empty:
+        return None, None
+
+    def named(name: str) -> str:
+        files, unreadable = empty[name]
+        shown = ", ".join(repr(f) for f in files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
+        bad = f" ({len(unreadable)} of them unreadable)" if unreadable else ""
+        return f"source {name!r} has 0 rows in its file(s) {shown}{bad}"
+
+    what = "; ".join(named(n) for n in empty)
+    if len(empty) == len(job.sources):
+        return (f"job {job.name!r} has no data at all: {what}. It could never yield a batch; give the source(s) "
+                "files with rows (fix Source.paths) or write the data first", None)
+    if job.epochs is None:
+        return (f"job {job.name!r}: {what}; with epochs: null it can never yield a sample and every step would wait "
+                "for it. Give it files with rows, or remove it from Job.sources", None)
+    return None, f"job {job.name!r}: {what}; it yields nothing in the job's {job.epochs} epoch(s)"
+
+
+def check_yield(job: Job) -> None:
+    """Refuses a job that can never yield (see the module docstring)."""
+    empty: dict[str, tuple[list[str], list[str]]] = {}
+    for source in job.sources:
+        try:
+            rows, files, unreadable = source_rows(source)
+        except OverlordError as exc:
+            raise StartupError(str(exc)) from None
+        if not rows:
+            empty[source.name] = (files, unreadable)
+    error, warning = yield_problem(job, empty)
+    if error:
+        raise StartupError(error)
+    if warning:
+        log.warning("%s", warning)
+
+
+def check_transforms(job: Job) -> None:
+    """Every source's transform and decode resolve and build; every failure is named
+    with its source, in one error."""
+    problems = []
+    for source in job.sources:
+        try:
+            build(source.transform, source.transform_args, context_length=job.batch.context_length)
+            if source.decode:
+                resolve(source.decode)
+        except ConfigError as exc:
+            problems.append(f"source {source.name!r}: {exc}")
+    if problems:
+        raise StartupError("; ".join(problems))
 
 
 def run_checks(job: Job, loaders: int, redis_url: str | None) -> list[tuple[str, str | None]]:
@@ -135,6 +221,7 @@ def run_checks(job: Job, loaders: int, redis_url: str | None) -> list[tuple[str,
     if redis_url:
         checks.append(("redis", lambda: check_redis(redis_url)))
     checks.append(("sources", lambda: check_sources(job)))
+    checks.append(("transforms", lambda: check_transforms(job)))
     results = []
     for name, check in checks:
         try:

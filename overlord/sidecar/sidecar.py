@@ -47,7 +47,7 @@ from overlord.planner.lease import release_dead
 from overlord.shm import pid_alive as _alive
 from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.sidecar.flow import HEARTBEAT_S, set_on_signal
-from overlord.sidecar.checks import check_redis, check_shm, check_sources
+from overlord.sidecar.checks import check_redis, check_shm, check_sources, check_transforms
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
 from overlord.sidecar import mode
 from overlord.sidecar.membership import NodeMember
@@ -265,6 +265,7 @@ class Sidecar(NodeMember):
 
         log_context(self.job.name, self.job.node)
         check_sources(self.job)  # before anything starts: a wrong path is the commonest mistake
+        check_transforms(self.job)  # a transform that does not import is named now, not at the first batch
         if self.job.redis_url:
             check_redis(self.job.redis_url)
         self._take_lock()

@@ -2,7 +2,7 @@
 (format: hf), tokenized by a tokenizer trained here (overlord.transforms_hf:Tokenize),
 through a sidecar and two trainer ranks: every row arrives exactly once, as its text's
 ids between BOS and EOS, truncated to context_length; and a missing tokenizer.json
-reaches every trainer as an error naming the source, the file and the fix."""
+is refused at sidecar start, naming the source, the file and the fix."""
 
 from __future__ import annotations
 
@@ -107,17 +107,17 @@ def test_hf_sources_tokenized_arrive_exactly_once_as_their_text(hf_job):
     assert cluster.stop() == 0
 
 
-def test_a_missing_tokenizer_reaches_the_trainer_naming_source_file_and_fix(hf_job, tmp_path):
+def test_a_missing_tokenizer_is_refused_at_start_naming_source_file_and_fix(hf_job, tmp_path):
+    """The sidecar builds every transform before it starts anything (issue 17): a missing
+    tokenizer.json is its exit status and message, not an error at the first batch."""
     make, _, _ = hf_job
     job = make().job
     missing = str(tmp_path / "gone" / "tokenizer.json")
     broken = replace(job, name=f"t{uuid.uuid4().hex[:8]}", run_dir=str(tmp_path / "run-broken"), sources=tuple(
         replace(s, transform_args={"tokenizer": missing}) if s.name == "books" else s for s in job.sources))
     cluster = make(broken)
-    cluster.start_sidecar()
-    cluster.start_trainers()
-    for rank, result in cluster.results(timeout=90).items():  # every rank, with its origin and the fix
-        end = result["end"]
-        assert end.startswith(f"RemoteRoleError: rank {rank} ") and "SourceLoader process" in end, end
-        assert f"ConfigError: source 'books': transform Tokenize: tokenizer file '{missing}' does not exist; " \
-               "set transform_args.tokenizer to a tokenizer.json" in end, end
+    run = subprocess.run([sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(cluster.config)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert f"StartupError: source 'books': transform Tokenize: tokenizer file '{missing}' does not exist; " \
+           "set transform_args.tokenizer to a tokenizer.json" in run.stderr, run.stderr
