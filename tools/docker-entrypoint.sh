@@ -10,5 +10,6 @@ if [ ! -r "$OVERLORD_CONFIG" ]; then
     exit 2
 fi
 set -- --config "$OVERLORD_CONFIG" ${OVERLORD_NODE:+--node "$OVERLORD_NODE"} \
-    ${OVERLORD_METRICS_PORT:+--metrics-port "$OVERLORD_METRICS_PORT"} "$@"
+    ${OVERLORD_METRICS_PORT:+--metrics-port "$OVERLORD_METRICS_PORT"} \
+    ${OVERLORD_METRICS_HOST:+--metrics-host "$OVERLORD_METRICS_HOST"} "$@"
 exec overlord sidecar "$@"
