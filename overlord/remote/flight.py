@@ -363,5 +363,6 @@ def start_server_process(job: Job, token: str, run_dir: Path) -> subprocess.Pope
     token travels in its environment, never in argv."""
     from overlord.sidecar import service
 
-    return service.start("overlord.remote.server", run_dir, "flight.log", {TOKEN_ENV: token, **password_env(job.redis_url)})
+    return service.start("overlord.remote.server", run_dir, "flight.log",
+                         {TOKEN_ENV: token, **password_env(job.redis_url)})
 

@@ -108,6 +108,7 @@ def check_shm_reservation(job: Job, loaders: int, path: str = SHM_PATH) -> None:
         except OSError:
             pass
     needed = reserved_ring_bytes(job, loaders)
+    used_by_others = st.f_blocks * st.f_frsize - free - own
     if needed > free + own:
         raise StartupError(
             f"job {job.name!r} on node {job.node!r}: its rings reserve {_size(needed)} ({needed} B: "
@@ -115,7 +116,7 @@ def check_shm_reservation(job: Job, loaders: int, path: str = SHM_PATH) -> None:
             f"{job.sample_ring_bytes} and {_client_rings(job)} "
             f"client ring(s) of BatchSpec.ring_bytes={job.batch.ring_bytes}, each rounded up to a power of two) "
             f"but {path} has {_size(free + own)} free ({free + own} B of {st.f_blocks * st.f_frsize} B); give the "
-            f"sidecar more shared memory (`docker run --shm-size={_size((needed + st.f_blocks * st.f_frsize - free - own) * 5 // 4)}`, "
+            f"sidecar more shared memory (`docker run --shm-size={_size((needed + used_by_others) * 5 // 4)}`, "
             f"compose shm_size, a larger tmpfs on {path}) or lower Job.sample_ring_bytes / BatchSpec.ring_bytes"
         )
 
