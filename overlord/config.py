@@ -490,6 +490,13 @@ class Job:
 
     # -- (de)serialisation -------------------------------------------------------------
 
+    def __repr__(self) -> str:
+        """The fields, `redis_url` without its password (a repr lands in logs and tracebacks)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if self.redis_url is not None:
+            values["redis_url"] = split_redis_password(self.redis_url)[0]
+        return "Job(" + ", ".join(f"{name}={value!r}" for name, value in values.items()) + ")"
+
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data, `redis_url` without its password (what is stored)."""
         data = dataclasses.asdict(self)

@@ -360,6 +360,7 @@ def test_the_stored_url_has_no_password(url, stored, password):
     job = Job(name="urls", sources=(Source(name="s", paths=("x",)),), redis_url=url)
     assert job.to_dict()["redis_url"] == stored and (password is None or password not in job.to_json())
     assert job.redis_url == url  # the process that was given it keeps it
+    assert password is None or password not in repr(job)  # a repr lands in logs
     assert password is None or password not in redact(url)
 
 
