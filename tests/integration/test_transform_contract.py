@@ -5,6 +5,9 @@ every other row arrives exactly once."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -64,4 +67,11 @@ def test_under_skip_bad_rows_are_counted_and_every_other_row_arrives_once(cluste
     # the count reaches the job's counters hash in Redis (what `overlord status` and the metrics show)
     counters = connect(redis.url).hgetall(Keys(c.job.name).counters)
     assert int(counters[b"skipped:web.0"]) == len(bad_keys), counters
+    status = subprocess.run([sys.executable, "-m", "overlord.cli", "status", "--config", str(c.config)],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert f"counter skipped:web.0 = {len(bad_keys)}" in status.stdout, status.stdout
+    for f, path in enumerate(sorted(corpus["web"])):  # and per file
+        n = sum(1 for k in bad_keys if k.startswith(f"web:{f}:"))
+        assert f"source 'web' file '{path}': {n} row(s) skipped" in status.stdout, status.stdout
     assert c.stop() == 0
