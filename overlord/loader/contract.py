@@ -85,11 +85,16 @@ def _token_range(name: str, ids: np.ndarray, vocab_size: int | None) -> None:
     low = ids < 0
     if name == "labels":
         low &= ids != IGNORE_INDEX
-    high = ids >= vocab_size if vocab_size is not None else np.zeros(ids.shape, dtype=bool)
+    if vocab_size is not None:
+        high = ids >= vocab_size
+    elif ids.dtype == np.uint64:  # the packing's int64 would wrap these to negative ids
+        high = ids > np.iinfo(np.int64).max
+    else:
+        high = np.zeros(ids.shape, dtype=bool)
     bad = low | high
     if bad.any():
         at = _first(bad)
-        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        bound = f"[0, {vocab_size})" if vocab_size is not None else f"[0, {np.iinfo(np.int64).max}]"
         fix = (
             "fix the transform's tokenizer, or BatchSpec.vocab_size if the model's vocabulary is larger"
             if vocab_size is not None

@@ -79,8 +79,10 @@ def test_token_ids_within_the_vocabulary():
     with pytest.raises(ContractError, match=r"field 'input_ids' holds token id 1000 at index 1 \(2 of 3 outside "
                                             r"\[0, 1000\)\).*BatchSpec\.vocab_size"):
         check_sample({"input_ids": np.array([5, 1000, 4000], np.int64)}, vocab_size=1000)
-    with pytest.raises(ContractError, match=r"field 'input_ids' holds token id -3 at index 0 .* >= 0"):
+    with pytest.raises(ContractError, match=r"field 'input_ids' holds token id -3 at index 0 .*\[0, 9223372036854775807\]"):
         check_sample({"input_ids": np.array([-3, 4], np.int32)})
+    with pytest.raises(ContractError, match=r"field 'input_ids' holds token id 18446744073709551615 at index 1"):
+        check_sample({"input_ids": np.array([3, 2**64 - 1], np.uint64)})  # would wrap to -1 in the packing's int64
     # labels may hold the ignore index, nothing else below 0
     check_sample({"labels": np.array([-100, 5], np.int64)}, vocab_size=10)
     with pytest.raises(ContractError, match=r"field 'labels' holds token id -1 at index 1"):

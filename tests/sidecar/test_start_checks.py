@@ -63,6 +63,9 @@ def test_each_broken_transform_is_named_with_its_source(tmp_path, good):
         with pytest.raises(StartupError, match=rf"^source '{name}': transform spec '{spec}'.*{message}"):
             check_transforms(j)
     check_transforms(job(tmp_path, [Source(name="good", paths=(good,))]))  # a good one passes
+    with pytest.raises(StartupError, match=r"^source 'deferred': transform spec 'tests.integration.bad_transforms:nope'"
+                                           r".*has no attribute 'nope'"):
+        check_transforms(job(tmp_path, [Source(name="deferred", paths=(good,), decode="tests.integration.bad_transforms:nope")]))
 
 
 def test_check_and_sidecar_name_every_broken_transform_and_its_source(tmp_path, good):
