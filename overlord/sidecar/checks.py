@@ -146,7 +146,8 @@ def check_sources(job: Job) -> None:
 def source_rows(source: Source) -> tuple[int, list[str], list[str]]:
     """(rows, files, unreadable): whether the source has a row, counting file by file
     until the first file with rows; `files` are those looked at, `unreadable` those that
-    did not open (the Source Loader reports or skips them by `on_error`)."""
+    did not open, each with its error (the Source Loader reports or skips them by
+    `on_error`)."""
     fmt = FORMATS[source.format]()
     seen: list[str] = []
     unreadable: list[str] = []
@@ -154,8 +155,8 @@ def source_rows(source: Source) -> tuple[int, list[str], list[str]]:
         seen.append(loc.uri)
         try:
             rows = sum(fmt.open(loc, f"source {source.name!r} file {loc.uri!r}").group_rows())
-        except (pa.ArrowException, OSError, OverlordError):
-            unreadable.append(loc.uri)
+        except (pa.ArrowException, OSError, OverlordError) as exc:
+            unreadable.append(f"{loc.uri!r}: {exc}")
             continue
         if rows:
             return rows, seen, unreadable
@@ -171,7 +172,8 @@ def yield_problem(job: Job, empty: dict[str, tuple[list[str], list[str]]]) -> tu
     def named(name: str) -> str:
         files, unreadable = empty[name]
         shown = ", ".join(repr(f) for f in files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
-        bad = f" ({len(unreadable)} of them unreadable)" if unreadable else ""
+        more = f" and {len(unreadable) - 1} more" if len(unreadable) > 1 else ""
+        bad = f" (unreadable: {unreadable[0]}{more})" if unreadable else ""
         return f"source {name!r} has 0 rows in its file(s) {shown}{bad}"
 
     what = "; ".join(named(n) for n in empty)

@@ -105,6 +105,12 @@ def test_yield_problem_refuses_what_can_never_yield(tmp_path, good):
     assert error is None and "source 'books' has 0 rows" in warning and "yields nothing in the job's 2 epoch(s)" in warning
     error, _ = yield_problem(job(tmp_path, sources[1:], epochs=1), files)
     assert "has no data at all: source 'books' has 0 rows" in error and "could never yield a batch" in error
+    (tmp_path / "random.parquet").write_bytes(b"PAR1 not parquet PAR1")
+    source = Source(name="books", paths=(empty, str(tmp_path / "random.parquet")), on_error="skip")
+    rows, seen, unreadable = source_rows(source)
+    assert (rows, seen) == (0, [empty, str(tmp_path / "random.parquet")]) and len(unreadable) == 1
+    error, _ = yield_problem(job(tmp_path, [source], epochs=1), {"books": (seen, unreadable)})
+    assert re.search(r"source 'books' has 0 rows in its file\(s\) .* \(unreadable: '.*random.parquet': .*\)", error), error
     assert yield_problem(job(tmp_path, sources), {}) == (None, None)
 
 
