@@ -64,6 +64,12 @@ class Source:
         shuffle_window: rows shuffled together inside the source's order (bounded memory).
         partitions: how many Source Loaders split this source's row groups.
         on_error: "raise" stops the job on a bad row; "skip" drops it and counts it.
+        transform_timeout_s: the per-sample deadline of the transform: a sample whose
+            transform runs longer fails the job with a SourceReadError naming source,
+            file and row (a hang is never skipped: it depends on the machine, not the
+            file). None: half of Job.timeout_s (30 s by default), so the sample is named
+            before a Planner or trainer wait gives up; an explicit value must be below
+            Job.timeout_s.
         difficulty: a numeric column to read the source easy-to-hard by (a curriculum):
             each epoch visits row groups in ascending order of that column's Parquet
             statistics (midpoint of min and max) instead of a random permutation, still
@@ -88,6 +94,7 @@ class Source:
     shuffle_window: int = 256
     partitions: int = 1
     on_error: str = "raise"
+    transform_timeout_s: float | None = None
     difficulty: str | None = None
     decode: str | None = None
     shadow: bool = False
@@ -131,6 +138,11 @@ class Source:
             raise ConfigError(f"{where}: Source.partitions={self.partitions!r} must be an int >= 1")
         if self.on_error not in ON_ERROR:
             raise ConfigError(f"{where}: Source.on_error={self.on_error!r}; use one of {ON_ERROR}")
+        if self.transform_timeout_s is not None and not (
+            isinstance(self.transform_timeout_s, (int, float)) and 0 < self.transform_timeout_s < math.inf
+        ):
+            raise ConfigError(f"{where}: Source.transform_timeout_s={self.transform_timeout_s!r} must be a number of "
+                              "seconds > 0, or null (half of Job.timeout_s)")
 
     def files(self) -> list[str]:
         """Expand `paths` (globs, local or URIs) into the source's files: each pattern's
@@ -406,6 +418,18 @@ class Job:
             raise ConfigError(f"Job.sample_ring_bytes={self.sample_ring_bytes} is below 64 KiB; raise it")
         if self.buffer_samples < 1 or self.plan_ahead < 1 or self.timeout_s <= 0:
             raise ConfigError("Job.buffer_samples, Job.plan_ahead and Job.timeout_s must be positive")
+        slow = [s.name for s in self.sources
+                if s.transform_timeout_s is not None and s.transform_timeout_s >= self.timeout_s]
+        if slow:
+            raise ConfigError(
+                f"Source.transform_timeout_s of source(s) {slow} is not below Job.timeout_s={self.timeout_s:g}: a hung "
+                "transform would be reported as a stalled loader before its sample is named; raise Job.timeout_s "
+                "or lower transform_timeout_s"
+            )
+
+    def transform_deadline(self, source: Source) -> float:
+        """The per-sample transform deadline of `source`, in seconds (Source.transform_timeout_s)."""
+        return source.transform_timeout_s if source.transform_timeout_s is not None else self.timeout_s / 2
 
     def _check_nodes(self) -> None:
         if not self.nodes:

@@ -27,13 +27,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 
 import pyarrow as pa
 import redis
 
 from overlord.autoscale.profile import JOURNAL_EVERY_S
-from overlord.errors import PeerDied, PlanError, RingFullError
+from overlord.errors import PeerDied, PlanError, RingFullError, SourceReadError
+from overlord.loader.inflight import Deadline, Inflight, inflight_path
 from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.planner import meta
 from overlord.planner.checkpoint import Checkpoints
@@ -136,8 +138,9 @@ class LoaderProcess:
 
     def run(self) -> None:
         ctx = self.ctx
-        self.start()
+        table = self._watch_transforms()
         try:
+            self.start()
             while not ctx.stop.is_set():
                 ctx.beat()
                 if self.active and time.monotonic() - self._journaled > JOURNAL_EVERY_S:
@@ -193,6 +196,29 @@ class LoaderProcess:
                 ring.close()
             for loader in self.loaders.values():
                 loader.close()
+            table.close()
+
+    def _watch_transforms(self) -> Inflight:
+        """Record what each transform thread is on (inflight.py), in a file the sidecar
+        reads if this process dies, and fail the job naming a sample whose transform
+        runs past its source's deadline."""
+        ids = sorted(self.loaders)
+        streams = [(self.loaders[i].source.name, self.loaders[i].paths) for i in ids]
+        table = Inflight(inflight_path(self.ctx.run_dir, os.getpid()), streams)
+        for k, i in enumerate(ids):
+            self.loaders[i].inflight, self.loaders[i].stream_id = table, k
+        deadline = Deadline(table, streams, [self.job.transform_deadline(self.loaders[i].source) for i in ids],
+                            [self.loaders[i].source.transform for i in ids], self._hung)
+        threading.Thread(target=deadline.run, args=(self.ctx.stop,), daemon=True, name="transform-deadline").start()
+        return table
+
+    def _hung(self, message: str) -> None:
+        """A transform is stuck: report it and end the process (Python cannot stop the
+        thread); the sidecar fails the job with this error, not a restart."""
+        log.error("%s", message)
+        self.ctx.report_error(SourceReadError(message))
+        logging.shutdown()
+        os._exit(1)
 
     def _finished(self, progress) -> bool:
         """After the last plan: stay (to serve replays) until every constructor is done."""

@@ -39,6 +39,7 @@ from overlord.errors import ConfigError, SchemaError, SourceReadError
 from overlord.loader import storage
 from overlord.loader.contract import ContractError, check_sample
 from overlord.loader.formats import FORMATS, BadRow, Chunk, OpenFile, locations
+from overlord.loader.inflight import Inflight
 from overlord.loader.order import EpochOrder, RowGroups
 from overlord.loader.skips import Skips
 from overlord.shm import batch_nbytes
@@ -130,6 +131,9 @@ class SourceLoader:
         self.workers = 1
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        # where the loader process records the sample each thread transforms (inflight.py)
+        self.inflight: Inflight | None = None
+        self.stream_id = 0
 
     # -- files ---------------------------------------------------------------------------
 
@@ -387,10 +391,14 @@ class SourceLoader:
         a batch that raises is done again row by row, so the error (or skip) names its row."""
         good = [r for r in reads if not isinstance(r[2], BadRow)]
         started = time.perf_counter()
+        slot = self._enter(good[0][1], len(good)) if good else None
         try:
             outs = self.transform.batch([r[2] for r in good]) if good else []
         except Exception:  # noqa: BLE001 - the row-by-row pass below finds and reports the row
             return [self._transform(r) for r in reads]
+        finally:
+            if slot is not None:
+                self.inflight.leave(slot)  # type: ignore[union-attr] - _enter gave a slot
         if not isinstance(outs, list) or len(outs) != len(good):
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
             raise SourceReadError(
@@ -407,11 +415,22 @@ class SourceLoader:
         started = time.perf_counter()
         if isinstance(row, BadRow):
             return self._reject(where, str(row), None)
+        slot = self._enter(where, 1)
         try:
             arrays = self.transform(row)
         except Exception as exc:  # noqa: BLE001 - any user transform failure is reported the same way
             return self._reject(where, f"transform {self.source.transform} raised {type(exc).__name__}: {exc}", exc)
+        finally:
+            if slot is not None:
+                self.inflight.leave(slot)  # type: ignore[union-attr] - _enter gave a slot
         return self._finish(read, arrays, time.perf_counter() - started)
+
+    def _enter(self, where, rows: int) -> int | None:
+        """Record in the process's in-flight table (if any) the row(s) about to be
+        transformed: what a deadline or a dead process names."""
+        if self.inflight is None:
+            return None
+        return self.inflight.enter(self.stream_id, where.file, where.row_in_file, rows)
 
     def _finish(self, read, arrays, seconds: float) -> Prepared | None:
         """A transform's output for one row, checked, as a Prepared sample."""
