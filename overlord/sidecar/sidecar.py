@@ -20,6 +20,10 @@ recovers from Redis:
   from the planner checkpoint of the earliest unfinished step;
 - the Data Constructor host: started again at the step after the last one written.
 
+A loader process that dies inside a transform (its in-flight table,
+overlord/loader/inflight.py, names the sample) is reported with that sample's source,
+file and row; one killed twice in a row on the same sample is not restarted again.
+
 The embedded redis-server is restarted too (from its append-only file) if it dies;
 the roles ride through the gap (see overlord.store.client). On the way out every ring
 is unlinked and the embedded Redis is stopped.
@@ -42,6 +46,7 @@ import redis
 
 from overlord.config import Job
 from overlord.errors import OverlordError
+from overlord.loader.inflight import inflight_path, last_samples
 from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.lease import release_dead
 from overlord.shm import pid_alive as _alive
@@ -118,6 +123,8 @@ class Sidecar(NodeMember):
         self.fostered: dict[str, list[Ring]] = {}  # constructor<h> of another node run here -> its client rings
         self._placed_at = 0.0
         self._errors_at = 0.0
+        self.deaths: dict[int, tuple[tuple, str] | None] = {}  # pid of a dead loader process -> its sample
+        self.poisoned: dict[int, tuple] = {}  # loader process -> the sample its last death in a transform was on
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -270,6 +277,8 @@ class Sidecar(NodeMember):
             check_redis(self.job.redis_url)
         self._take_lock()
         removed = cleanup_stale(self.job.name)
+        for table in self.run_dir.glob("inflight-*.bin"):  # in-flight tables of a previous run's loaders
+            table.unlink(missing_ok=True)
         if removed:
             log.info("removed %d shared-memory segment(s) left by dead owners: %s", len(removed), removed)
         url = self._start_store()
@@ -331,19 +340,52 @@ class Sidecar(NodeMember):
             raw = self.r.lindex(self.keys.errors, 0)
         except Exception:  # noqa: BLE001 - Redis itself may be the casualty
             raw = None
+        died = self._died_in_transform(name, code)
         if code < 0 and self.attempts.get(name, 0) >= self.job.max_restarts:
             proc = self.children[name]
             return (
                 f"{name} (pid {proc.pid}) on node {self.job.node!r} was killed by signal {-code} after "
                 f"{self.attempts[name]} restarts (Job.max_restarts); see {self.run_dir / (name + '.log')}"
+                + (f"; it died {died[1].split(' died ', 1)[1]}" if died else "")
             )
         if raw:
             return json.loads(raw)["message"]
+        if died:
+            return self._death_message(name, died[1], again=False)
         proc = self.children[name]
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return (
             f"{name} (pid {proc.pid}) on node {self.job.node!r} {how} without reporting an error; "
             f"see {self.run_dir / (name + '.log')}"
+        )
+
+    def _died_in_transform(self, name: str, code: int) -> tuple[tuple, str] | None:
+        """For a loader process (active or shadow) that died: (the sample, a sentence
+        naming it) when its in-flight table (overlord/loader/inflight.py) shows it was
+        inside a transform; None otherwise. Read once per death (the table goes)."""
+        proc = self.children[name]
+        if proc.pid in self.deaths:
+            return self.deaths[proc.pid]
+        found = None
+        if proc.role in ("loader", "shadow"):
+            path = inflight_path(self.run_dir, proc.pid)
+            samples = last_samples(path)
+            path.unlink(missing_ok=True)
+            if samples:
+                what, key, _ = samples[0]
+                how = f"by signal {-code} ({_signal_name(-code)})" if code < 0 else f"with status {code}"
+                found = (key, f"{name} (pid {proc.pid}) on node {self.job.node!r} died {how} while "
+                              f"transforming {what}")
+        self.deaths[proc.pid] = found
+        return found
+
+    def _death_message(self, name: str, sentence: str, again: bool) -> str:
+        times = "twice in a row (not restarted again)" if again else "without reporting an error"
+        return (
+            f"{sentence}, {times}; see {self.run_dir / (name + '.log')}. Fix the transform for that row (something "
+            "in it ends the process: os._exit, a signal, a crash in native code; or the OOM killer took it: see "
+            "dmesg). on_error: skip does not skip it: a skip is decided by the file's bytes alone, so that every "
+            "active, shadow and restarted loader makes it alike, and a death is not"
         )
 
     def _clients_gone(self) -> bool:
@@ -370,6 +412,21 @@ class Sidecar(NodeMember):
         """A role killed by a signal is restarted (within its budget); one that failed
         with an error of its own would fail again: that ends the job."""
         return code < 0 and self.attempts.get(name, 0) < self.job.max_restarts
+
+    def _dying_again(self, killed: list[str], codes: dict) -> str | None:
+        """The error for a loader process killed inside a transform on the same sample
+        as its last death (a restart would die there again); remembers the others'."""
+        for name in killed:
+            died = self._died_in_transform(name, codes[name])
+            index = self.children[name].index
+            if died is None:
+                self.poisoned.pop(index, None)  # died elsewhere: "in a row" starts again
+                continue
+            if self.poisoned.get(index) == died[0]:
+                return self._death_message(name, died[1], again=True)
+            self.poisoned[index] = died[0]
+            log.warning("%s; restarting it once more", died[1])
+        return None
 
     def _restart(self, name: str) -> None:
         proc = self.children.pop(name)
@@ -439,6 +496,9 @@ class Sidecar(NodeMember):
                 log.warning("Redis unreachable while following the placement (%s); retrying", exc)
                 continue
             killed = [n for n, c in codes.items() if c is not None and c != 0 and self._restartable(n, c)]
+            again = self._dying_again(killed, codes)
+            if again is not None:
+                return self._fail(again)
             try:
                 for name in killed:
                     self._restart(name)
@@ -526,6 +586,13 @@ class Sidecar(NodeMember):
             # puts the default action back while it finalizes, so ignore these instead.
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _streams_of(layout: Layout) -> dict:
