@@ -56,7 +56,6 @@ def test_a_hung_transform_is_named_within_its_deadline(cluster, corpus):
     assert c.stop() == 1
 
 
-@pytest.mark.slow  # the same path as above, under on_error: skip
 def test_a_hang_is_named_under_skip_too(cluster, corpus):
     c, end, _, path = _run(cluster, corpus, "hang_on", transform_timeout_s=1.0, on_error="skip")
     _names_the_row(end, path)
@@ -99,7 +98,6 @@ def test_a_transform_killed_by_a_signal_is_restarted_once_then_named(cluster, co
     assert not list(c.job.run_path.glob("inflight-*")), "the sidecar removes a dead loader's table"
 
 
-@pytest.mark.slow  # ~10 s: a promotion, then the second death
 def test_a_shadowed_loader_that_dies_on_a_row_fails_once_its_shadow_dies_there_too(cluster, corpus):
     path, text = _target(corpus)
     src = Source(name="web", paths=tuple(corpus["web"]), transform="tests.integration.fatal_transforms:kill_on",
