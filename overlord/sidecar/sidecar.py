@@ -380,13 +380,23 @@ class Sidecar(NodeMember):
         return found
 
     def _death_message(self, name: str, sentence: str, again: bool) -> str:
+        """The job's error for a loader process that died in a transform; also pushed as
+        the job's error record (what `overlord status` and trainers on other nodes read)."""
         times = "twice in a row (not restarted again)" if again else "without reporting an error"
-        return (
+        message = (
             f"{sentence}, {times}; see {self.run_dir / (name + '.log')}. Fix the transform for that row (something "
             "in it ends the process: os._exit, a signal, a crash in native code; or the OOM killer took it: see "
             "dmesg). on_error: skip does not skip it: a skip is decided by the file's bytes alone, so that every "
             "active, shadow and restarted loader makes it alike, and a death is not"
         )
+        proc = self.children[name]
+        record = {"role": proc.role, "index": proc.index, "node": self.job.node, "pid": proc.pid,
+                  "type": "LoaderDied", "message": message, "time": time.time()}
+        try:
+            self.r.rpush(self.keys.errors, json.dumps(record))
+        except redis.RedisError:
+            pass  # the trainers of this node hear it from their rings all the same
+        return message
 
     def _clients_gone(self) -> bool:
         """True once every client that attached has exited (and at least one attached)."""

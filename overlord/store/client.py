@@ -1,11 +1,16 @@
 """Connecting to the control-path Redis, embedded or external.
 
 Every client rides through a Redis outage: a command that finds the server gone
-(connection refused or reset) is retried with exponential backoff for about
-`RIDE_THROUGH_S` before the error reaches the role, which then fails with it. Writes
-are idempotent (SET, HSET, XADD whose duplicates the reader drops) or fenced (a
-Planner's MULTI fails over to a checkpoint reload), so a retried command that had in
-fact been applied does no harm.
+(connection refused or reset) or frozen (a socket timeout) is retried with exponential
+backoff for up to its budget (`Job.redis_outage_s` for the roles, `RIDE_THROUGH_S` by
+default), with one log line saying what it waits for, before the error reaches the role,
+which then fails with it. The client remembers its last outage (`unreachable_since`,
+`last_outage_end`) so failure detection does not take a heartbeat that could not be
+written for a dead role. Writes are idempotent (SET, HSET, XADD whose duplicates the
+reader drops), fenced (a Planner's WATCHed MULTI is never retried by redis-py: it ends
+in the lease's WriteUncertain check) or counters where a double count is harmless (a
+fencing token, a restart count), so a retried command that had in fact been applied
+does no harm.
 
 A TLS server (rediss://) is verified against the system's CAs, or against the CA file
 named by `OVERLORD_REDIS_CA` (set it for the sidecar and the trainer; forked roles inherit it).
@@ -18,8 +23,11 @@ names, which must be readable by its owner only. The embedded server's socket
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
+import time
+from typing import Any, Callable, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -33,7 +41,63 @@ PASSWORD_ENV = "OVERLORD_REDIS_PASSWORD"
 PASSWORD_FILE_ENV = "OVERLORD_REDIS_PASSWORD_FILE"
 SOCKET_TIMEOUT_S = 10.0
 RIDE_THROUGH_S = 30.0
-_BACKOFF_CAP_S = 0.1
+_BACKOFF_CAP_S = 0.5
+RETRIED = (redis.ConnectionError, redis.TimeoutError)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class OutageRetry(Retry):
+    """redis-py's Retry bounded by time, not by count: a command is retried while the
+    server has been gone for less than `budget_s` (a frozen server costs a socket timeout
+    per try, so a count says nothing about how long it waited)."""
+
+    def __init__(self, url: str, budget_s: float) -> None:
+        super().__init__(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.005), -1, supported_errors=RETRIED)
+        self.url, self.budget_s = redact(url), budget_s
+        self.unreachable_since: float | None = None  # monotonic, while the server is gone
+        self.last_outage_end: float | None = None  # monotonic, when it last came back
+
+    def call_with_retry(self, do: Callable[[], T], fail: Callable[..., Any],
+                        is_retryable: Callable[[Exception], bool] | None = None, with_failure_count: bool = False) -> T:
+        retried = False  # a reconnect nested in a command that still times out is no recovery
+
+        def failed(error: Exception, *count: int) -> None:
+            nonlocal retried
+            retried = True
+            now = time.monotonic()
+            if self.unreachable_since is None:
+                self.unreachable_since = now
+                log.warning("Redis at %s unreachable (%s: %s); waiting for it up to %gs (Job.redis_outage_s)",
+                            self.url, type(error).__name__, error, self.budget_s)
+            if now - self.unreachable_since >= self.budget_s:
+                if getattr(error, "outage_named", False):  # from a reconnect nested in this command
+                    raise error
+                named = type(error)(f"Redis at {self.url} unreachable for {now - self.unreachable_since:.0f}s, past "
+                                    f"Job.redis_outage_s={self.budget_s:g} ({error}); bring it back or fail it "
+                                    "over, or raise Job.redis_outage_s")
+                setattr(named, "outage_named", True)  # noqa: B010 - an attribute redis-py's errors lack
+                raise named from error
+            fail(error, *count)
+
+        result = super().call_with_retry(do, failed, is_retryable, with_failure_count)
+        if retried and self.unreachable_since is not None:
+            gone = time.monotonic() - self.unreachable_since
+            self.unreachable_since, self.last_outage_end = None, time.monotonic()
+            log.warning("Redis at %s answers again after %.1fs", self.url, gone)
+        return result
+
+
+def outage_within(r: redis.Redis, seconds: float) -> bool:
+    """Whether `r` found Redis gone within the last `seconds` (or is waiting for it now):
+    a heartbeat missing or stale then says nothing about its role."""
+    retry = r.get_retry()
+    if not isinstance(retry, OutageRetry):
+        return False
+    if retry.unreachable_since is not None:
+        return True
+    return retry.last_outage_end is not None and time.monotonic() - retry.last_outage_end < seconds
 
 
 def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S, ride_through_s: float = RIDE_THROUGH_S) -> redis.Redis:
@@ -72,9 +136,10 @@ def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S, ride_through_s: fl
         client.ping()  # a server that is not there at all is a configuration error: say so now
     except redis.RedisError as exc:
         raise StoreError(f"Redis at {redact(url)} is unreachable: {exc}; check Job.redis_url") from None
-    retries = max(0, int(ride_through_s / _BACKOFF_CAP_S) + 6)  # the first ~6 backoffs are short
-    client.set_retry(Retry(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.005), retries,
-                           supported_errors=(redis.ConnectionError,)))
+    if ride_through_s > 0:
+        client.set_retry(OutageRetry(url, ride_through_s))
+    else:
+        client.set_retry(Retry(ExponentialBackoff(), 0, supported_errors=RETRIED))
     return client
 
 

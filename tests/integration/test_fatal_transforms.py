@@ -6,6 +6,7 @@ loader that died twice on the same row)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pyarrow.parquet as pq
@@ -92,7 +93,10 @@ def test_a_transform_killed_by_a_signal_is_restarted_once_then_named(cluster, co
     assert "died by signal 9 (SIGKILL) while transforming" in end, end
     assert "twice in a row (not restarted again)" in end, end
     assert time.monotonic() - started < 40
-    restarts = connect(redis.url).hgetall(Keys(c.job.name).restarts)
+    r = connect(redis.url)
+    [record] = [json.loads(raw) for raw in r.lrange(Keys(c.job.name).errors, 0, -1)]  # what other nodes read
+    assert record["type"] == "LoaderDied" and record["role"] == "loader" and record["message"] in end, record
+    restarts = r.hgetall(Keys(c.job.name).restarts)
     assert {k: int(v) for k, v in restarts.items()} == {b"loader0": 1}, restarts  # not 10 blind restarts
     assert c.stop() == 1
     assert not list(c.job.run_path.glob("inflight-*")), "the sidecar removes a dead loader's table"
