@@ -296,6 +296,10 @@ class Job:
             (and past the slowest Data Constructor): a metric reported at step t shapes the plan
             of step t + plan_ahead + 1 at the latest, whatever the ring sizes.
         timeout_s: longest wait anywhere before an error is raised.
+        redis_outage_s: how long roles and trainers wait for an unreachable Redis (gone,
+            frozen, failing over) before they fail with an error naming it; the trainers
+            keep consuming what their rings hold meanwhile. The default covers a Sentinel
+            failover.
         flight_port: serve the trainers' micro-batches over Arrow Flight on this TCP port
             (overlord.remote), for trainers without a sidecar on their node; requests
             carry the job's token ($OVERLORD_FLIGHT_TOKEN, or the run directory's
@@ -346,6 +350,7 @@ class Job:
     sample_ring_bytes: int = 8 << 20
     plan_ahead: int = 4
     timeout_s: float = 60.0
+    redis_outage_s: float = 60.0
     max_restarts: int = 10
     flight_port: int | None = None
     flight_cert: str | None = None
@@ -418,6 +423,9 @@ class Job:
             raise ConfigError(f"Job.sample_ring_bytes={self.sample_ring_bytes} is below 64 KiB; raise it")
         if self.buffer_samples < 1 or self.plan_ahead < 1 or self.timeout_s <= 0:
             raise ConfigError("Job.buffer_samples, Job.plan_ahead and Job.timeout_s must be positive")
+        if self.redis_outage_s <= 0:
+            raise ConfigError(f"Job.redis_outage_s={self.redis_outage_s} must be positive (seconds to wait for an "
+                              "unreachable Redis); 60 covers a Sentinel failover")
         slow = [s.name for s in self.sources
                 if s.transform_timeout_s is not None and s.transform_timeout_s >= self.timeout_s]
         if slow:

@@ -31,7 +31,8 @@ def run_constructors(ctx) -> None:
     def one(dp: int) -> None:
         try:
             # a Redis client of its own: blocking reads of one must not delay another
-            DataConstructor(ctx.job, ctx.layout, dp, connect(ctx.redis_url), ctx.keys, ctx.stop, ctx.beat,
+            r = connect(ctx.redis_url, ride_through_s=ctx.job.redis_outage_s)
+            DataConstructor(ctx.job, ctx.layout, dp, r, ctx.keys, ctx.stop, ctx.beat,
                             restarted=ctx.attempt > 0, bridges=bridges[dp]).run()
         except Stopped:
             pass

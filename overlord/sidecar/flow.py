@@ -21,7 +21,7 @@ import redis
 from overlord.errors import PlanError, RingTimeout
 from overlord.planner.dgraph import Plan
 from overlord.shm import Ring, write_batch
-from overlord.store import Keys
+from overlord.store import Keys, outage_within
 
 SLICE_S = 0.5
 HEARTBEAT_S = 1.0  # how often a role publishes its heartbeat (and loop age)
@@ -66,7 +66,10 @@ def loop_age(r: redis.Redis, keys: Keys, role: str, index: int) -> float | None:
 
 def alive_within(r: redis.Redis, keys: Keys, role: str, index: int, timeout_s: float) -> bool:
     """Whether the role turned its loop within `timeout_s` (never judged finer than a
-    few heartbeats, since the heartbeat itself is that coarse)."""
+    few heartbeats, since the heartbeat itself is that coarse). Within `timeout_s` of a
+    Redis outage it is: a heartbeat that could not be written says nothing of its role."""
+    if outage_within(r, max(timeout_s, 3 * HEARTBEAT_S)):
+        return True
     age = loop_age(r, keys, role, index)
     return age is not None and age < max(timeout_s, 3 * HEARTBEAT_S)
 
