@@ -423,9 +423,6 @@ class Job:
             raise ConfigError(f"Job.sample_ring_bytes={self.sample_ring_bytes} is below 64 KiB; raise it")
         if self.buffer_samples < 1 or self.plan_ahead < 1 or self.timeout_s <= 0:
             raise ConfigError("Job.buffer_samples, Job.plan_ahead and Job.timeout_s must be positive")
-        if self.redis_outage_s <= 0:
-            raise ConfigError(f"Job.redis_outage_s={self.redis_outage_s} must be positive (seconds to wait for an "
-                              "unreachable Redis); 60 covers a Sentinel failover")
         slow = [s.name for s in self.sources
                 if s.transform_timeout_s is not None and s.transform_timeout_s >= self.timeout_s]
         if slow:
@@ -434,6 +431,9 @@ class Job:
                 "transform would be reported as a stalled loader before its sample is named; raise Job.timeout_s "
                 "or lower transform_timeout_s"
             )
+        if self.redis_outage_s <= 0:
+            raise ConfigError(f"Job.redis_outage_s={self.redis_outage_s} must be positive (seconds to wait for an "
+                              "unreachable Redis); 60 covers a Sentinel failover")
 
     def transform_deadline(self, source: Source) -> float:
         """The per-sample transform deadline of `source`, in seconds (Source.transform_timeout_s)."""
