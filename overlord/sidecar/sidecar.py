@@ -58,7 +58,7 @@ from overlord.sidecar import mode
 from overlord.sidecar.membership import NodeMember
 from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload
-from overlord.store import EmbeddedRedis, Keys, connect
+from overlord.store import EmbeddedRedis, Keys, connect, redact
 
 log = logging.getLogger("overlord.sidecar")
 
@@ -118,6 +118,7 @@ class Sidecar(NodeMember):
         # name -> (how to start it, the process)
         self.services: dict[str, tuple[Callable[[], subprocess.Popen], subprocess.Popen]] = {}
         self._beaten = 0.0  # when the node heartbeat was last written (monotonic)
+        self._state_checked = 0.0  # when Redis was last seen holding the job's state (monotonic)
         # several nodes: which units run here follows the Planner's `placement` hash
         self.leaving: set[str] = set()  # units placed elsewhere now, stopping here
         self.fostered: dict[str, list[Ring]] = {}  # constructor<h> of another node run here -> its client rings
@@ -495,6 +496,9 @@ class Sidecar(NodeMember):
                     self._serve(name, start)
             self._beat()
             codes = {name: proc.poll() for name, proc in self.children.items()}
+            lost = self._lost_state(failing=any(c not in (None, 0) for c in codes.values()))
+            if lost is not None:
+                return self._fail(lost)
             try:
                 if self.job.multi_node:
                     self._retire(codes)
@@ -502,7 +506,7 @@ class Sidecar(NodeMember):
                     message = self._remote_failure()
                     if message is not None:
                         return self._fail(message)
-            except redis.ConnectionError as exc:
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("Redis unreachable while following the placement (%s); retrying", exc)
                 continue
             killed = [n for n, c in codes.items() if c is not None and c != 0 and self._restartable(n, c)]
@@ -517,7 +521,7 @@ class Sidecar(NodeMember):
                     self._promoted()
                 if self.shadow_due:
                     self._start_due_shadows()
-            except redis.ConnectionError as exc:
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("Redis unreachable while recovering a role (%s); retrying", exc)
                 continue
             failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]
@@ -535,6 +539,26 @@ class Sidecar(NodeMember):
                     log.info("no trainer attached within %.0fs; exiting", max(self.job.timeout_s, 30))
                     return 0
         return 0
+
+    def _lost_state(self, failing: bool) -> str | None:
+        """Why the job must end when its Redis came back without the job's state (restarted
+        without persistence, or flushed): nothing is left to plan or resume from. Checked
+        once a heartbeat, and at once when a role failed (it may have failed for that)."""
+        now = time.monotonic()
+        if not failing and now - self._state_checked < HEARTBEAT_S:
+            return None
+        try:
+            if self.r.exists(self.keys.job_config):
+                self._state_checked = now
+                return None
+        except redis.RedisError:
+            return None  # away: the roles wait for it up to Job.redis_outage_s
+        return (
+            f"the job's Redis at {redact(self.url)} no longer holds job {self.job.name!r}'s state (its key "
+            f"{self.keys.job_config!r} is gone: Redis restarted without persistence, or was flushed); its plans, "
+            "cursors and checkpoints are lost. Restart the job (trainers resume from their state_dict) and give "
+            "Redis an append-only file (appendonly yes) or a replica"
+        )
 
     def _fail(self, message: str) -> int:
         log.error("%s", message)

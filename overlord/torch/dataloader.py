@@ -32,6 +32,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
+import redis
 import torch
 
 from overlord.config import Job
@@ -144,6 +145,8 @@ class DataLoader(NodeReader):
         self.recoveries = 0  # sidecars this loader started again after one died
         self.wait_s = 0.0  # time spent in __next__ waiting for batches
         self._stats = None  # StatsPublisher, from the first batch on
+        self._redis_gone: float | None = None  # monotonic: when this rank found the job's Redis unreachable
+        self._probe_redis = None  # see _probe
         m = self.job.mesh
         self._mesh = [m.dp, m.pp, m.cp, m.tp]
         self._done = False
@@ -166,6 +169,16 @@ class DataLoader(NodeReader):
         if self._redis is None:
             self._redis = connect(redis_url_of(self.job), timeout_s=5)
         return self._redis
+
+    def _probe(self):
+        """A client of the job's Redis that answers at once (no ride-through): a stalled
+        rank says itself how long Redis has been away."""
+        from overlord.status import redis_url_of
+        from overlord.store import connect
+
+        if self._probe_redis is None:
+            self._probe_redis = connect(redis_url_of(self.job), timeout_s=2, ride_through_s=0)
+        return self._probe_redis
 
 
     def _spawn(self) -> None:
@@ -269,7 +282,7 @@ class DataLoader(NodeReader):
         mode.rewind(self.job, self._control(), found, self.rank, self._resume_at, self.timeout_s)
         warnings.warn(f"rank {self.rank}: stopped the sidecar of job {self.job.name!r} (pid {found.pid}) that served "
                       f"later batches; starting one that resumes at step {step} micro-batch {mb}", stacklevel=4)
-        self._redis = None  # its embedded Redis stopped with it
+        self._redis = self._probe_redis = None  # its embedded Redis stopped with it
         self._spawn()
 
     def _report_position(self) -> None:
@@ -403,7 +416,7 @@ class DataLoader(NodeReader):
         )
         self._ring.close()  # batches the trainer still holds keep their mapping
         self._ring = None
-        self._redis = None
+        self._redis = self._probe_redis = None
         self.recoveries += 1
         self._ring = self._connect()
         return self._ring
@@ -412,14 +425,28 @@ class DataLoader(NodeReader):
         """After `timeout_s` without a batch: a new deadline when the Data Constructor host
         feeding this rank turned its loop within that time (slow, not hung: it waits on
         roles that answer for themselves the same way, so a hang upstream still reaches
-        the trainer as an error), else RemoteRoleError naming what serves the rank."""
+        the trainer as an error), else RemoteRoleError naming what serves the rank. When
+        the job's Redis does not answer, waits on up to `Job.redis_outage_s` (the roles wait
+        for it too), then RemoteRoleError naming Redis; back without the job's state, at once."""
         from overlord.sidecar.flow import alive_within
         from overlord.store import Keys
 
+        keys = Keys(self.job.name)
         try:
-            turning = alive_within(self._control(), Keys(self.job.name), "constructor", self._host, self.timeout_s)
-        except OverlordError:
-            turning = False  # no control path either: report the stall
+            r = self._probe()
+            turning = alive_within(r, keys, "constructor", self._host, self.timeout_s)
+            job_known = r.exists(keys.job_config)
+        except (OverlordError, redis.RedisError) as exc:
+            self._probe_redis = None  # a fresh client, and a fresh ping, next time
+            return self._redis_away(origin, exc)
+        self._redis_gone = None
+        if not job_known:
+            raise RemoteRoleError(
+                f"{origin}: the job's Redis at {self._redis_url()} no longer holds the job's state (its key "
+                f"{keys.job_config!r} is gone: Redis restarted without persistence, or was flushed); plans, "
+                "cursors and checkpoints are lost. Restart the job (its trainers resume from their state_dict), "
+                "and give Redis an append-only file (appendonly yes) or a replica"
+            ) from None
         if turning:
             warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung")
             return time.monotonic() + self.timeout_s
@@ -427,6 +454,30 @@ class DataLoader(NodeReader):
             f"{origin}: no batch within {self.timeout_s:g}s ({serving}) and its Data Constructor host "
             f"(constructor{self._host}) has not turned its loop for as long: run `overlord status` and {look}"
         ) from None
+
+    def _redis_url(self) -> str:
+        from overlord.status import redis_url_of  # deferred as in _control
+        from overlord.store import redact
+
+        return redact(redis_url_of(self.job))
+
+    def _redis_away(self, origin: str, exc: BaseException) -> float:
+        """No batch, and the job's Redis does not answer: wait on (the roles wait for it too)
+        up to `Job.redis_outage_s` since it was last reached, then RemoteRoleError naming it."""
+        now = time.monotonic()
+        if self._redis_gone is None:
+            reached = self._stats.reached if self._stats is not None else None  # written once a second
+            self._redis_gone = reached if reached is not None else now
+        gone, budget = now - self._redis_gone, self.job.redis_outage_s
+        if gone >= budget:
+            raise RemoteRoleError(
+                f"{origin}: the job's Redis at {self._redis_url()} has been unreachable for {gone:.0f}s, past "
+                f"Job.redis_outage_s={budget:g} ({type(exc).__name__}: {exc}); no batch within {self.timeout_s:g}s "
+                "since the roles wait on it. Bring Redis back (or fail it over), or raise Job.redis_outage_s"
+            ) from None
+        warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s: the job's Redis at {self._redis_url()} is "
+                      f"unreachable ({gone:.0f}s so far); waiting for it up to Job.redis_outage_s={budget:g}")
+        return now + min(self.timeout_s, max(1.0, budget - gone))
 
     def _finish(self) -> None:
         self._done = True

@@ -24,6 +24,7 @@ class StatsPublisher:
     def __init__(self, job, rank: int, totals: Callable[[], dict | None]) -> None:
         self.job, self.rank, self.totals = job, rank, totals
         self._stop = threading.Event()
+        self.reached: float | None = None  # monotonic: the last write Redis took
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"overlord-stats-{rank}")
         self._thread.start()
 
@@ -33,20 +34,22 @@ class StatsPublisher:
 
         key, field = Keys(self.job.name).stats, f"rank{self.rank}"
         r = None
-        while True:
-            stopping = self._stop.wait(PUBLISH_S)
+        stopping = False
+        while True:  # at once, then every PUBLISH_S: `reached` dates the trainer's last contact
             totals = self.totals()
             if totals is None:
                 return  # its DataLoader is gone
             try:
-                r = r or connect(redis_url_of(self.job), timeout_s=2)
+                r = r or connect(redis_url_of(self.job), timeout_s=2, ride_through_s=0)
                 record = {"node": self.job.node_of_rank(self.rank) if self.job.multi_node else self.job.node,
                           "pid": os.getpid(), "time": time.time(), **totals}
                 r.hset(key, field, json.dumps(record))
+                self.reached = time.monotonic()
             except Exception:  # noqa: BLE001 - figures for operators must never fail training
                 r = None
             if stopping:
                 return
+            stopping = self._stop.wait(PUBLISH_S)
 
     def stop(self) -> None:
         """Write the final totals and end the thread (bounded wait)."""

@@ -1,0 +1,103 @@
+"""An external Redis that goes away mid-run, against real processes and a real
+redis-server (issue 17): frozen within `Job.redis_outage_s` the job rides through it
+with every sample delivered once; frozen past it, every trainer gets an error naming
+Redis within the budget + 5 s; back empty, the error names the lost state."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from harness import assert_delivered
+from overlord.config import BatchSpec, Mesh
+from overlord.store import EmbeddedRedis, Keys, connect
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # make test-slow
+
+JOB = dict(seed=3, epochs=1, mesh=Mesh(dp=2), loader_processes=1, plan_ahead=2,
+           batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+
+
+@pytest.fixture
+def external(tmp_path):
+    """An operator-run redis-server the job reaches by URL (a unix socket: no TCP)."""
+    server = EmbeddedRedis(tmp_path / "external").start()
+    yield server
+    if server.proc is not None:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    server.stop()
+
+
+def _wait_step(c, url: str, step: int, timeout: float = 60) -> None:
+    r, keys = connect(url, timeout_s=5, ride_through_s=0), Keys(c.job.name)
+    deadline = time.monotonic() + timeout
+    while True:
+        progress = r.hgetall(keys.progress)
+        if progress and all(int(progress.get(f"c{d}".encode(), -1)) >= step for d in range(c.job.mesh.dp)):
+            r.close()
+            return
+        assert time.monotonic() < deadline, f"the job did not reach step {step}: {progress}\n{c.log()}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("outage", ["frozen", "killed"])
+def test_redis_away_within_the_budget_loses_and_repeats_nothing(cluster, external, corpus_keys, outage):
+    """Frozen (SIGSTOP: commands time out) or killed and started again from its
+    append-only file on the same socket (connections refused meanwhile)."""
+    c = cluster(**JOB, redis_url=external.url, timeout_s=8.0, redis_outage_s=60.0)
+    c.start_sidecar()
+    c.start_trainers(sleep="0.1")
+    _wait_step(c, external.url, 4)
+    if outage == "frozen":
+        os.kill(external.proc.pid, signal.SIGSTOP)
+        time.sleep(25)  # past the trainers' timeout_s: they wait on, naming Redis
+        os.kill(external.proc.pid, signal.SIGCONT)
+    else:
+        external.proc.kill()
+        external.proc.wait(timeout=10)
+        external.proc = None
+        time.sleep(20)
+        external.start()
+    out = c.results(timeout=180)
+    assert all(rec["end"] == "stop" for rec in out.values()), ({r: rec["end"] for r, rec in out.items()}, c.log())
+    assert_delivered(out, corpus_keys, log=c.log)
+    assert c.stop() == 0, c.log()
+    assert "Redis at unix://" in c.log() and "waiting for it up to 60s" in c.log()
+
+
+def test_redis_frozen_past_the_budget_names_redis_to_every_trainer(cluster, external):
+    c = cluster(**JOB, redis_url=external.url, timeout_s=4.0, redis_outage_s=10.0)
+    c.start_sidecar()
+    c.start_trainers(sleep="0.1")
+    _wait_step(c, external.url, 4)
+    os.kill(external.proc.pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    for rank, proc in c.trainers.items():
+        proc.wait(timeout=10 + 5 + 10)  # bounded: a hang fails below on the time
+    took = time.monotonic() - frozen
+    out = c.results(timeout=5)
+    for rank, rec in out.items():
+        assert "Redis at unix://" in rec["end"] and "unreachable" in rec["end"], (rank, rec["end"], c.log())
+        assert "redis_outage_s=10" in rec["end"], (rank, rec["end"])
+    assert took < 10 + 5, f"trainers ended {took:.1f}s after Redis froze: {[r['end'] for r in out.values()]}"
+
+
+def test_redis_back_empty_ends_the_job_naming_the_lost_state(cluster, external):
+    c = cluster(**JOB, redis_url=external.url, timeout_s=8.0, redis_outage_s=30.0)
+    c.start_sidecar()
+    c.start_trainers(sleep="0.1")
+    _wait_step(c, external.url, 4)
+    external.proc.kill()
+    external.proc.wait(timeout=10)
+    for leftover in external.run_dir.glob("appendonly*"):  # restarted without persistence
+        shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+    external.proc = None
+    external.start()
+    out = c.results(timeout=60)
+    for rank, rec in out.items():
+        assert "no longer holds job" in rec["end"] and "state" in rec["end"], (rank, rec["end"], c.log())
+        assert "appendonly yes" in rec["end"], (rank, rec["end"])
