@@ -554,7 +554,7 @@ class Sidecar(NodeMember):
         except redis.RedisError:
             return None  # away: the roles wait for it up to Job.redis_outage_s
         return (
-            f"the job's Redis at {redact(self.url)} no longer holds job {self.job.name!r}'s state (its key "
+            f"the job's Redis at {redact(self.url)} no longer holds the state of job {self.job.name!r} (its key "
             f"{self.keys.job_config!r} is gone: Redis restarted without persistence, or was flushed); its plans, "
             "cursors and checkpoints are lost. Restart the job (trainers resume from their state_dict) and give "
             "Redis an append-only file (appendonly yes) or a replica"

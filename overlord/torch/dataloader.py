@@ -171,13 +171,13 @@ class DataLoader(NodeReader):
         return self._redis
 
     def _probe(self):
-        """A client of the job's Redis that answers at once (no ride-through): a stalled
+        """A client of the job's Redis that answers within 1 s (no ride-through): a stalled
         rank says itself how long Redis has been away."""
         from overlord.status import redis_url_of
         from overlord.store import connect
 
         if self._probe_redis is None:
-            self._probe_redis = connect(redis_url_of(self.job), timeout_s=2, ride_through_s=0)
+            self._probe_redis = connect(redis_url_of(self.job), timeout_s=1, ride_through_s=0)
         return self._probe_redis
 
 
@@ -442,10 +442,10 @@ class DataLoader(NodeReader):
         self._redis_gone = None
         if not job_known:
             raise RemoteRoleError(
-                f"{origin}: the job's Redis at {self._redis_url()} no longer holds the job's state (its key "
-                f"{keys.job_config!r} is gone: Redis restarted without persistence, or was flushed); plans, "
-                "cursors and checkpoints are lost. Restart the job (its trainers resume from their state_dict), "
-                "and give Redis an append-only file (appendonly yes) or a replica"
+                f"{origin}: the job's Redis at {self._redis_url()} no longer holds the state of job "
+                f"{self.job.name!r} (its key {keys.job_config!r} is gone: Redis restarted without persistence, "
+                "or was flushed); plans, cursors and checkpoints are lost. Restart the job (its trainers resume "
+                "from their state_dict), and give Redis an append-only file (appendonly yes) or a replica"
             ) from None
         if turning:
             warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung")
@@ -477,7 +477,7 @@ class DataLoader(NodeReader):
             ) from None
         warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s: the job's Redis at {self._redis_url()} is "
                       f"unreachable ({gone:.0f}s so far); waiting for it up to Job.redis_outage_s={budget:g}")
-        return now + min(self.timeout_s, max(1.0, budget - gone))
+        return now + min(self.timeout_s, max(0.5, budget - gone))
 
     def _finish(self) -> None:
         self._done = True

@@ -99,5 +99,5 @@ def test_redis_back_empty_ends_the_job_naming_the_lost_state(cluster, external):
     external.start()
     out = c.results(timeout=60)
     for rank, rec in out.items():
-        assert "no longer holds job" in rec["end"] and "state" in rec["end"], (rank, rec["end"], c.log())
+        assert f"no longer holds the state of job {c.job.name!r}" in rec["end"], (rank, rec["end"], c.log())
         assert "appendonly yes" in rec["end"], (rank, rec["end"])
