@@ -75,15 +75,14 @@ def test_redis_frozen_past_the_budget_names_redis_to_every_trainer(cluster, exte
     c.start_trainers(sleep="0.1")
     _wait_step(c, external.url, 4)
     os.kill(external.proc.pid, signal.SIGSTOP)
-    frozen = time.monotonic()
-    for rank, proc in c.trainers.items():
-        proc.wait(timeout=10 + 5 + 10)  # bounded: a hang fails below on the time
-    took = time.monotonic() - frozen
-    out = c.results(timeout=5)
+    frozen = time.time()
+    out = c.results(timeout=10 + 5 + 10)  # bounded: a late error fails below on the time
+    # when each trainer had its error: its ledger is written then (the process exits later)
+    took = {rank: os.path.getmtime(c.out(rank)) - frozen for rank in out}
     for rank, rec in out.items():
         assert "Redis at unix://" in rec["end"] and "unreachable" in rec["end"], (rank, rec["end"], c.log())
         assert "redis_outage_s=10" in rec["end"], (rank, rec["end"])
-    assert took < 10 + 5, f"trainers ended {took:.1f}s after Redis froze: {[r['end'] for r in out.values()]}"
+    assert max(took.values()) < 10 + 5, f"errors {took} s after Redis froze: {[r['end'] for r in out.values()]}"
 
 
 def test_redis_back_empty_ends_the_job_naming_the_lost_state(cluster, external):
