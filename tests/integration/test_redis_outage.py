@@ -1,6 +1,7 @@
 """An external Redis that goes away mid-run, against real processes and a real
-redis-server (issue 17): frozen within `Job.redis_outage_s` the job rides through it
-with every sample delivered once; frozen past it, every trainer gets an error naming
+redis-server (issue 17): frozen or killed and restarted within `Job.redis_outage_s`
+(and the embedded one frozen for 40 s) the job rides through it with every sample
+delivered once; frozen past it, every trainer gets an error naming
 Redis within the budget + 5 s; back empty, the error names the lost state."""
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import pytest
 
 from harness import assert_delivered
 from overlord.config import BatchSpec, Mesh
+from overlord.status import redis_url_of
 from overlord.store import EmbeddedRedis, Keys, connect
+from overlord.store.server import server_pids
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # make test-slow
 
@@ -67,6 +70,25 @@ def test_redis_away_within_the_budget_loses_and_repeats_nothing(cluster, externa
     assert_delivered(out, corpus_keys, log=c.log)
     assert c.stop() == 0, c.log()
     assert "Redis at unix://" in c.log() and "waiting for it up to 60s" in c.log()
+
+
+def test_embedded_redis_frozen_40s_loses_and_repeats_nothing(cluster, corpus_keys):
+    """The sidecar's own redis-server frozen (not dead: the sidecar does not restart it)
+    for 40 s, under the default budget."""
+    c = cluster(**JOB, timeout_s=8.0)
+    c.start_sidecar()
+    c.start_trainers(sleep="0.1")
+    _wait_step(c, redis_url_of(c.job), 4)
+    (pid,) = server_pids(c.job.run_path)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(40)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    out = c.results(timeout=180)
+    assert all(rec["end"] == "stop" for rec in out.values()), ({r: rec["end"] for r, rec in out.items()}, c.log())
+    assert_delivered(out, corpus_keys, log=c.log)
+    assert c.stop() == 0, c.log()
 
 
 def test_redis_frozen_past_the_budget_names_redis_to_every_trainer(cluster, external):
