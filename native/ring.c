@@ -227,49 +227,27 @@ int ovl_ring_release(ovl_ring *r) {
 }
 
 int ovl_ring_try_read(ovl_ring *r, uint64_t *offset, uint64_t *len) {
-    ovl_ring_header *h = r->hdr;
     if (r->reading) {
         ovl_ring_release(r);
     }
     for (;;) {
-        uint64_t tail = atomic_load_explicit(&h->tail, memory_order_relaxed);
-        uint64_t head = atomic_load_explicit(&h->head, memory_order_acquire);
-        if (head == tail) {
-            /* Error before closed: it says why the stream ended. Re-load head after the
-             * flag so a record committed just before close/error is still delivered. */
-            int err = atomic_load_explicit(&h->error_state, memory_order_acquire) == 2;
-            int closed = atomic_load_explicit(&h->closed, memory_order_acquire) != 0;
-            if (!err && !closed) {
-                return OVL_EAGAIN;
-            }
-            if (atomic_load_explicit(&h->head, memory_order_acquire) != tail) {
-                continue;
-            }
-            return err ? OVL_EERROR : OVL_ECLOSED;
-        }
-        if (head - tail > r->capacity || (tail & (OVL_RING_ALIGN - 1)) != 0) {
-            return OVL_ECORRUPT;
-        }
-        uint64_t pos = tail & r->mask;
-        uint64_t contig = r->capacity - pos;
-        uint32_t rec[2];
-        memcpy(rec, r->data + pos, sizeof(rec));
-        if (rec[1] == OVL_RING_FLAG_WRAP) {
-            if (rec[0] != contig - OVL_RING_RECORD_HEADER || head - tail < contig) {
-                return OVL_ECORRUPT;
-            }
-            advance_tail(r, tail + contig);
+        uint64_t tail = atomic_load_explicit(&r->hdr->tail, memory_order_relaxed);
+        uint64_t next = tail;
+        int rc = ovl_ring_peek(r, tail, offset, len, &next);
+        if (rc == OVL_EAGAIN && next != tail) {
+            advance_tail(r, next); /* a lone WRAP record: free its space, the producer waits for it */
             continue;
         }
-        uint64_t span = record_span(rec[0]);
-        if (rec[1] != 0 || span > contig || span > head - tail) {
-            return OVL_ECORRUPT;
+        if (rc != OVL_OK) {
+            return rc;
+        }
+        uint64_t span = record_span(*len);
+        if (next - span != tail) {
+            advance_tail(r, next - span); /* past the WRAP record before this one */
         }
         r->reading = 1;
-        r->read_pos = tail;
+        r->read_pos = next - span;
         r->read_span = span;
-        *offset = OVL_RING_HEADER_SIZE + pos + OVL_RING_RECORD_HEADER;
-        *len = rec[0];
         return OVL_OK;
     }
 }
