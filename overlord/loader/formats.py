@@ -79,14 +79,6 @@ class OpenFile(Protocol):
 # -- Parquet ---------------------------------------------------------------------------------
 
 
-class _TableChunk:
-    def __init__(self, table: pa.Table) -> None:
-        self.table, self.nbytes = table, table.nbytes
-
-    def row(self, i: int) -> dict:
-        return self.table.slice(i, 1).to_pylist()[0]
-
-
 class ParquetFile:
     """A Parquet file read through its filesystem, by row group."""
 
@@ -117,7 +109,7 @@ class ParquetFile:
         return out
 
     def read_group(self, group: int, columns: tuple[str, ...] | None) -> Chunk:
-        return _TableChunk(self.file.read_row_group(group, columns=list(columns) if columns else None))
+        return storage.ArrowChunk(self.file.read_row_group(group, columns=list(columns) if columns else None))
 
 
 class ParquetFormat:

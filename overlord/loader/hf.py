@@ -187,16 +187,6 @@ def _invalid(what: str) -> pa.ArrowInvalid:
     return exc
 
 
-class _BatchChunk:
-    """One row group: a record batch (a zero-copy slice of the map)."""
-
-    def __init__(self, batch: pa.RecordBatch) -> None:
-        self.batch, self.nbytes = batch, batch.nbytes
-
-    def row(self, i: int) -> dict:
-        return self.batch.slice(i, 1).to_pylist()[0]
-
-
 class _Index:
     """Where each row group of a stream file lies: its message (offset, length), its first
     row in that record batch, its rows."""
@@ -284,9 +274,9 @@ class HfFile:
             out.append((float(low.as_py()) + float(high.as_py())) / 2)
         return out
 
-    def read_group(self, group: int, columns: tuple[str, ...] | None) -> _BatchChunk:
+    def read_group(self, group: int, columns: tuple[str, ...] | None) -> storage.ArrowChunk:
         batch = self._batch(group)
-        return _BatchChunk(batch.select(list(columns)) if columns else batch)
+        return storage.ArrowChunk(batch.select(list(columns)) if columns else batch)
 
 
 class HfFormat:

@@ -144,3 +144,14 @@ def _match(filesystem: pafs.FileSystem, pattern: str) -> list[str]:
             if all(fnmatch.fnmatchcase(g, p) for g, p in zip(got[wild[0]:], parts[wild[0]:])):
                 out.append(info.path)
     return sorted(out)
+
+
+class ArrowChunk:
+    """One row group read into memory (a Parquet row group's Table, or a zero-copy
+    RecordBatch slice of an Arrow file): its rows as Python dicts (formats.Chunk)."""
+
+    def __init__(self, data: pa.Table | pa.RecordBatch) -> None:
+        self.data, self.nbytes = data, data.nbytes
+
+    def row(self, i: int) -> dict:
+        return self.data.slice(i, 1).to_pylist()[0]
