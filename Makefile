@@ -10,7 +10,7 @@ STAMP := $(VENV)/.overlord-installed
 # CPU machines take the CPU wheel; set TORCH_SPEC= to keep an existing (CUDA) torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test test-slow install clean bench
+.PHONY: demo test test-slow lint install clean bench
 
 $(STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringmodule.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,16 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow tests
+
+LINT_STAMP := $(VENV)/.overlord-lint-installed
+$(LINT_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[lint]'
+	touch $(LINT_STAMP)
+
+# ruff (lint and format), the import-linter layers contract, mypy: zero findings
+lint: $(LINT_STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

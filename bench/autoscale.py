@@ -31,7 +31,6 @@ every 0.5 s.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -55,24 +54,44 @@ def _job(corpus, run_dir: Path, name: str, how: str, args):
     sources = []
     for n, files in corpus.items():
         heavy = n.startswith("images")
-        sources.append(Source(name=n, paths=tuple(files), shuffle_window=64,
-                              transform="bench_transforms:heavy_image" if heavy else TEXT_TRANSFORM,
-                              partitions=args.worst_partitions if how == "worst_case" else 1))
+        sources.append(
+            Source(
+                name=n,
+                paths=tuple(files),
+                shuffle_window=64,
+                transform="bench_transforms:heavy_image" if heavy else TEXT_TRANSFORM,
+                partitions=args.worst_partitions if how == "worst_case" else 1,
+            )
+        )
     half = args.steps // 2
     text_heavy = {"web": 0.4, "code": 0.3, "books": 0.28, "images": 0.02}
     image_heavy = {"web": 0.1, "code": 0.05, "books": 0.05, "images": 0.8}
     extra = {}
     if how == "autoscale":
-        extra["autoscale"] = {"cpus": args.cpus, "memory_mb": 8000, "max_threads": args.max_threads,
-                              "scale_interval": 4, "profile_samples": 16}
+        extra["autoscale"] = {
+            "cpus": args.cpus,
+            "memory_mb": 8000,
+            "max_threads": args.max_threads,
+            "scale_interval": 4,
+            "profile_samples": 16,
+        }
     elif how == "worst_case":
         extra["loader_processes"] = args.worst_partitions * len(sources)
     else:
         extra["loader_processes"] = len(sources)
-    return Job(name=name, sources=tuple(sources), mesh=Mesh(dp=RANKS), seed=3, run_dir=str(run_dir),
-               mixing={"kind": "piecewise", "points": [[0, text_heavy], [half, image_heavy]]},
-               buffer_samples=128, plan_ahead=2, timeout_s=60.0,
-               batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=512 << 10), **extra)
+    return Job(
+        name=name,
+        sources=tuple(sources),
+        mesh=Mesh(dp=RANKS),
+        seed=3,
+        run_dir=str(run_dir),
+        mixing={"kind": "piecewise", "points": [[0, text_heavy], [half, image_heavy]]},
+        buffer_samples=128,
+        plan_ahead=2,
+        timeout_s=60.0,
+        batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=512 << 10),
+        **extra,
+    )
 
 
 def _pss_sampler(job, stop: threading.Event, peak: list[float]) -> None:
@@ -108,10 +127,17 @@ def run(corpus, base: Path, how: str, args) -> dict:
     job = _job(corpus, Path(tempfile.mkdtemp(prefix="ovl-as-")), name, how, args)
     config = workdir / "job.json"
     config.write_text(job.to_json())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-               OVERLORD_BENCH_HEAVY_MS=str(args.heavy_ms))
-    sidecar = subprocess.Popen([sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config)],
-                               stdout=open(workdir / "sidecar.log", "wb"), stderr=subprocess.STDOUT, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+        OVERLORD_BENCH_HEAVY_MS=str(args.heavy_ms),
+    )
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config)],
+        stdout=open(workdir / "sidecar.log", "wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     stop, peak = threading.Event(), [0.0]
     trainers = []
     try:
@@ -125,11 +151,23 @@ def run(corpus, base: Path, how: str, args) -> dict:
         threading.Thread(target=_pss_sampler, args=(job, stop, peak), daemon=True).start()
         batches = args.steps * 2  # micro-batches per rank
         for rank in range(RANKS):
-            trainers.append(subprocess.Popen(
-                [sys.executable, str(TRAINER), str(config), str(workdir / f"rank{rank}.json"),
-                 "--sleep", str(args.step_ms / 1000), "--batches", str(batches)],
-                env=dict(env, RANK=str(rank), WORLD_SIZE=str(RANKS)),
-                stdout=open(workdir / f"rank{rank}.log", "wb"), stderr=subprocess.STDOUT))
+            trainers.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(TRAINER),
+                        str(config),
+                        str(workdir / f"rank{rank}.json"),
+                        "--sleep",
+                        str(args.step_ms / 1000),
+                        "--batches",
+                        str(batches),
+                    ],
+                    env=dict(env, RANK=str(rank), WORLD_SIZE=str(RANKS)),
+                    stdout=open(workdir / f"rank{rank}.log", "wb"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
         for t in trainers:
             t.wait(timeout=900)
         events = _scaling_events(job) if how == "autoscale" else []
@@ -166,8 +204,13 @@ def summarize(result: dict, args) -> dict:
         stalls.append(float(late[times[1:] > warm].sum()))
     samples = sum(len(k) for rec in result["records"] for k in rec["keys"])
     ended = sorted({rec["end"] for rec in result["records"]})
-    return {"samples_per_s": round(samples / (t1 - t0), 1), "stall_s": round(float(np.mean(stalls)), 3),
-            "pss_mb": round(result["pss_mb"], 1), "wall_s": round(t1 - t0, 2), "ended": ended}
+    return {
+        "samples_per_s": round(samples / (t1 - t0), 1),
+        "stall_s": round(float(np.mean(stalls)), 3),
+        "pss_mb": round(result["pss_mb"], 1),
+        "wall_s": round(t1 - t0, 2),
+        "ended": ended,
+    }
 
 
 def plot(results: dict, args, path: Path) -> None:
@@ -211,7 +254,12 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20.0, help="each rank's training time per micro-batch")
     parser.add_argument("--heavy-ms", type=float, default=5.0, help="the image transform's added latency")
     parser.add_argument("--cpus", type=float, default=4.0, help="autoscale's CPU budget for the sidecar")
-    parser.add_argument("--max-threads", type=int, default=8, help="transform workers per partition at most (autoscale cap; worst case uses all)")
+    parser.add_argument(
+        "--max-threads",
+        type=int,
+        default=8,
+        help="transform workers per partition at most (autoscale cap; worst case uses all)",
+    )
     parser.add_argument("--worst-partitions", type=int, default=4)
     parser.add_argument("--warmup", type=float, default=0.1, help="fraction of the run not counted for stalls")
     parser.add_argument("--rows", type=int, default=3000)
@@ -223,8 +271,16 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    corpus = generate_corpus(out / f"autoscale-corpus-{args.rows}", seed=6, text_sources=3, image_sources=1,
-                             rows_per_source=args.rows, files_per_source=2, row_group_size=64, max_image_side=96)
+    corpus = generate_corpus(
+        out / f"autoscale-corpus-{args.rows}",
+        seed=6,
+        text_sources=3,
+        image_sources=1,
+        rows_per_source=args.rows,
+        files_per_source=2,
+        row_group_size=64,
+        max_image_side=96,
+    )
     base = out / "autoscale-runs"
     results = {how: run(corpus, base, how, args) for how in ("uniform", "worst_case", "autoscale")}
     line = {how: summarize(res, args) for how, res in results.items()}

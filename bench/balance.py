@@ -119,7 +119,7 @@ def simulate(dist: str, ctx: int, steps: int, seed: int) -> dict:
             "hybrid": assign(total, DP, MICRO),
         }
         per_rank = {}
-        for name, (bucket, mbin) in placed.items():
+        for name, (bucket, _mbin) in placed.items():
             if (bucket < 0).any():  # no capacity is set, so nothing may be deferred
                 raise SystemExit(f"{name}: {int((bucket < 0).sum())} samples deferred")
             per_rank[name] = rank_costs(total, bucket, DP)
@@ -166,9 +166,15 @@ def time_planner_step(dp: int, samples: int, steps: int, seed: int) -> float:
 
     n_src = 8
     core = PlannerCore(
-        streams=[f"s{i}.0" for i in range(n_src)], stream_source=list(range(n_src)),
-        tree=ClientPlaceTree(Mesh(dp=dp)), weights=[1.0] * n_src, seed=seed, global_batch=samples,
-        micro_batches=MICRO, finite=False, strategy=vlm_hybrid,
+        streams=[f"s{i}.0" for i in range(n_src)],
+        stream_source=list(range(n_src)),
+        tree=ClientPlaceTree(Mesh(dp=dp)),
+        weights=[1.0] * n_src,
+        seed=seed,
+        global_batch=samples,
+        micro_batches=MICRO,
+        finite=False,
+        strategy=vlm_hybrid,
     )
     rng = np.random.default_rng([seed, dp])
     per_stream = samples * (steps + 2) // n_src * 2
@@ -242,8 +248,15 @@ def main() -> None:
         "speedup_vs_vanilla": {k: v["speedup_hybrid_vs_vanilla"] for k, v in navit.items()},
         "paper_speedup": PAPER,
         "strategies": by_dist,
-        "config": {"samples": SAMPLES, "dp": DP, "micro_batches": MICRO, "steps": args.steps,
-                   "seed": args.seed, "inter": "karmarkar_karp+swap_refine", "intra": "greedy"},
+        "config": {
+            "samples": SAMPLES,
+            "dp": DP,
+            "micro_batches": MICRO,
+            "steps": args.steps,
+            "seed": args.seed,
+            "inter": "karmarkar_karp+swap_refine",
+            "intra": "greedy",
+        },
         "png": plot(examples, Path(args.png)),
     }
     if args.json:

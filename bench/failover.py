@@ -68,16 +68,34 @@ def _job(corpus: dict, run_dir: Path, name: str, shadow: bool, costly: bool = Fa
 
     weights = {"web": 0.4, "code": 0.3, "books": 0.2, "images": 0.1}
     sources = tuple(
-        Source(name=n, paths=tuple(files), weight=weights.get(n, 0.1), shuffle_window=64, shadow=shadow,
-               transform=IMAGE_TRANSFORM if n.startswith("images") else
-               ("bench_transforms:costly_text" if costly else TEXT_TRANSFORM))
+        Source(
+            name=n,
+            paths=tuple(files),
+            weight=weights.get(n, 0.1),
+            shuffle_window=64,
+            shadow=shadow,
+            transform=IMAGE_TRANSFORM
+            if n.startswith("images")
+            else ("bench_transforms:costly_text" if costly else TEXT_TRANSFORM),
+        )
         for n, files in corpus.items()
     )
     # client rings of 256 KiB hold a few micro-batches (what a ring of real 4k-token or
     # image batches holds), so prefetch is about plan_ahead steps, not the whole job
-    return Job(name=name, sources=sources, mesh=Mesh(dp=WORLD), seed=7, epochs=1, run_dir=str(run_dir),
-               loader_processes=2, plan_ahead=2, timeout_s=60.0, buffer_samples=256, sample_ring_bytes=1 << 20,
-               batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=256 << 10))
+    return Job(
+        name=name,
+        sources=sources,
+        mesh=Mesh(dp=WORLD),
+        seed=7,
+        epochs=1,
+        run_dir=str(run_dir),
+        loader_processes=2,
+        plan_ahead=2,
+        timeout_s=60.0,
+        buffer_samples=256,
+        sample_ring_bytes=1 << 20,
+        batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=256 << 10),
+    )
 
 
 class Run:
@@ -97,8 +115,11 @@ class Run:
 
     def start_sidecar(self) -> None:
         log = open(self.workdir / "sidecar.log", "ab")
-        self.sidecar = subprocess.Popen([sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config)],
-                                        stdout=log, stderr=subprocess.STDOUT)
+        self.sidecar = subprocess.Popen(
+            [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         _until(lambda: (self.job.run_path / "redis.sock").exists(), 60, "the sidecar did not start")
 
     def start_trainers(self, spawn: bool, save_every: int = 0, states: dict | None = None) -> None:
@@ -113,7 +134,8 @@ class Run:
             self.trainers[rank] = subprocess.Popen(
                 [sys.executable, str(TRAINER), str(self.config), str(self.out(rank)), *extra],
                 env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD)),
-                stdout=open(self.workdir / f"rank{rank}.log", "ab"), stderr=subprocess.STDOUT,
+                stdout=open(self.workdir / f"rank{rank}.log", "ab"),
+                stderr=subprocess.STDOUT,
             )
 
     def redis(self):
@@ -219,7 +241,7 @@ def _inject(run: Run, fault: str) -> tuple[float, float]:
     if fault == "trainer":
         killed = time.time()
         run.trainers[2].kill()  # rank 2 dies; torchrun stops the rest of the group
-        for rank, proc in run.trainers.items():
+        for proc in run.trainers.values():
             proc.kill()
         for proc in run.trainers.values():
             proc.wait(timeout=30)
@@ -233,8 +255,11 @@ def _inject(run: Run, fault: str) -> tuple[float, float]:
 
         _until(lambda: not sidecar_running(run.job), 60, "the spawned sidecar did not exit")
         run.start_trainers(spawn=True, save_every=5, states=states)
-        _until(lambda: all(run.out(r).exists() and _fresh(run.out(r), killed) for r in range(WORLD)), 120,
-               "restarted trainers got no batch")
+        _until(
+            lambda: all(run.out(r).exists() and _fresh(run.out(r), killed) for r in range(WORLD)),
+            120,
+            "restarted trainers got no batch",
+        )
         first = min(min(t for t in json.loads(run.out(r).read_text())["time"] if t > killed) for r in range(WORLD))
         return killed, first - killed
     raise ValueError(fault)
@@ -264,16 +289,22 @@ def _redis_pid(run_dir: Path) -> int | None:
     return pids[0] if pids else None
 
 
-def run_fault(corpus, base: Path, fault: str | None, repeats: int, sleep: float, total_steps: int,
-              transform_ms: float = 0.0) -> dict:
+def run_fault(
+    corpus, base: Path, fault: str | None, repeats: int, sleep: float, total_steps: int, transform_ms: float = 0.0
+) -> dict:
     tag = (fault or "reference") + (f"-costly{transform_ms:g}ms" if transform_ms else "")
     name = f"fo{tag.replace('_', '').replace('-', '').replace('.', '')[:14]}{os.getpid() % 10000}"
     workdir = base / tag
     workdir.mkdir(parents=True, exist_ok=True)
     for stale in workdir.glob("rank*.json"):
         stale.unlink()
-    job = _job(corpus, Path(tempfile.mkdtemp(prefix="ovl-fo-")), name, shadow=fault == "loader_with_shadow",
-               costly=transform_ms > 0)
+    job = _job(
+        corpus,
+        Path(tempfile.mkdtemp(prefix="ovl-fo-")),
+        name,
+        shadow=fault == "loader_with_shadow",
+        costly=transform_ms > 0,
+    )
     os.environ["OVERLORD_BENCH_TRANSFORM_MS"] = str(transform_ms)  # read by the sidecar's loaders
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     run = Run(job, workdir, sleep)
@@ -285,7 +316,7 @@ def run_fault(corpus, base: Path, fault: str | None, repeats: int, sleep: float,
         run.start_trainers(spawn=spawned, save_every=5 if fault == "trainer" else 0)
         for i in range(repeats if fault else 0):
             at = total_steps * (i + 1) // (repeats + 1)
-            _until(lambda: run.progress() >= at, 300, f"{fault}: the job did not reach step {at}")
+            _until(lambda at=at: run.progress() >= at, 300, f"{fault}: the job did not reach step {at}")
             killed, recovery = _inject(run, fault)
             kills.append(killed)
             recoveries.append(recovery)
@@ -321,8 +352,9 @@ def summarize(result: dict, reference: dict | None, corpus_keys: set[str]) -> di
         out["recovery_ms_each"] = [round(x * 1000, 1) for x in result["recoveries"]]
         out["injections"] = len(result["recoveries"])
     if reference is not None:
-        out["bytes_identical"] = all(result["ledgers"][r]["digests"] == reference["ledgers"][r]["digests"]
-                                     for r in range(WORLD))
+        out["bytes_identical"] = all(
+            result["ledgers"][r]["digests"] == reference["ledgers"][r]["digests"] for r in range(WORLD)
+        )
     return out
 
 
@@ -337,9 +369,16 @@ def checkpoint_cost(n_sources: int, steps: int = 300) -> dict:
 
     rng = np.random.default_rng(0)
     core = PlannerCore(
-        streams=[f"s{i}.0" for i in range(n_sources)], stream_source=list(range(n_sources)),
-        tree=ClientPlaceTree(Mesh(dp=8)), weights=[1.0] * n_sources, seed=0, global_batch=256, micro_batches=4,
-        finite=False, strategy=resolve_strategy("overlord.planner.strategies:balanced"), context_length=4096,
+        streams=[f"s{i}.0" for i in range(n_sources)],
+        stream_source=list(range(n_sources)),
+        tree=ClientPlaceTree(Mesh(dp=8)),
+        weights=[1.0] * n_sources,
+        seed=0,
+        global_batch=256,
+        micro_batches=4,
+        finite=False,
+        strategy=resolve_strategy("overlord.planner.strategies:balanced"),
+        context_length=4096,
     )
     fed = [0] * n_sources
 
@@ -375,8 +414,12 @@ def checkpoint_cost(n_sources: int, steps: int = 300) -> dict:
             snapshot = len(json.dumps(core.state(), separators=(",", ":")))
         finally:
             server.stop()
-    return {"ms": round(statistics.median(times) * 1000, 3), "bytes": int(statistics.median(sizes)),
-            "snapshot_bytes": snapshot, "ms_p90": round(float(np.percentile(times, 90)) * 1000, 3)}
+    return {
+        "ms": round(statistics.median(times) * 1000, 3),
+        "bytes": int(statistics.median(sizes)),
+        "snapshot_bytes": snapshot,
+        "ms_p90": round(float(np.percentile(times, 90)) * 1000, 3),
+    }
 
 
 def plot(results: dict, path: Path) -> None:
@@ -414,9 +457,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "out"))
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint-cost measurement")
-    parser.add_argument("--transform-ms", type=float, default=4.0,
-                        help="also run both loader faults with a text transform of this CPU cost per sample "
-                             "(reported under faults_costly_transform; 0 skips)")
+    parser.add_argument(
+        "--transform-ms",
+        type=float,
+        default=4.0,
+        help="also run both loader faults with a text transform of this CPU cost per sample "
+        "(reported under faults_costly_transform; 0 skips)",
+    )
     args = parser.parse_args()
     faults = [f for f in args.faults.split(",") if f]
     unknown = sorted(set(faults) - set(FAULTS))
@@ -429,10 +476,22 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    corpus = generate_corpus(out / f"failover-corpus-{args.rows}", seed=5, text_sources=3, image_sources=1,
-                             rows_per_source=args.rows, files_per_source=2, row_group_size=64, max_image_side=96)
-    corpus_keys = {f"{n}:{f}:{row}" for n, files in corpus.items() for f, p in enumerate(sorted(files))
-                   for row in range(pq.ParquetFile(p).metadata.num_rows)}
+    corpus = generate_corpus(
+        out / f"failover-corpus-{args.rows}",
+        seed=5,
+        text_sources=3,
+        image_sources=1,
+        rows_per_source=args.rows,
+        files_per_source=2,
+        row_group_size=64,
+        max_image_side=96,
+    )
+    corpus_keys = {
+        f"{n}:{f}:{row}"
+        for n, files in corpus.items()
+        for f, p in enumerate(sorted(files))
+        for row in range(pq.ParquetFile(p).metadata.num_rows)
+    }
     total_steps = len(corpus_keys) // 32
     base = out / "failover-runs"
     reference = run_fault(corpus, base, None, 0, args.sleep, total_steps)
@@ -440,11 +499,16 @@ def main() -> None:
     costly = [f for f in faults if f.startswith("loader_")] if args.transform_ms else []
     if costly:  # same bytes: the costly transform returns what the plain one does
         costly_ref = run_fault(corpus, base, None, 0, args.sleep, total_steps, args.transform_ms)
-        costly_res = {f: run_fault(corpus, base, f, args.repeats, args.sleep, total_steps, args.transform_ms) for f in costly}
+        costly_res = {
+            f: run_fault(corpus, base, f, args.repeats, args.sleep, total_steps, args.transform_ms) for f in costly
+        }
     line = {
         "faults": {f: summarize(results[f], reference, corpus_keys) for f in faults},
         "reference": summarize(reference, None, corpus_keys),
-        "repeats": args.repeats, "sleep_ms": args.sleep * 1000, "ranks": WORLD, "samples": len(corpus_keys),
+        "repeats": args.repeats,
+        "sleep_ms": args.sleep * 1000,
+        "ranks": WORLD,
+        "samples": len(corpus_keys),
     }
     if costly:
         line["faults_costly_transform"] = {f: summarize(costly_res[f], reference, corpus_keys) for f in costly}

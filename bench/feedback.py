@@ -28,8 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,16 +73,32 @@ def run_job(corpus: dict, work: Path, ring_mib: int, plan_ahead: int, args) -> d
 
     weights = {"web": 0.4, "code": 0.3, "books": 0.2, "images": 0.1}
     job = Job(
-        name=f"fb{uuid.uuid4().hex[:8]}", run_dir=str(work / f"run-{uuid.uuid4().hex[:8]}"), seed=7,
-        sources=tuple(Source(name=n, paths=tuple(f), weight=weights[n], shuffle_window=48,
-                             transform=IMAGE_TRANSFORM if n == "images" else TEXT_TRANSFORM) for n, f in corpus.items()),
-        mesh=Mesh(dp=2), plan_ahead=plan_ahead, mixing={"kind": "dynamic", "every": 1}, timeout_s=60.0,
+        name=f"fb{uuid.uuid4().hex[:8]}",
+        run_dir=str(work / f"run-{uuid.uuid4().hex[:8]}"),
+        seed=7,
+        sources=tuple(
+            Source(
+                name=n,
+                paths=tuple(f),
+                weight=weights[n],
+                shuffle_window=48,
+                transform=IMAGE_TRANSFORM if n == "images" else TEXT_TRANSFORM,
+            )
+            for n, f in corpus.items()
+        ),
+        mesh=Mesh(dp=2),
+        plan_ahead=plan_ahead,
+        mixing={"kind": "dynamic", "every": 1},
+        timeout_s=60.0,
         batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=ring_mib << 20),
     )
     config = work / f"{job.name}.json"
     config.write_text(job.to_json())
-    sidecar = subprocess.Popen([sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config)],
-                               stdout=open(work / f"{job.name}-sidecar.log", "wb"), stderr=subprocess.STDOUT)
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config)],
+        stdout=open(work / f"{job.name}-sidecar.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     trainers = []
     try:
         deadline = time.monotonic() + 60
@@ -92,9 +108,21 @@ def run_job(corpus: dict, work: Path, ring_mib: int, plan_ahead: int, args) -> d
             time.sleep(0.05)
         outs = [work / f"{job.name}-rank{r}.json" for r in range(2)]
         for r, out in enumerate(outs):
-            trainers.append(subprocess.Popen(
-                [sys.executable, __file__, "--trainer", str(config), str(out), str(args.steps), str(args.report_at),
-                 str(args.sleep_ms / 1000)], env=dict(os.environ, RANK=str(r), WORLD_SIZE="2")))
+            trainers.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--trainer",
+                        str(config),
+                        str(out),
+                        str(args.steps),
+                        str(args.report_at),
+                        str(args.sleep_ms / 1000),
+                    ],
+                    env=dict(os.environ, RANK=str(r), WORLD_SIZE="2"),
+                )
+            )
         for proc in trainers:
             if proc.wait(timeout=600) != 0:
                 raise RuntimeError(f"a trainer failed; see {work}")
@@ -112,17 +140,22 @@ def run_job(corpus: dict, work: Path, ring_mib: int, plan_ahead: int, args) -> d
     seconds = max(rec["end"] for rec in records) - min(rec["times"][str(WARMUP_STEPS)] for rec in records)
     lags = []
     for rec in records:
-        books = [int(s) for s, keys in rec["steps"].items() if int(s) > args.report_at
-                 and all(k.startswith("books:") for k in keys)]
+        books = [
+            int(s)
+            for s, keys in rec["steps"].items()
+            if int(s) > args.report_at and all(k.startswith("books:") for k in keys)
+        ]
         lags.append(min(books) - args.report_at if books else None)
     return {"samples_per_s": round(samples / seconds, 1), "lag_steps": None if None in lags else max(lags)}
 
 
 def summary(runs: list[dict], args) -> dict:
     lags = [run["lag_steps"] for run in runs]
-    out = {"samples_per_s": round(statistics.median(run["samples_per_s"] for run in runs), 1),
-           "samples_per_s_runs": [run["samples_per_s"] for run in runs],
-           "lag_steps": None if None in lags else max(lags)}
+    out = {
+        "samples_per_s": round(statistics.median(run["samples_per_s"] for run in runs), 1),
+        "samples_per_s_runs": [run["samples_per_s"] for run in runs],
+        "lag_steps": None if None in lags else max(lags),
+    }
     if out["lag_steps"] is None:
         out["lag_more_than"] = args.steps - 1 - args.report_at
     return out
@@ -144,14 +177,31 @@ def main() -> None:
 
     from overlord.demo.corpus import generate_corpus
 
-    out: dict = {"bench": "feedback", "plan_ahead": args.plan_ahead, "unbounded_plan_ahead": UNBOUNDED,
-                 "repeats": args.repeats,
-                 "steps": args.steps, "report_at": args.report_at, "sleep_ms_per_micro_batch": args.sleep_ms,
-                 "mesh": "dp=2", "global_batch": 16, "micro_batches": 2, "rings": {}}
+    out: dict = {
+        "bench": "feedback",
+        "plan_ahead": args.plan_ahead,
+        "unbounded_plan_ahead": UNBOUNDED,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "report_at": args.report_at,
+        "sleep_ms_per_micro_batch": args.sleep_ms,
+        "mesh": "dp=2",
+        "global_batch": 16,
+        "micro_batches": 2,
+        "rings": {},
+    }
     with tempfile.TemporaryDirectory(prefix="ovl-feedback-") as tmp:
         work = Path(tmp)
-        corpus = generate_corpus(work / "corpus", seed=5, text_sources=3, image_sources=1, rows_per_source=480,
-                                 files_per_source=2, row_group_size=32, max_image_side=96)
+        corpus = generate_corpus(
+            work / "corpus",
+            seed=5,
+            text_sources=3,
+            image_sources=1,
+            rows_per_source=480,
+            files_per_source=2,
+            row_group_size=32,
+            max_image_side=96,
+        )
         for mib in [int(x) for x in args.rings_mib.split(",")]:
             runs: dict[int, list[dict]] = {args.plan_ahead: [], UNBOUNDED: []}
             for _ in range(args.repeats):
@@ -159,7 +209,8 @@ def main() -> None:
                     runs[plan_ahead].append(run_job(corpus, work, mib, plan_ahead, args))
             bounded, unbounded = summary(runs[args.plan_ahead], args), summary(runs[UNBOUNDED], args)
             out["rings"][f"{mib}MiB"] = {
-                "bounded": bounded, "unbounded": unbounded,
+                "bounded": bounded,
+                "unbounded": unbounded,
                 "throughput_ratio": round(bounded["samples_per_s"] / unbounded["samples_per_s"], 3),
             }
     print(json.dumps(out))

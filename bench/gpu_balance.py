@@ -150,8 +150,14 @@ def main() -> None:
     device = "cuda"
     torch.manual_seed(args.seed)
     model = Model(args.layers, args.hidden, args.heads).to(device=device, dtype=torch.bfloat16)
-    result = {"device": torch.cuda.get_device_name(), "model": {"layers": args.layers, "hidden": args.hidden,
-              "heads": args.heads}, "dp": args.dp, "micro_batches": args.micro, "steps": args.steps, "contexts": {}}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads},
+        "dp": args.dp,
+        "micro_batches": args.micro,
+        "steps": args.steps,
+        "contexts": {},
+    }
     started = time.time()
     for ctx in map(int, args.contexts.split(",")):
         # a global batch that fills about one context per micro-batch on average
@@ -167,9 +173,11 @@ def main() -> None:
             # the profiled cost of a document (the per-micro-batch constant is the same on every rank)
             profiled = coef[0] * lengths + coef[1] * lengths.astype(np.float64) ** 2 + coef[2]
             i = np.arange(samples)
-            layouts = {"vanilla": (i % args.dp, (i // args.dp) % args.micro),
-                       "balanced": assign(costs, args.dp, args.micro),
-                       "calibrated": assign(np.maximum(profiled, 0.0), args.dp, args.micro)}
+            layouts = {
+                "vanilla": (i % args.dp, (i // args.dp) % args.micro),
+                "balanced": assign(costs, args.dp, args.micro),
+                "calibrated": assign(np.maximum(profiled, 0.0), args.dp, args.micro),
+            }
             for name, (bucket, mbin) in layouts.items():
                 measured = step_times(model, lengths, bucket, mbin, args.dp, args.micro, device)
                 predicted = np.bincount(bucket, weights=costs, minlength=args.dp)
@@ -178,8 +186,13 @@ def main() -> None:
         v, b, c = rows["vanilla"], rows["balanced"], rows["calibrated"]
         result["contexts"][str(ctx)] = {
             "samples_per_step": samples,
-            "cost_fit": {"ms_per_token": coef[0], "ms_per_token2": coef[1], "ms_per_doc": coef[2],
-                         "ms_per_microbatch": coef[3], "r2": round(r2, 4)},
+            "cost_fit": {
+                "ms_per_token": coef[0],
+                "ms_per_token2": coef[1],
+                "ms_per_doc": coef[2],
+                "ms_per_microbatch": coef[3],
+                "r2": round(r2, 4),
+            },
             "measured_speedup": round(sum(r[0] for r in v) / sum(r[0] for r in b), 3),
             "measured_speedup_calibrated": round(sum(r[0] for r in v) / sum(r[0] for r in c), 3),
             "calibrated_imbalance": round(statistics.median(r[1] for r in c), 3),

@@ -39,21 +39,23 @@ from overlord.sidecar.sidecar import sidecar_running
 from overlord.torch import DataLoader, batch_digest
 
 
-
-
 def run(job, mode: str, steps: int, hold: int) -> dict:
     config = Path(job.run_dir).parent / f"{job.name}.json"
     config.write_text(job.to_json())
-    sidecar = subprocess.Popen([sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 60
     while not sidecar_running(job):
         if sidecar.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"sidecar of {mode} run did not start")
         time.sleep(0.05)
     try:
-        loader = DataLoader(job, rank=0, world_size=1, spawn_sidecar=False,
-                            pin_memory=mode == "pinned", copy=mode == "copy")
+        loader = DataLoader(
+            job, rank=0, world_size=1, spawn_sidecar=False, pin_memory=mode == "pinned", copy=mode == "copy"
+        )
         held, seen, times, changed = [], [], [], 0
         it = iter(loader)
         for i in range(steps):
@@ -75,9 +77,14 @@ def run(job, mode: str, steps: int, hold: int) -> dict:
         sidecar.send_signal(signal.SIGTERM)
         sidecar.wait(timeout=60)
     skip = min(20, steps // 4)  # warm-up: first batches wait for the pipeline to fill
-    return {"seen": seen, "changed": changed, "copies": copies, "batches": steps,
-            "p50_ms": round(statistics.median(times[skip:]) * 1e3, 3),
-            "mean_ms": round(statistics.mean(times[skip:]) * 1e3, 3)}
+    return {
+        "seen": seen,
+        "changed": changed,
+        "copies": copies,
+        "batches": steps,
+        "p50_ms": round(statistics.median(times[skip:]) * 1e3, 3),
+        "mean_ms": round(statistics.mean(times[skip:]) * 1e3, 3),
+    }
 
 
 def main() -> None:

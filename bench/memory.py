@@ -57,9 +57,7 @@ MIB = 1 << 20
 def corpus_for(sources: int, *, rows_per_source: int, row_group_size: int, seed: int) -> Path:
     """Generates (or reuses) the benchmark corpus under ``bench/out``; returns its root."""
     root = OUT / f"corpus-s{sources}-r{rows_per_source}-g{row_group_size}-seed{seed}"
-    generate_many(
-        root, sources, rows_per_source, seed=seed, row_group_size=row_group_size
-    )
+    generate_many(root, sources, rows_per_source, seed=seed, row_group_size=row_group_size)
     return root
 
 
@@ -90,8 +88,10 @@ class _SourceReader:
                 first += pf.metadata.row_group(rg).num_rows
         self._stride = None if len(units) >= n_shards else (shard, n_shards)
         self._units = units if self._stride else units[shard::n_shards]
-        self.rows = max(0, -(-(first - shard) // n_shards)) if self._stride else sum(
-            self._files[fi].metadata.row_group(rg).num_rows for fi, rg, _ in self._units
+        self.rows = (
+            max(0, -(-(first - shard) // n_shards))
+            if self._stride
+            else sum(self._files[fi].metadata.row_group(rg).num_rows for fi, rg, _ in self._units)
         )
         self._order: list = []
         self._buf: list = []
@@ -199,12 +199,19 @@ def _trainer_main(cfg: dict) -> None:
     deadline = time.monotonic() + cfg["timeout_s"]
     sources = _corpus_sources(Path(cfg["corpus"]))
     dataset = _dataset(
-        sources, rank=cfg["rank"], ranks=cfg["ranks"], window=cfg["shuffle_window"],
+        sources,
+        rank=cfg["rank"],
+        ranks=cfg["ranks"],
+        window=cfg["shuffle_window"],
         seed=cfg["seed"],
     )
     loader = tud.DataLoader(
-        dataset, batch_size=cfg["batch_size"], num_workers=cfg["workers"],
-        collate_fn=_collate, multiprocessing_context="fork", timeout=cfg["timeout_s"],
+        dataset,
+        batch_size=cfg["batch_size"],
+        num_workers=cfg["workers"],
+        collate_fn=_collate,
+        multiprocessing_context="fork",
+        timeout=cfg["timeout_s"],
     )
     batches = iter(loader)
     touched = dict.fromkeys(range(cfg["workers"]), 0)
@@ -236,7 +243,9 @@ class _Trainer:
         self.rank = rank
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--trainer", json.dumps({**cfg, "rank": rank})],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
         )
         self._pending = b""
 
@@ -326,8 +335,15 @@ def _measure(trainers, deadline: float, sample_pss, steady=None) -> tuple[dict, 
 
 
 def run_colocated(
-    corpus: Path, *, ranks: int, workers: int, samples: int, shuffle_window: int,
-    batch_size: int = 32, seed: int = 0, timeout_s: float = 600.0,
+    corpus: Path,
+    *,
+    ranks: int,
+    workers: int,
+    samples: int,
+    shuffle_window: int,
+    batch_size: int = 32,
+    seed: int = 0,
+    timeout_s: float = 600.0,
 ) -> dict:
     """Runs the colocated baseline and measures it.
 
@@ -349,9 +365,16 @@ def run_colocated(
         RuntimeError: A trainer exited early.
         TimeoutError: A phase ran past ``timeout_s``.
     """
-    cfg = dict(corpus=str(corpus), ranks=ranks, workers=workers, samples=samples,
-               shuffle_window=shuffle_window, batch_size=batch_size, seed=seed,
-               timeout_s=timeout_s)
+    cfg = dict(
+        corpus=str(corpus),
+        ranks=ranks,
+        workers=workers,
+        samples=samples,
+        shuffle_window=shuffle_window,
+        batch_size=batch_size,
+        seed=seed,
+        timeout_s=timeout_s,
+    )
     start = time.monotonic()
     deadline = start + timeout_s
     trainers: list[_Trainer] = []
@@ -359,8 +382,7 @@ def run_colocated(
 
     def sample_pss() -> None:
         w, t, c = _pss_snapshot(trainers)
-        peak.update(workers=max(peak["workers"], w), trainer=max(peak["trainer"], t),
-                    count=max(peak["count"], c))
+        peak.update(workers=max(peak["workers"], w), trainer=max(peak["trainer"], t), count=max(peak["count"], c))
 
     try:
         trainers = [_Trainer(rank, cfg) for rank in range(ranks)]
@@ -368,7 +390,9 @@ def run_colocated(
     finally:
         for t in trainers:
             t.kill()
-    warm_s = min(ev["t0"] for ev in done.values()) - start  # CLOCK_MONOTONIC is system-wide: trainer times compare with ours
+    warm_s = (
+        min(ev["t0"] for ev in done.values()) - start
+    )  # CLOCK_MONOTONIC is system-wide: trainer times compare with ours
     total = sum(ev["samples"] for ev in done.values())
     return {
         "colocated_pss_mb": round(peak["workers"] / MIB, 1),
@@ -406,8 +430,16 @@ def _overlord_trainer_main(cfg: dict) -> None:
 
 
 def run_overlord(
-    corpus: Path, *, ranks: int, workers: int, samples: int, shuffle_window: int,
-    batch_size: int = 32, seed: int = 0, timeout_s: float = 600.0, loader_processes: int = 2,
+    corpus: Path,
+    *,
+    ranks: int,
+    workers: int,
+    samples: int,
+    shuffle_window: int,
+    batch_size: int = 32,
+    seed: int = 0,
+    timeout_s: float = 600.0,
+    loader_processes: int = 2,
 ) -> dict:
     """The same sources, transforms, row-group reads and shuffle window through Overlord.
 
@@ -432,8 +464,12 @@ def run_overlord(
         ),
         mesh=Mesh(dp=ranks),
         batch=BatchSpec(global_batch=ranks * batch_size, micro_batches=1, context_length=2048, ring_bytes=2 << 20),
-        seed=seed, run_dir=f"/tmp/overlord-bench-{os.getpid()}", loader_processes=loader_processes,
-        buffer_samples=64, sample_ring_bytes=1 << 20, timeout_s=120.0,
+        seed=seed,
+        run_dir=f"/tmp/overlord-bench-{os.getpid()}",
+        loader_processes=loader_processes,
+        buffer_samples=64,
+        sample_ring_bytes=1 << 20,
+        timeout_s=120.0,
     )
     OUT.mkdir(parents=True, exist_ok=True)
     config = OUT / f"{job.name}.json"
@@ -442,7 +478,8 @@ def run_overlord(
     deadline = start + timeout_s
     sidecar = subprocess.Popen(
         [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config)],
-        stdout=open(OUT / f"{job.name}-sidecar.log", "wb"), stderr=subprocess.STDOUT,
+        stdout=open(OUT / f"{job.name}-sidecar.log", "wb"),
+        stderr=subprocess.STDOUT,
     )
     trainers: list[_Trainer] = []
     peak = {"sidecar": 0, "trainer": 0, "procs": 0}
@@ -456,18 +493,29 @@ def run_overlord(
             by_role.clear()
             for pid in pids:
                 by_role[_role_of(pid)] = by_role.get(_role_of(pid), 0) + round(pss_of([pid]) / MIB, 1)
-        peak.update(sidecar=max(peak["sidecar"], total), procs=max(peak["procs"], len(pids)),
-                    trainer=max(peak["trainer"], pss_of(t.proc.pid for t in trainers)))
+        peak.update(
+            sidecar=max(peak["sidecar"], total),
+            procs=max(peak["procs"], len(pids)),
+            trainer=max(peak["trainer"], pss_of(t.proc.pid for t in trainers)),
+        )
 
     try:
         while not sidecar_running(job):
             if sidecar.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"sidecar did not start; see {OUT / (job.name + '-sidecar.log')}")
             time.sleep(0.05)
-        cfg = dict(mode="overlord", config=str(config), ranks=ranks, samples=samples,
-                   warm_batches=max(8, len(job.sources) // batch_size), timeout_s=timeout_s)
+        cfg = dict(
+            mode="overlord",
+            config=str(config),
+            ranks=ranks,
+            samples=samples,
+            warm_batches=max(8, len(job.sources) // batch_size),
+            timeout_s=timeout_s,
+        )
         trainers = [_Trainer(rank, cfg) for rank in range(ranks)]
-        warm, done, window = _measure(trainers, deadline, sample_pss, steady=lambda: _await_every_source_read(job, deadline))
+        warm, done, window = _measure(
+            trainers, deadline, sample_pss, steady=lambda: _await_every_source_read(job, deadline)
+        )
     finally:
         for t in trainers:
             t.kill()
@@ -538,20 +586,32 @@ def main(argv: list[str] | None = None) -> int:
         (_overlord_trainer_main if cfg.get("mode") == "overlord" else _trainer_main)(cfg)
         return 0
     start = time.monotonic()
-    corpus = corpus_for(args.sources, rows_per_source=args.rows_per_source,
-                        row_group_size=args.row_group_size, seed=args.seed)
-    common = dict(ranks=args.ranks, workers=args.workers, samples=args.samples,
-                  shuffle_window=args.shuffle_window, batch_size=args.batch_size,
-                  seed=args.seed, timeout_s=args.timeout)
+    corpus = corpus_for(
+        args.sources, rows_per_source=args.rows_per_source, row_group_size=args.row_group_size, seed=args.seed
+    )
+    common = dict(
+        ranks=args.ranks,
+        workers=args.workers,
+        samples=args.samples,
+        shuffle_window=args.shuffle_window,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        timeout_s=args.timeout,
+    )
     result = {"sources": args.sources, "ranks": args.ranks, "workers": args.workers}
     if not args.baseline_only:
         result.update(run_overlord(corpus, **common))
     result.update(run_colocated(corpus, **common))
     if not args.baseline_only:
         result["ratio"] = round(result["colocated_pss_mb"] / result["overlord_pss_mb"], 2)
-    result.update(samples=args.samples, shuffle_window=args.shuffle_window,
-                  batch_size=args.batch_size, rows_per_source=args.rows_per_source,
-                  row_group_size=args.row_group_size, wall_s=round(time.monotonic() - start, 1))
+    result.update(
+        samples=args.samples,
+        shuffle_window=args.shuffle_window,
+        batch_size=args.batch_size,
+        rows_per_source=args.rows_per_source,
+        row_group_size=args.row_group_size,
+        wall_s=round(time.monotonic() - start, 1),
+    )
     print(json.dumps(result), flush=True)
     return 0
 

@@ -122,8 +122,9 @@ def measure(kind: str, path: str, count: int, ring_bytes: int) -> dict:
                 got += 1
             ring.close()
         else:
-            reader = RemoteReader(job, f"grpc://127.0.0.1:{port}", 0, token=token, lz4=path == "flight_lz4",
-                                  timeout_s=60)
+            reader = RemoteReader(
+                job, f"grpc://127.0.0.1:{port}", 0, token=token, lz4=path == "flight_lz4", timeout_s=60
+            )
             start = time.perf_counter()
             for record in reader:
                 decode_batch(record)
@@ -137,8 +138,11 @@ def measure(kind: str, path: str, count: int, ring_bytes: int) -> dict:
         unlink_all(name)
     if got != count:
         raise RuntimeError(f"{kind}/{path}: {got} of {count} batches arrived")
-    return {"gb_per_s": round(nbytes / wall / 1e9, 3), "batches_per_s": round(got / wall, 1),
-            "batch_kib": round(nbytes / got / 1024, 1)}
+    return {
+        "gb_per_s": round(nbytes / wall / 1e9, 3),
+        "batches_per_s": round(got / wall, 1),
+        "batch_kib": round(nbytes / got / 1024, 1),
+    }
 
 
 def switchover(rows: int = 480, restart_after_s: float = 3.0, sleep_s: float = 0.02) -> dict:
@@ -156,16 +160,43 @@ def switchover(rows: int = 480, restart_after_s: float = 3.0, sleep_s: float = 0
     here = Path(__file__).parent
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        corpus = generate_corpus(tmp / "corpus", seed=5, text_sources=3, image_sources=1, rows_per_source=rows,
-                                 files_per_source=2, row_group_size=32, max_image_side=96)
+        corpus = generate_corpus(
+            tmp / "corpus",
+            seed=5,
+            text_sources=3,
+            image_sources=1,
+            rows_per_source=rows,
+            files_per_source=2,
+            row_group_size=32,
+            max_image_side=96,
+        )
         red = EmbeddedRedis(tmp / "redis").start()
         nodes = ("n0", "n1", "n2")
-        job = Job(name=f"sw{os.getpid()}", sources=tuple(
-            Source(name=n, paths=tuple(f), shuffle_window=48, transform=IMAGE_TRANSFORM if n.startswith("images") else TEXT_TRANSFORM)
-            for n, f in corpus.items()), mesh=Mesh(dp=3), nodes=nodes, redis_url=red.url, flight_port=1,
+        job = Job(
+            name=f"sw{os.getpid()}",
+            sources=tuple(
+                Source(
+                    name=n,
+                    paths=tuple(f),
+                    shuffle_window=48,
+                    transform=IMAGE_TRANSFORM if n.startswith("images") else TEXT_TRANSFORM,
+                )
+                for n, f in corpus.items()
+            ),
+            mesh=Mesh(dp=3),
+            nodes=nodes,
+            redis_url=red.url,
+            flight_port=1,
             batch=BatchSpec(global_batch=30, micro_batches=2, context_length=512, ring_bytes=1 << 20),
-            seed=5, epochs=1, loader_processes=3, plan_ahead=2, timeout_s=30.0, run_dir=str(tmp / "run"),
-            sample_ring_bytes=2 << 20, buffer_samples=128)
+            seed=5,
+            epochs=1,
+            loader_processes=3,
+            plan_ahead=2,
+            timeout_s=30.0,
+            run_dir=str(tmp / "run"),
+            sample_ring_bytes=2 << 20,
+            buffer_samples=128,
+        )
         config = tmp / "job.json"
         config.write_text(job.to_json())
         ports = {n: _free_port() for n in nodes}
@@ -174,9 +205,22 @@ def switchover(rows: int = 480, restart_after_s: float = 3.0, sleep_s: float = 0
 
         def start(node: str) -> None:
             procs[node] = subprocess.Popen(
-                [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config), "--node", node,
-                 "--flight-port", str(ports[node])], env=env, stdout=open(tmp / f"{node}.log", "ab"),
-                stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "overlord.cli",
+                    "sidecar",
+                    "--config",
+                    str(config),
+                    "--node",
+                    node,
+                    "--flight-port",
+                    str(ports[node]),
+                ],
+                env=env,
+                stdout=open(tmp / f"{node}.log", "ab"),
+                stderr=subprocess.STDOUT,
+            )
             deadline = time.monotonic() + 30
             while not sidecar_running(job.on_node(node)):
                 if time.monotonic() > deadline or procs[node].poll() is not None:
@@ -188,9 +232,18 @@ def switchover(rows: int = 480, restart_after_s: float = 3.0, sleep_s: float = 0
             for node in nodes:
                 start(node)
             for rank in range(3):
-                trainers.append(subprocess.Popen(
-                    [sys.executable, str(here / "switchover_trainer.py"), str(config), str(tmp / f"rank{rank}.json"),
-                     str(sleep_s)], env=dict(os.environ, RANK=str(rank), WORLD_SIZE="3")))
+                trainers.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            str(here / "switchover_trainer.py"),
+                            str(config),
+                            str(tmp / f"rank{rank}.json"),
+                            str(sleep_s),
+                        ],
+                        env=dict(os.environ, RANK=str(rank), WORLD_SIZE="3"),
+                    )
+                )
             r, keys = connect(red.url), Keys(job.name)
             deadline = time.monotonic() + 120
             while int(r.hget(keys.progress, "c1") or -1) < 10:
@@ -221,11 +274,15 @@ def switchover(rows: int = 480, restart_after_s: float = 3.0, sleep_s: float = 0
     away = [i for i in range(1, len(one["nodes"])) if one["nodes"][i] != one["nodes"][i - 1]]
     # batches the trainer still read from its node's ring after the kill (built before it)
     drained = sum(1 for i, t in enumerate(one["arrivals"]) if t > killed and (not away or i < away[0]))
-    out = {"switchover_ms": round(float(gaps[away[0] - 1]), 1) if away else None,
-           "drained_after_kill": drained,
-           "switchback_ms": round(float(gaps[away[-1] - 1]), 1) if len(away) >= 2 else None,
-           "served_by": sorted(set(one["nodes"])), "median_wait_ms": round(float(np.median(gaps)), 1),
-           "rank1_switches": one["switches"], "batches_per_rank": len(one["steps"])}
+    out = {
+        "switchover_ms": round(float(gaps[away[0] - 1]), 1) if away else None,
+        "drained_after_kill": drained,
+        "switchback_ms": round(float(gaps[away[-1] - 1]), 1) if len(away) >= 2 else None,
+        "served_by": sorted(set(one["nodes"])),
+        "median_wait_ms": round(float(np.median(gaps)), 1),
+        "rank1_switches": one["switches"],
+        "batches_per_rank": len(one["steps"]),
+    }
     return out
 
 
@@ -237,8 +294,10 @@ def main() -> None:
     parser.add_argument("--no-switchover", action="store_true", help="skip the 3-node switch-over run")
     args = parser.parse_args()
     switch = None if args.no_switchover else switchover()
-    results = {kind: {path: measure(kind, path, args.count, args.ring_mib << 20)
-                      for path in ("local", "flight", "flight_lz4")} for kind in ("text", "image")}
+    results = {
+        kind: {path: measure(kind, path, args.count, args.ring_mib << 20) for path in ("local", "flight", "flight_lz4")}
+        for kind in ("text", "image")
+    }
     line = {
         "local_gb_per_s": results["image"]["local"]["gb_per_s"],
         "remote_gb_per_s": results["image"]["flight"]["gb_per_s"],

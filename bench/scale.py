@@ -207,8 +207,9 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--loaders", type=int, default=64, help="Source Loader processes, simulated")
     parser.add_argument("--steps", type=int, default=20, help="measured steps of each of Overlord and the baseline")
-    parser.add_argument("--fetch-rounds", type=int, default=4,
-                        help="extra all-readers plan fetches timed after each measured step")
+    parser.add_argument(
+        "--fetch-rounds", type=int, default=4, help="extra all-readers plan fetches timed after each measured step"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -227,10 +228,18 @@ def main() -> None:
     streams = [f"s{i}.0" for i in range(n)]
     rng = np.random.default_rng(0)
     weights = rng.uniform(0.2, 1.0, n)
-    core = PlannerCore(streams=streams, stream_source=list(range(n)), tree=tree,
-                       weights=list(weights), seed=0, global_batch=args.global_batch,
-                       micro_batches=args.micro_batches, finite=False, context_length=8192,
-                       strategy=resolve_strategy("overlord.planner.strategies:balanced"))
+    core = PlannerCore(
+        streams=streams,
+        stream_source=list(range(n)),
+        tree=tree,
+        weights=list(weights),
+        seed=0,
+        global_batch=args.global_batch,
+        micro_batches=args.micro_batches,
+        finite=False,
+        context_length=8192,
+        strategy=resolve_strategy("overlord.planner.strategies:balanced"),
+    )
     mean_len = rng.integers(200, 6000, n)  # sources differ in document length
     fed = np.zeros(n, dtype=np.int64)
     chunk = max(16, args.global_batch // n * 4)
@@ -368,21 +377,31 @@ def main() -> None:
         "planner_ms_p90": round(float(np.percentile(times, 90)), 1),
         "redis_ops_per_step": ops,
         "plan_bytes_per_step": int(statistics.median(sizes)),
-        "gpus": mesh.world_size, "dp": args.dp, "tp": args.tp, "cp": args.cp, "sources": n,
-        "global_batch": args.global_batch, "micro_batches": args.micro_batches, "loader_processes": args.loaders,
+        "gpus": mesh.world_size,
+        "dp": args.dp,
+        "tp": args.tp,
+        "cp": args.cp,
+        "sources": n,
+        "global_batch": args.global_batch,
+        "micro_batches": args.micro_batches,
+        "loader_processes": args.loaders,
         "steps": args.steps,
         "baseline_redis_ops_per_step": base_ops,
         "redis_ops_ratio": round(base_ops / ops, 1),
         "plan_bytes_fetched_per_step": int(statistics.median(ovl["fetched"])),
         "baseline_plan_bytes_fetched_per_step": int(statistics.median(base["fetched"])),
-        "fetch_ms_p50": pct(ovl["fetch_ms"], 50), "fetch_ms_p99": pct(ovl["fetch_ms"], 99),
-        "baseline_fetch_ms_p50": pct(base["fetch_ms"], 50), "baseline_fetch_ms_p99": pct(base["fetch_ms"], 99),
+        "fetch_ms_p50": pct(ovl["fetch_ms"], 50),
+        "fetch_ms_p99": pct(ovl["fetch_ms"], 99),
+        "baseline_fetch_ms_p50": pct(base["fetch_ms"], 50),
+        "baseline_fetch_ms_p99": pct(base["fetch_ms"], 99),
         "fetch_ms_p50_ratio": round(float(np.percentile(base["fetch_ms"], 50) / np.percentile(ovl["fetch_ms"], 50)), 1),
         "fetch_rounds": len(ovl["fetch_ms"]),
         "fetch_server_cpu_ms": round(statistics.median(ovl["cpu_ms"]), 1) if ovl["cpu_ms"] else None,
         "baseline_fetch_server_cpu_ms": round(statistics.median(base["cpu_ms"]), 1) if base["cpu_ms"] else None,
-        "reader_connections": ovl["conns"], "baseline_reader_connections": base["conns"],
-        "connections": conns, "baseline_connections": base_conns,
+        "reader_connections": ovl["conns"],
+        "baseline_reader_connections": base["conns"],
+        "connections": conns,
+        "baseline_connections": base_conns,
         "connections_ratio": round(base_conns / conns, 1),
         "connections_over_run": len(set().union(*(f[0] for f in fan))),
         "baseline_connections_over_run": len(set().union(*(f[1] for f in fan))),

@@ -80,6 +80,8 @@ SAMPLES_PER_END = 3  # the fewest samples whose median starts or ends a role's m
 def _end(measured: list) -> int:
     """How many samples at each end of a measured series make its start and end: a third."""
     return max(SAMPLES_PER_END, len(measured) // 3)
+
+
 sys.path.insert(0, str(HERE))  # bench/memory.py's corpus helpers (imported where used: not in trainers)
 
 
@@ -126,15 +128,22 @@ def _job(corpus: Path, args, run_dir: Path, metrics_port: int):
         raise SystemExit(f"--ranks {args.ranks} is not a multiple of --tp {args.tp}")
     dp = args.ranks // args.tp
     sources = tuple(
-        Source(name=name, paths=tuple(files), transform=spec, weight=round(1 / (i + 1) ** 0.5, 4),
-               shuffle_window=64)
+        Source(name=name, paths=tuple(files), transform=spec, weight=round(1 / (i + 1) ** 0.5, 4), shuffle_window=64)
         for i, (name, files, spec) in enumerate(_corpus_sources(corpus))
     )
     return Job(
-        name=f"soak{os.getpid()}", sources=sources, mesh=Mesh(dp=dp, tp=args.tp), seed=args.seed, epochs=None,
+        name=f"soak{os.getpid()}",
+        sources=sources,
+        mesh=Mesh(dp=dp, tp=args.tp),
+        seed=args.seed,
+        epochs=None,
         batch=BatchSpec(global_batch=dp * 32, micro_batches=2, context_length=4096, ring_bytes=4 << 20),
-        run_dir=str(run_dir), loader_processes=2, buffer_samples=128, sample_ring_bytes=1 << 20,
-        timeout_s=120.0, metrics_port=metrics_port,
+        run_dir=str(run_dir),
+        loader_processes=2,
+        buffer_samples=128,
+        sample_ring_bytes=1 << 20,
+        timeout_s=120.0,
+        metrics_port=metrics_port,
     )
 
 
@@ -189,14 +198,18 @@ class Series:
         out: dict = {"samples": len(measured), "pid_changes": self.pid_changes}
         if len(measured) < 2 * SAMPLES_PER_END:
             return {**out, "start_mib": None, "end_mib": None, "growth_pct": None, "slope_mib_per_h": None}
-        start = statistics.median(b for _, b in measured[:_end(measured)])
-        end = statistics.median(b for _, b in measured[-_end(measured):])
+        start = statistics.median(b for _, b in measured[: _end(measured)])
+        end = statistics.median(b for _, b in measured[-_end(measured) :])
         ts = [t for t, _ in measured]
         mean_t, mean_b = statistics.fmean(ts), statistics.fmean(b for _, b in measured)
         slope = sum((t - mean_t) * (b - mean_b) for t, b in measured) / sum((t - mean_t) ** 2 for t in ts)
-        return {**out, "start_mib": round(start / MIB, 2), "end_mib": round(end / MIB, 2),
-                "growth_pct": round((end - start) / start * 100, 2) if start else None,
-                "slope_mib_per_h": round(slope * 3600 / MIB, 2)}
+        return {
+            **out,
+            "start_mib": round(start / MIB, 2),
+            "end_mib": round(end / MIB, 2),
+            "growth_pct": round((end - start) / start * 100, 2) if start else None,
+            "slope_mib_per_h": round(slope * 3600 / MIB, 2),
+        }
 
 
 class Soak:
@@ -237,8 +250,12 @@ class Soak:
         from overlord.sidecar.sidecar import sidecar_running
 
         log = open(self.workdir / "sidecar.log", "wb")
-        self.sidecar = subprocess.Popen([sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config)],
-                                        stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.sidecar = subprocess.Popen(
+            [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
         deadline = time.monotonic() + 120
         while not (sidecar_running(self.job) and (self.job.run_path / "redis.sock").exists()):
             if self.sidecar.poll() is not None or time.monotonic() > deadline:
@@ -249,11 +266,19 @@ class Soak:
         """Starts every trainer rank; each reads until `end` (wall clock)."""
         world = self.job.mesh.world_size
         for rank in range(world):
-            cfg = dict(config=str(self.config), rank=rank, ranks=world, end=end, step_s=step_s,
-                       out=str(self.workdir / f"rank{rank}.json"))
+            cfg = dict(
+                config=str(self.config),
+                rank=rank,
+                ranks=world,
+                end=end,
+                step_s=step_s,
+                out=str(self.workdir / f"rank{rank}.json"),
+            )
             self.trainers[rank] = subprocess.Popen(
                 [sys.executable, __file__, "--trainer", json.dumps(cfg)],
-                stdout=open(self.workdir / f"rank{rank}.log", "wb"), stderr=subprocess.STDOUT, cwd=REPO,
+                stdout=open(self.workdir / f"rank{rank}.log", "wb"),
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
             )
 
     def _heartbeat_pids(self) -> dict[int, str]:
@@ -352,13 +377,22 @@ class Soak:
 
     def save_series(self, path: Path) -> None:
         """Every sample of every role (and of Redis's own accounting), for a closer look."""
-        path.write_text(json.dumps({
-            "roles": {role: {"pid": s.pid, "earlier": s.history, "t": s.times, "rss": s.rss}
-                      for role, s in self.series.items()},
-            "redis": {"t": [x[0] for x in self.redis_info], "used_memory": [x[1] for x in self.redis_info],
-                      "keys": [x[2] for x in self.redis_info]},
-            "loader_held_bytes": self.held,
-        }))
+        path.write_text(
+            json.dumps(
+                {
+                    "roles": {
+                        role: {"pid": s.pid, "earlier": s.history, "t": s.times, "rss": s.rss}
+                        for role, s in self.series.items()
+                    },
+                    "redis": {
+                        "t": [x[0] for x in self.redis_info],
+                        "used_memory": [x[1] for x in self.redis_info],
+                        "keys": [x[2] for x in self.redis_info],
+                    },
+                    "loader_held_bytes": self.held,
+                }
+            )
+        )
 
     def finish_trainers(self, timeout: float) -> tuple[list[dict], list[str]]:
         """Waits for every trainer; returns their results and what went wrong."""
@@ -416,9 +450,12 @@ def _redis_growth(info: list[tuple[float, int, int]], warmup_s: float, families:
     used = Series(0)
     for t, used_memory, _ in info:
         used.add(0, t, used_memory)
-    return {"used_memory_mib": [round(first[1] / MIB, 2), round(last[1] / MIB, 2)],
-            "used_memory_growth_pct": used.summary(warmup_s)["growth_pct"],
-            "keys": [first[2], last[2]], "key_families_at_end": families}
+    return {
+        "used_memory_mib": [round(first[1] / MIB, 2), round(last[1] / MIB, 2)],
+        "used_memory_growth_pct": used.summary(warmup_s)["growth_pct"],
+        "keys": [first[2], last[2]],
+        "key_families_at_end": families,
+    }
 
 
 def _largest(values: dict[str, float | None]) -> tuple[str | None, float | None]:
@@ -435,8 +472,10 @@ def plot(series: dict[str, Series], warmup_s: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [("sidecar and its roles", sorted(r for r in series if not r.startswith("rank"))),
-              ("trainer ranks", sorted((r for r in series if r.startswith("rank")), key=lambda r: int(r[4:])))]
+    groups = [
+        ("sidecar and its roles", sorted(r for r in series if not r.startswith("rank"))),
+        ("trainer ranks", sorted((r for r in series if r.startswith("rank")), key=lambda r: int(r[4:]))),
+    ]
     fig, axes = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
     axes[2].set_prop_cycle(color=plt.get_cmap("tab20").colors)  # one colour per role
     for ax, (title, roles) in zip(axes, groups):
@@ -444,8 +483,13 @@ def plot(series: dict[str, Series], warmup_s: float, path: Path) -> None:
             s = series[role]
             color = None
             for times, rss in [*s.history, (s.times, s.rss)]:
-                (line,) = ax.plot([t / 60 for t in times], [b / MIB for b in rss], lw=1, color=color,
-                                  label=role if color is None else None)
+                (line,) = ax.plot(
+                    [t / 60 for t in times],
+                    [b / MIB for b in rss],
+                    lw=1,
+                    color=color,
+                    label=role if color is None else None,
+                )
                 color = line.get_color()
         ax.axvspan(0, warmup_s / 60, color="0.9", zorder=0)
         ax.set_title(f"{title} (grey: warm-up, not measured)", fontsize=9, loc="left")
@@ -457,11 +501,13 @@ def plot(series: dict[str, Series], warmup_s: float, path: Path) -> None:
         s = series[role]
         measured = [(t, b) for t, b in zip(s.times, s.rss) if t >= warmup_s]
         if len(measured) >= SAMPLES_PER_END:
-            base = statistics.median(b for _, b in measured[:_end(measured)])
+            base = statistics.median(b for _, b in measured[: _end(measured)])
             ax.plot([t / 60 for t, _ in measured], [(b - base) / base * 100 for _, b in measured], lw=1, label=role)
     ax.axhline(2, color="tab:red", lw=0.8, ls="--")
     ax.axvspan(0, warmup_s / 60, color="0.9", zorder=0)
-    ax.set_title("RSS after the warm-up, % of the median of its first third (red: the 2% target)", fontsize=9, loc="left")
+    ax.set_title(
+        "RSS after the warm-up, % of the median of its first third (red: the 2% target)", fontsize=9, loc="left"
+    )
     ax.set_ylabel("growth (%)")
     ax.legend(fontsize=6, ncol=6, loc="upper left")
     ax.tick_params(labelsize=7)
@@ -477,8 +523,7 @@ def run(args) -> dict:
 
     from overlord.shm import list_segments
 
-    warmup_min = args.warmup_min if args.warmup_min is not None else min(max(1.0, 0.2 * args.minutes),
-                                                                         args.minutes / 2)
+    warmup_min = args.warmup_min if args.warmup_min is not None else min(max(1.0, 0.2 * args.minutes), args.minutes / 2)
     warmup_s, duration_s = warmup_min * 60, args.minutes * 60
     corpus = corpus_for(args.sources, rows_per_source=args.rows_per_source, row_group_size=128, seed=args.seed)
     run_dir = Path(f"/tmp/overlord-soak-{os.getpid()}")  # short: it holds Redis's unix socket
@@ -503,8 +548,9 @@ def run(args) -> dict:
                 next_note += 60
             dead = [r for r, p in soak.trainers.items() if p.poll() is not None]
             if dead or soak.sidecar.poll() is not None:
-                detail["stopped_early"] = (f"at {now:.0f} s: " + (f"ranks {dead} exited" if dead else
-                                           f"the sidecar exited with {soak.sidecar.returncode}"))
+                detail["stopped_early"] = f"at {now:.0f} s: " + (
+                    f"ranks {dead} exited" if dead else f"the sidecar exited with {soak.sidecar.returncode}"
+                )
                 break
             time.sleep(min(0.5, max(0.0, next_sample - (time.monotonic() - soak.t0))))
         if "stopped_early" in detail:
@@ -539,29 +585,51 @@ def run(args) -> dict:
     pid_changes = sum(s.pid_changes for s in soak.series.values())
     soak.scrape_errors += not soak.scraped  # /metrics never answered
     detail.update(
-        trainer_failures=len(problems), redis_errors=redis_errors,
-        role_restarts=max(restarts, pid_changes), metrics_scrape_errors=soak.scrape_errors,
-        sidecar_rc=sidecar_rc, segments_left=len(left),
+        trainer_failures=len(problems),
+        redis_errors=redis_errors,
+        role_restarts=max(restarts, pid_changes),
+        metrics_scrape_errors=soak.scrape_errors,
+        sidecar_rc=sidecar_rc,
+        segments_left=len(left),
     )
-    errors = (detail["trainer_failures"] + redis_errors + detail["role_restarts"] + soak.scrape_errors
-              + (sidecar_rc != 0) + len(left) + ("stopped_early" in detail))
+    errors = (
+        detail["trainer_failures"]
+        + redis_errors
+        + detail["role_restarts"]
+        + soak.scrape_errors
+        + (sidecar_rc != 0)
+        + len(left)
+        + ("stopped_early" in detail)
+    )
     if problems or first_errors:
         detail["messages"] = (problems + first_errors)[:5]
     batches = sum(r["batches"] for r in results)
     line = {
-        "rss_growth_pct": worst_pct, "rss_growth_role": worst,
-        "rss_growth_mib": None if most_mib is None else round(most_mib, 2), "rss_growth_mib_role": most,
-        "pss_growth_pct": pss_worst_pct, "pss_growth_role": pss_worst,
+        "rss_growth_pct": worst_pct,
+        "rss_growth_role": worst,
+        "rss_growth_mib": None if most_mib is None else round(most_mib, 2),
+        "rss_growth_mib_role": most,
+        "pss_growth_pct": pss_worst_pct,
+        "pss_growth_role": pss_worst,
         "pss": {r: {k: v[k] for k in ("start_mib", "end_mib", "growth_pct")} for r, v in pss.items()},
-        "batches": batches, "errors": errors, "error_detail": detail,
+        "batches": batches,
+        "errors": errors,
+        "error_detail": detail,
         "batches_per_s": round(batches / duration_s, 1),
         "samples": sum(r["samples"] for r in results if r.get("tp") == 0),  # TP ranks share their samples
-        "minutes": args.minutes, "warmup_min": round(warmup_min, 2), "sample_s": args.sample_s,
-        "ranks": job.mesh.world_size, "mesh": f"dp{job.mesh.dp}xtp{job.mesh.tp}", "sources": len(job.sources),
-        "step_ms": args.step_ms, "loader_processes": job.loader_processes,
-        "roles": roles, "redis_store": _redis_growth(soak.redis_info, warmup_s, families),
+        "minutes": args.minutes,
+        "warmup_min": round(warmup_min, 2),
+        "sample_s": args.sample_s,
+        "ranks": job.mesh.world_size,
+        "mesh": f"dp{job.mesh.dp}xtp{job.mesh.tp}",
+        "sources": len(job.sources),
+        "step_ms": args.step_ms,
+        "loader_processes": job.loader_processes,
+        "roles": roles,
+        "redis_store": _redis_growth(soak.redis_info, warmup_s, families),
         "harness_redis_read_errors": soak.redis_errors,
-        "wall_s": round(time.time() - start_wall, 1), "logs": str(workdir),
+        "wall_s": round(time.time() - start_wall, 1),
+        "logs": str(workdir),
     }
     try:
         plot(soak.series, warmup_s, OUT / "soak.png")
@@ -579,8 +647,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size; dp = ranks / tp")
     p.add_argument("--sources", type=int, default=100)
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
-    p.add_argument("--warmup-min", type=float, default=None,
-                   help="minutes not measured (default: 20%% of the run, at least 1, at most half)")
+    p.add_argument(
+        "--warmup-min",
+        type=float,
+        default=None,
+        help="minutes not measured (default: 20%% of the run, at least 1, at most half)",
+    )
     p.add_argument("--step-ms", type=float, default=50.0, help="each rank's simulated training step")
     # With 5,000 rows the job's state in Redis stays closer to one size through a
     # 10-minute run (`used_memory` +0.7%, +2.7%, -1.1% in three runs). With 500, the 762k

@@ -25,8 +25,17 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - reported in the JSON
         end = f"{type(exc).__name__}: {exc}"
     with open(out, "w") as fh:
-        json.dump({"arrivals": arrivals, "nodes": nodes, "steps": steps, "end": end,
-                   "switches": loader.switches, "dropped": loader.dropped}, fh)
+        json.dump(
+            {
+                "arrivals": arrivals,
+                "nodes": nodes,
+                "steps": steps,
+                "end": end,
+                "switches": loader.switches,
+                "dropped": loader.dropped,
+            },
+            fh,
+        )
 
 
 if __name__ == "__main__":

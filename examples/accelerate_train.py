@@ -35,15 +35,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-
 from common import demo_job, start_sidecar, stop_sidecar
-from overlord.torch import DataLoader, batch_digest
 from train_gpt import CONTEXT, GPT, WEIGHTS
+
+from overlord.torch import DataLoader, batch_digest
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("demo-data/accelerate"), help="checkpoint, job config, run directory")
+    p.add_argument(
+        "--out", type=Path, default=Path("demo-data/accelerate"), help="checkpoint, job config, run directory"
+    )
     p.add_argument("--data", type=Path, default=Path("demo-data/corpus"), help="demo corpus (made if missing)")
     p.add_argument("--steps", type=int, default=8, help="train until this many steps are done")
     p.add_argument("--ckpt-every", type=int, default=0, help="save_state every this many steps (0: never)")
@@ -68,8 +70,6 @@ class Progress:
         self.step = int(state["step"])
 
 
-
-
 def main() -> None:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -79,8 +79,7 @@ def main() -> None:
     ckpt_dir = args.out / "checkpoint"
     resume = args.resume and ckpt_dir.exists()
 
-    job = demo_job(args, "accelerate", WEIGHTS, world, global_batch=32 * world, micro_batches=2,
-                   context_length=CONTEXT)
+    job = demo_job(args, "accelerate", WEIGHTS, world, global_batch=32 * world, micro_batches=2, context_length=CONTEXT)
     sidecar = start_sidecar(job, args.out, resume)  # local rank 0 starts it, with --resume when resuming
     try:
         torch.manual_seed(0)
@@ -95,8 +94,11 @@ def main() -> None:
         if resume:
             accelerator.load_state(str(ckpt_dir))  # every rank loads rank 0's loader state
         if rank == 0:
-            print(f"job {job.name}: {world} ranks, steps {progress.step}..{args.steps - 1}"
-                  + (" (resumed)" if resume else ""), flush=True)
+            print(
+                f"job {job.name}: {world} ranks, steps {progress.step}..{args.steps - 1}"
+                + (" (resumed)" if resume else ""),
+                flush=True,
+            )
         record = open(f"{args.record}.rank{rank}.jsonl", "a") if args.record else None  # a resumed run appends
         batches = iter(loader)
         for step in range(progress.step, args.steps):
@@ -109,8 +111,10 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if record:
-                record.write(json.dumps({"step": step, "digest": got, "loss": loss.item(),
-                                         "intact": got == batch_digest(batch)}) + "\n")
+                record.write(
+                    json.dumps({"step": step, "digest": got, "loss": loss.item(), "intact": got == batch_digest(batch)})
+                    + "\n"
+                )
                 record.flush()
             progress.step = done = step + 1
             if args.ckpt_every and done % args.ckpt_every == 0:

@@ -91,9 +91,14 @@ def demo_job(args: argparse.Namespace, kind: str, weights: dict[str, float], wor
     corpus = generate_corpus(args.data, seed=0, text_sources=3, image_sources=1)  # complete now: just the paths
     out = args.out.resolve()
     sources = tuple(
-        Source(name=name, paths=tuple(files), weight=weights[name],
-               transform=IMAGE_TRANSFORM if name.startswith("images") else TEXT_TRANSFORM)
-        for name, files in corpus.items() if name in weights
+        Source(
+            name=name,
+            paths=tuple(files),
+            weight=weights[name],
+            transform=IMAGE_TRANSFORM if name.startswith("images") else TEXT_TRANSFORM,
+        )
+        for name, files in corpus.items()
+        if name in weights
     )
     return Job(
         # one name per output directory: two runs side by side get their own shm segments
@@ -122,9 +127,19 @@ def start_sidecar(job: Job, out: Path, resume: bool) -> subprocess.Popen | None:
         config.write_text(job.to_json())
         with open(out / "sidecar.log", "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config), "--exit-when-idle",
-                 *(["--resume"] if resume else [])],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    sys.executable,
+                    "-m",
+                    "overlord.cli",
+                    "sidecar",
+                    "--config",
+                    str(config),
+                    "--exit-when-idle",
+                    *(["--resume"] if resume else []),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
         deadline = time.monotonic() + job.timeout_s
         while not sidecar_running(job):
@@ -158,8 +173,9 @@ def save_checkpoint(path: Path, step: int, model: nn.Module, optimizer: torch.op
     dist.all_gather_object(states, loader.state_dict())
     if dist.get_rank() == 0:
         tmp = path.with_suffix(".tmp")
-        torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "loader": states}, tmp)
+        torch.save(
+            {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "loader": states}, tmp
+        )
         os.replace(tmp, path)  # a crash while saving keeps the previous checkpoint whole
     dist.barrier()
 
@@ -196,15 +212,19 @@ class Recorder:
         if self.fh is None:
             return
         images = len(batch["image_grid"]) if "image_grid" in batch else 0
-        self.fh.write(json.dumps({"step": step, "microbatch": microbatch, "digest": batch_digest(batch),
-                                  "loss": loss, "images": images}) + "\n")
+        self.fh.write(
+            json.dumps(
+                {"step": step, "microbatch": microbatch, "digest": batch_digest(batch), "loss": loss, "images": images}
+            )
+            + "\n"
+        )
         self.fh.flush()
 
 
 # -- model ----------------------------------------------------------------------------------
 
 
-def train(args: argparse.Namespace, d: "Dist", job: Job, model: nn.Module, forward, count, unit: str) -> None:
+def train(args: argparse.Namespace, d: Dist, job: Job, model: nn.Module, forward, count, unit: str) -> None:
     """Train `model` on the job for args.steps steps, checkpointing model, optimizer and
     loader every args.ckpt_every steps, resuming from the checkpoint with --resume.
 
@@ -222,8 +242,11 @@ def train(args: argparse.Namespace, d: "Dist", job: Job, model: nn.Module, forwa
         loader = DataLoader(job, spawn_sidecar=False, pin_memory=d.device.type == "cuda")
         start = load_checkpoint(ckpt_path, model, optimizer, loader) if resume else 0
         if d.rank == 0:
-            print(f"job {job.name}: {d.world} ranks on {d.device.type}, steps {start}..{args.steps - 1}"
-                  + (" (resumed)" if resume else ""), flush=True)
+            print(
+                f"job {job.name}: {d.world} ranks on {d.device.type}, steps {start}..{args.steps - 1}"
+                + (" (resumed)" if resume else ""),
+                flush=True,
+            )
         record = Recorder(args.record, d.rank)
         batches = iter(loader)
         counted, started = 0, time.monotonic()
@@ -251,8 +274,10 @@ def train(args: argparse.Namespace, d: "Dist", job: Job, model: nn.Module, forwa
                 dist.all_reduce(step_loss)  # a sum: gloo has no average
                 if d.rank == 0:
                     rate = counted / (time.monotonic() - started)
-                    print(f"step {done:4d}  loss {step_loss.item() / d.world:.4f}  {rate:,.1f} {unit}/s on rank 0",
-                          flush=True)
+                    print(
+                        f"step {done:4d}  loss {step_loss.item() / d.world:.4f}  {rate:,.1f} {unit}/s on rank 0",
+                        flush=True,
+                    )
             if args.ckpt_every and done % args.ckpt_every == 0:
                 save_checkpoint(ckpt_path, done, model, optimizer, loader)
             if done == args.stop_after:

@@ -39,20 +39,26 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
-
 from common import demo_job, start_sidecar, stop_sidecar
+from lightning.pytorch.callbacks import ModelCheckpoint
+from train_gpt import CONTEXT, GPT, WEIGHTS
+
 from overlord.lightning import OverlordDataModule
 from overlord.torch import DataLoader, batch_digest
-from train_gpt import CONTEXT, GPT, WEIGHTS
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path("demo-data/lightning"), help="checkpoints, job config, run directory")
+    p.add_argument(
+        "--out", type=Path, default=Path("demo-data/lightning"), help="checkpoints, job config, run directory"
+    )
     p.add_argument("--data", type=Path, default=Path("demo-data/corpus"), help="demo corpus (made if missing)")
-    p.add_argument("--steps", type=int, default=8, help="train until this many Lightning steps are done (0: to the "
-                   "end of a finite job)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        help="train until this many Lightning steps are done (0: to the end of a finite job)",
+    )
     p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint(every_n_train_steps=...); 0: none")
     p.add_argument("--stop-after", type=int, default=0, help="stop after this many steps, as if preempted")
     p.add_argument("--resume", action="store_true", help="fit from the latest checkpoint in <out>/checkpoints")
@@ -62,13 +68,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ring-kib", type=int, default=256, help="each rank's ring; small keeps few batches leasable")
     p.add_argument("--epochs", type=int, help="Job.epochs: a finite job (default: forever)")
     p.add_argument("--sources", default=",".join(WEIGHTS), help="the demo's text sources to read, comma-separated")
-    p.add_argument("--plain", action="store_true",
-                   help="hand Lightning the overlord.torch.DataLoader itself, not through OverlordDataModule")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="hand Lightning the overlord.torch.DataLoader itself, not through OverlordDataModule",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--job-name", help="Overlord job name (default: derived from --out)")
     return p.parse_args()
-
-
 
 
 class Receipts:
@@ -97,10 +104,18 @@ class DemoData(OverlordDataModule):
     def setup(self, stage: str) -> None:
         # DDP is up: demo_job and start_sidecar synchronise the ranks with barriers
         weights = {name: WEIGHTS[name] for name in self.args.sources.split(",")}
-        job = demo_job(self.args, "lightning", weights, self.trainer.world_size,
-                       global_batch=128 * self.trainer.world_size, micro_batches=2, context_length=CONTEXT)
-        self.job = dataclasses.replace(job, epochs=self.args.epochs,
-                                       batch=dataclasses.replace(job.batch, ring_bytes=self.args.ring_kib << 10))
+        job = demo_job(
+            self.args,
+            "lightning",
+            weights,
+            self.trainer.world_size,
+            global_batch=128 * self.trainer.world_size,
+            micro_batches=2,
+            context_length=CONTEXT,
+        )
+        self.job = dataclasses.replace(
+            job, epochs=self.args.epochs, batch=dataclasses.replace(job.batch, ring_bytes=self.args.ring_kib << 10)
+        )
         self.sidecar = start_sidecar(self.job, self.args.out, self.args.resume)
 
     def train_dataloader(self):
@@ -151,15 +166,28 @@ class LitGPT(pl.LightningModule):
         intact = receipt == self.got == batch_digest(batch)
         self.changed += not intact
         if self.record:
-            self.record.write(json.dumps({"batch": batch_idx, "digest": self.got, "loss": self.loss,
-                                          "bytes": sum(t.nbytes for t in batch.values()), "intact": intact}) + "\n")
+            self.record.write(
+                json.dumps(
+                    {
+                        "batch": batch_idx,
+                        "digest": self.got,
+                        "loss": self.loss,
+                        "bytes": sum(t.nbytes for t in batch.values()),
+                        "intact": intact,
+                    }
+                )
+                + "\n"
+            )
             self.record.flush()
 
     def on_train_end(self) -> None:
         data = self.trainer.datamodule
         loader = data.plain if self.args.plain else data.loader
-        print(f"rank {self.global_rank}: {self.changed} batches changed after the loader yielded them, "
-              f"{loader.copies} copied out of the ring (held beyond what it leases)", flush=True)
+        print(
+            f"rank {self.global_rank}: {self.changed} batches changed after the loader yielded them, "
+            f"{loader.copies} copied out of the ring (held beyond what it leases)",
+            flush=True,
+        )
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=self.args.lr, weight_decay=0.01)
@@ -179,17 +207,31 @@ def main() -> None:
     args.resume = ckpt_path is not None
     callbacks = []
     if args.ckpt_every:
-        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=args.ckpt_every,
-                                         save_top_k=-1))
+        callbacks.append(
+            ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=args.ckpt_every, save_top_k=-1)
+        )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.devices, strategy="ddp", num_nodes=1,
-        max_steps=args.stop_after or args.steps or -1, max_epochs=1, accumulate_grad_batches=args.accumulate,
-        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=bool(callbacks), num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp",
+        num_nodes=1,
+        max_steps=args.stop_after or args.steps or -1,
+        max_epochs=1,
+        accumulate_grad_batches=args.accumulate,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     if trainer.global_rank == 0:
-        print(f"ranks {trainer.world_size}, steps {args.steps}"
-              + (f", resuming from {ckpt_path.name}" if ckpt_path else ""), flush=True)
+        print(
+            f"ranks {trainer.world_size}, steps {args.steps}"
+            + (f", resuming from {ckpt_path.name}" if ckpt_path else ""),
+            flush=True,
+        )
     trainer.fit(LitGPT(args), datamodule=DemoData(args), ckpt_path=ckpt_path)
     if trainer.global_rank == 0:
         print(f"done: {trainer.global_step} steps", flush=True)

@@ -20,9 +20,9 @@ at the end; `--resume` starts it with `--resume` (see common.py).
 from __future__ import annotations
 
 import torch
+from common import Block, demo_job, parse_args, setup_distributed, train
 from torch import nn
 
-from common import Block, demo_job, parse_args, setup_distributed, train
 from overlord.transforms import VOCAB_SIZE
 
 CONTEXT = 256
@@ -56,8 +56,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     job = demo_job(args, "gpt", WEIGHTS, d.world, global_batch=16 * d.world, micro_batches=2, context_length=CONTEXT)
     torch.manual_seed(0)
-    train(args, d, job, GPT().to(d.device), forward=lambda ddp, b: ddp(b["input_ids"], b["position_ids"]),
-          count=lambda batch: int(batch["loss_mask"].sum()), unit="tokens")
+    train(
+        args,
+        d,
+        job,
+        GPT().to(d.device),
+        forward=lambda ddp, b: ddp(b["input_ids"], b["position_ids"]),
+        count=lambda batch: int(batch["loss_mask"].sum()),
+        unit="tokens",
+    )
 
 
 if __name__ == "__main__":

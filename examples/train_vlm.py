@@ -19,10 +19,10 @@ each image's patch grid (`image_grid`, [images, 2]) and the row it belongs to
 from __future__ import annotations
 
 import torch
+from common import Block, demo_job, parse_args, setup_distributed, train
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 
-from common import Block, demo_job, parse_args, setup_distributed, train
 from overlord.transforms import MAX_SIDE, PATCH, VOCAB_SIZE
 
 CONTEXT = 128  # text tokens per row
@@ -95,11 +95,19 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], out="demo-data/vlm", steps=30)
     d = setup_distributed()
     args.out.mkdir(parents=True, exist_ok=True)
-    job = demo_job(args, "vlm", WEIGHTS, d.world, global_batch=8 * d.world, micro_batches=2, context_length=CONTEXT,
-                   packing=False)
+    job = demo_job(
+        args, "vlm", WEIGHTS, d.world, global_batch=8 * d.world, micro_batches=2, context_length=CONTEXT, packing=False
+    )
     torch.manual_seed(0)
-    train(args, d, job, VLM().to(d.device), forward=lambda ddp, b: ddp(b),
-          count=lambda batch: len(batch.get("image_grid", ())), unit="images")
+    train(
+        args,
+        d,
+        job,
+        VLM().to(d.device),
+        forward=lambda ddp, b: ddp(b),
+        count=lambda batch: len(batch.get("image_grid", ())),
+        unit="images",
+    )
 
 
 if __name__ == "__main__":

@@ -14,18 +14,16 @@ from overlord.errors import (
     SourceReadError,
 )
 
-__all__ = sorted(
-    [
-        "BatchSpec",
-        "ConfigError",
-        "Job",
-        "Mesh",
-        "OverlordError",
-        "RemoteRoleError",
-        "RingFullError",
-        "SchemaError",
-        "Source",
-        "SourceReadError",
-    ]
-)
+__all__ = [
+    "BatchSpec",
+    "ConfigError",
+    "Job",
+    "Mesh",
+    "OverlordError",
+    "RemoteRoleError",
+    "RingFullError",
+    "SchemaError",
+    "Source",
+    "SourceReadError",
+]
 __version__ = "0.1.0"

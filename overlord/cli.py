@@ -27,9 +27,12 @@ def _sidecar(args: argparse.Namespace) -> int:
     if args.flight_port or args.metrics_port is not None or args.metrics_host:
         import dataclasses
 
-        job = dataclasses.replace(job, flight_port=args.flight_port or job.flight_port,
-                                  metrics_port=job.metrics_port if args.metrics_port is None else args.metrics_port or None,
-                                  metrics_host=args.metrics_host or job.metrics_host)
+        job = dataclasses.replace(
+            job,
+            flight_port=args.flight_port or job.flight_port,
+            metrics_port=job.metrics_port if args.metrics_port is None else args.metrics_port or None,
+            metrics_host=args.metrics_host or job.metrics_host,
+        )
     return Sidecar(job, exit_when_idle=args.exit_when_idle, resume=args.resume).run()
 
 
@@ -68,12 +71,24 @@ def _plan(args: argparse.Namespace) -> int:
     from overlord.planner.dryrun import dry_run
 
     if not args.dry_run:
-        print("overlord plan: only --dry-run is supported (plans of a running job are in Redis: overlord status)", file=sys.stderr)
+        print(
+            "overlord plan: only --dry-run is supported (plans of a running job are in Redis: overlord status)",
+            file=sys.stderr,
+        )
         return 2
     result = dry_run(Job.from_file(args.config), steps=args.steps)
     if args.json:
-        print(json.dumps({"strategy": result.strategy, "steps": result.steps, "imbalance": result.imbalance,
-                          "vanilla_imbalance": result.vanilla_imbalance, "speedup_vs_vanilla": result.speedup}))
+        print(
+            json.dumps(
+                {
+                    "strategy": result.strategy,
+                    "steps": result.steps,
+                    "imbalance": result.imbalance,
+                    "vanilla_imbalance": result.vanilla_imbalance,
+                    "speedup_vs_vanilla": result.speedup,
+                }
+            )
+        )
     else:
         print(result.render())
     return 0
@@ -102,15 +117,27 @@ def _partition(args: argparse.Namespace) -> int:
     costs = [profiled.get(s.name) or measured[s.name] for s in job.sources]
     result = partition(costs, budget_of(job))
     if args.json:
-        print(json.dumps({"costs": [dataclasses.asdict(c) for c in costs],
-                          "sources": [dataclasses.asdict(s) for s in result.sources],
-                          "loaders": result.loaders, "loader_workers": result.loader_workers,
-                          "memory_mb": result.memory_mb, "notes": result.notes}))
+        print(
+            json.dumps(
+                {
+                    "costs": [dataclasses.asdict(c) for c in costs],
+                    "sources": [dataclasses.asdict(s) for s in result.sources],
+                    "loaders": result.loaders,
+                    "loader_workers": result.loader_workers,
+                    "memory_mb": result.memory_mb,
+                    "notes": result.notes,
+                }
+            )
+        )
     else:
-        print(f"costs: {len(profiled)} source(s) from the profile journal, {len(measured)} profiled now "
-              f"({args.samples} samples each)")
+        print(
+            f"costs: {len(profiled)} source(s) from the profile journal, {len(measured)} profiled now "
+            f"({args.samples} samples each)"
+        )
         for c in costs:
-            print(f"  {c.name:<20} {c.transform_ms:9.3f} ms/sample {c.sample_kb:8.1f} KiB/sample {c.state_mb:8.1f} MiB state")
+            print(
+                f"  {c.name:<20} {c.transform_ms:9.3f} ms/sample {c.sample_kb:8.1f} KiB/sample {c.state_mb:8.1f} MiB state"
+            )
         print(result.render())
     return 0
 
@@ -127,20 +154,39 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("sidecar", help="run the node's sidecar for a job")
     p.add_argument("--config", required=True, help="job YAML/JSON")
     p.add_argument("--exit-when-idle", action="store_true", help="exit once the job's trainers are gone")
-    p.add_argument("--resume", action="store_true",
-                   help="continue where the trainers' load_state_dict positions say (planner checkpoints in Redis)")
-    p.add_argument("--node", help="this node's id, one of the job's `nodes` (default: $OVERLORD_NODE, or the config's node)")
-    p.add_argument("--flight-port", type=int,
-                   help="serve Arrow Flight on this port instead of the config's flight_port (several nodes on one host)")
-    p.add_argument("--cpus", type=float,
-                   help="CPUs this node gives the sidecar (default: the config's autoscale cpus, else all it may use)")
-    p.add_argument("--memory-mb", type=float, help="MiB this node gives the sidecar (default: the config's, else half "
-                   "of what is available)")
-    p.add_argument("--metrics-port", type=lambda v: int(v) if v.strip() else 0,  # "" from an unset variable: none
-                   help="serve Prometheus metrics on this port (/metrics); 0: none (default: the config's metrics_port)")
-    p.add_argument("--metrics-host",
-                   help="the address /metrics listens on (default: the config's metrics_host, else 127.0.0.1 on one "
-                        "node, 0.0.0.0 on several); $OVERLORD_METRICS_TOKEN makes it require that bearer token")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue where the trainers' load_state_dict positions say (planner checkpoints in Redis)",
+    )
+    p.add_argument(
+        "--node", help="this node's id, one of the job's `nodes` (default: $OVERLORD_NODE, or the config's node)"
+    )
+    p.add_argument(
+        "--flight-port",
+        type=int,
+        help="serve Arrow Flight on this port instead of the config's flight_port (several nodes on one host)",
+    )
+    p.add_argument(
+        "--cpus",
+        type=float,
+        help="CPUs this node gives the sidecar (default: the config's autoscale cpus, else all it may use)",
+    )
+    p.add_argument(
+        "--memory-mb",
+        type=float,
+        help="MiB this node gives the sidecar (default: the config's, else half of what is available)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=lambda v: int(v) if v.strip() else 0,  # "" from an unset variable: none
+        help="serve Prometheus metrics on this port (/metrics); 0: none (default: the config's metrics_port)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        help="the address /metrics listens on (default: the config's metrics_host, else 127.0.0.1 on one "
+        "node, 0.0.0.0 on several); $OVERLORD_METRICS_TOKEN makes it require that bearer token",
+    )
     p.set_defaults(fn=_sidecar)
     p = sub.add_parser("check", help="check what a sidecar needs from this host: shared memory, Redis, sources")
     p.add_argument("--config", required=True, help="job YAML/JSON")
@@ -162,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_plan)
-    p = sub.add_parser("partition", help="show how autoscale would size the Source Loaders (workers, partitions, processes)")
+    p = sub.add_parser(
+        "partition", help="show how autoscale would size the Source Loaders (workers, partitions, processes)"
+    )
     p.add_argument("--config", required=True, help="job YAML/JSON (its autoscale: block is the budget)")
     p.add_argument("--samples", type=int, default=32, help="samples to profile per source without a journal")
     p.add_argument("--json", action="store_true")

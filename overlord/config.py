@@ -13,9 +13,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
 from overlord.errors import ConfigError
@@ -141,8 +142,10 @@ class Source:
         if self.transform_timeout_s is not None and not (
             isinstance(self.transform_timeout_s, (int, float)) and 0 < self.transform_timeout_s < math.inf
         ):
-            raise ConfigError(f"{where}: Source.transform_timeout_s={self.transform_timeout_s!r} must be a number of "
-                              "seconds > 0, or null (half of Job.timeout_s)")
+            raise ConfigError(
+                f"{where}: Source.transform_timeout_s={self.transform_timeout_s!r} must be a number of "
+                "seconds > 0, or null (half of Job.timeout_s)"
+            )
 
     def files(self) -> list[str]:
         """Expand `paths` (globs, local or URIs) into the source's files: each pattern's
@@ -173,9 +176,13 @@ def _refuse_datasets_object(where: str, paths: object) -> None:
             )
         listed = [f.get("filename") for f in files or () if isinstance(f, dict)]
         cached = (
-            f"; or give the Arrow files it was loaded from, ds.cache_files ({listed[:2]}{' ...' if len(listed) > 2 else ''}): "
-            "every row of those files, more than the dataset's after a select, filter or shard"
-        ) if listed else " (it is in memory: it has no files yet)"
+            (
+                f"; or give the Arrow files it was loaded from, ds.cache_files ({listed[:2]}{' ...' if len(listed) > 2 else ''}): "
+                "every row of those files, more than the dataset's after a select, filter or shard"
+            )
+            if listed
+            else " (it is in memory: it has no files yet)"
+        )
         raise ConfigError(
             f"{where}: Source.paths is a {name} object; a Source reads files, in every loader process. Save it "
             "and give the directory: ds.save_to_disk('/data/x') with Source(format='hf', paths=('/data/x',)), "
@@ -259,10 +266,12 @@ class BatchSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"BatchSpec.{name}={value!r} must be an int >= 1")
-        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or isinstance(self.vocab_size, bool)
-                                            or self.vocab_size < 1):
-            raise ConfigError(f"BatchSpec.vocab_size={self.vocab_size!r} must be an int >= 1 (the model's vocabulary "
-                              "size), or null")
+        if self.vocab_size is not None and (
+            not isinstance(self.vocab_size, int) or isinstance(self.vocab_size, bool) or self.vocab_size < 1
+        ):
+            raise ConfigError(
+                f"BatchSpec.vocab_size={self.vocab_size!r} must be an int >= 1 (the model's vocabulary size), or null"
+            )
         if self.ring_bytes < 1 << 16:
             raise ConfigError(f"BatchSpec.ring_bytes={self.ring_bytes} is below 64 KiB; raise it")
 
@@ -367,7 +376,9 @@ class Job:
         _check_name("Job.name", self.name)
         object.__setattr__(self, "nodes", tuple(self.nodes))
         if not self.node:
-            object.__setattr__(self, "node", os.environ.get("OVERLORD_NODE") or (self.nodes[0] if self.nodes else "node0"))
+            object.__setattr__(
+                self, "node", os.environ.get("OVERLORD_NODE") or (self.nodes[0] if self.nodes else "node0")
+            )
         _check_name("Job.node", self.node)
         self._check_nodes()
         object.__setattr__(self, "sources", tuple(self.sources))
@@ -423,8 +434,11 @@ class Job:
             raise ConfigError(f"Job.sample_ring_bytes={self.sample_ring_bytes} is below 64 KiB; raise it")
         if self.buffer_samples < 1 or self.plan_ahead < 1 or self.timeout_s <= 0:
             raise ConfigError("Job.buffer_samples, Job.plan_ahead and Job.timeout_s must be positive")
-        slow = [s.name for s in self.sources
-                if s.transform_timeout_s is not None and s.transform_timeout_s >= self.timeout_s]
+        slow = [
+            s.name
+            for s in self.sources
+            if s.transform_timeout_s is not None and s.transform_timeout_s >= self.timeout_s
+        ]
         if slow:
             raise ConfigError(
                 f"Source.transform_timeout_s of source(s) {slow} is not below Job.timeout_s={self.timeout_s:g}: a hung "
@@ -432,8 +446,10 @@ class Job:
                 "or lower transform_timeout_s"
             )
         if self.redis_outage_s <= 0:
-            raise ConfigError(f"Job.redis_outage_s={self.redis_outage_s} must be positive (seconds to wait for an "
-                              "unreachable Redis); 60 covers a Sentinel failover")
+            raise ConfigError(
+                f"Job.redis_outage_s={self.redis_outage_s} must be positive (seconds to wait for an "
+                "unreachable Redis); 60 covers a Sentinel failover"
+            )
 
     def transform_deadline(self, source: Source) -> float:
         """The per-sample transform deadline of `source`, in seconds (Source.transform_timeout_s)."""
@@ -457,8 +473,10 @@ class Job:
                 f"(Job.nodes); every node hosts the same number of trainer ranks"
             )
         if len(self.nodes) > 1 and any(s.shadow for s in self.sources):
-            raise ConfigError("Source.shadow runs on one node only for now; on several nodes a dead node's loaders "
-                              "are restarted on another node instead (drop shadow: true)")
+            raise ConfigError(
+                "Source.shadow runs on one node only for now; on several nodes a dead node's loaders "
+                "are restarted on another node instead (drop shadow: true)"
+            )
         if len(self.nodes) > 1 and (self.redis_url is None or self.flight_port is None):
             raise ConfigError(
                 f"a job on {len(self.nodes)} nodes needs one Redis every node reaches (Job.redis_url) and an "
@@ -485,7 +503,7 @@ class Job:
     def node_of_rank(self, rank: int) -> str:
         return self.node_ids[rank // (self.mesh.world_size // len(self.node_ids))]
 
-    def on_node(self, node: str) -> "Job":
+    def on_node(self, node: str) -> Job:
         """This job as seen by the sidecar or trainer of `node`."""
         return dataclasses.replace(self, node=node)
 
@@ -540,7 +558,7 @@ class Job:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Job":
+    def from_dict(cls, data: Mapping[str, Any]) -> Job:
         """Build a Job from plain data (YAML/JSON), refusing unknown keys by name."""
         data = dict(_checked_keys(cls, data, "job"))
         try:
@@ -556,7 +574,7 @@ class Job:
             raise ConfigError(f"job config: {exc}") from None
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "Job":
+    def from_file(cls, path: str | os.PathLike) -> Job:
         """Load a job from a YAML or JSON file."""
         import yaml
 

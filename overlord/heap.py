@@ -92,7 +92,9 @@ def redis_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a child program (redis-server) with the same malloc settings,
     through glibc's tunables (read at its start; ignored by other C libraries)."""
     env = dict(os.environ if base is None else base)
-    tunables = (f"glibc.malloc.mmap_threshold={REDIS_MMAP_THRESHOLD}:"
-                f"glibc.malloc.trim_threshold={MMAP_THRESHOLD}:glibc.malloc.arena_max={ARENA_MAX}")
+    tunables = (
+        f"glibc.malloc.mmap_threshold={REDIS_MMAP_THRESHOLD}:"
+        f"glibc.malloc.trim_threshold={MMAP_THRESHOLD}:glibc.malloc.arena_max={ARENA_MAX}"
+    )
     env["GLIBC_TUNABLES"] = f"{env['GLIBC_TUNABLES']}:{tunables}" if env.get("GLIBC_TUNABLES") else tunables
     return env

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -57,7 +58,7 @@ class _Batches:
     """What Lightning iterates: each `iter()` is a generator that runs nothing until the
     first batch is asked for (Lightning's check that the loader is iterable costs nothing)."""
 
-    def __init__(self, data: "OverlordDataModule") -> None:
+    def __init__(self, data: OverlordDataModule) -> None:
         self._data = data
 
     def __iter__(self) -> Iterator[dict]:

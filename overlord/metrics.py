@@ -48,7 +48,8 @@ import socketserver
 import subprocess
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from overlord.config import Job, split_redis_password
@@ -81,8 +82,10 @@ def snapshot(r, keys: Keys) -> dict[str, Any]:
         role, ident = key.decode().split(":hb:", 1)[1].split(":", 1)
         name = f"sidecar:{ident}" if role == "sidecar" else f"{role}{ident}"
         roles[name] = {
-            "pid": hb.get("pid"), "node": hb.get("node", ""),
-            "age_s": max(0.0, now - hb["time"]), "loop_age_s": hb.get("loop_age", 0.0) + max(0.0, now - hb["time"]),
+            "pid": hb.get("pid"),
+            "node": hb.get("node", ""),
+            "age_s": max(0.0, now - hb["time"]),
+            "loop_age_s": hb.get("loop_age", 0.0) + max(0.0, now - hb["time"]),
             "rss_mb": hb.get("rss_mb"),
         }
     stats = {k.decode(): json.loads(v) for k, v in stats.items()}
@@ -92,7 +95,9 @@ def snapshot(r, keys: Keys) -> dict[str, Any]:
         "done": bool(planner.get("done")),
         "pressure": float(planner["pressure"]) if "pressure" in planner else None,
         "node_pressure": json.loads(planner.get("node_pressure") or "{}"),
-        "progress": {int(k[1:]): int(v) for k, v in ((k.decode(), v) for k, v in progress.items()) if k.startswith("c")},
+        "progress": {
+            int(k[1:]): int(v) for k, v in ((k.decode(), v) for k, v in progress.items()) if k.startswith("c")
+        },
         "roles": roles,
         "loaders": {k: v for k, v in stats.items() if k.startswith("loader")},
         "ranks": {int(k[4:]): v for k, v in stats.items() if k.startswith("rank")},
@@ -148,8 +153,10 @@ class JobCollector:
             g = gauge("planner_step", "last step the Planner published")
             g.add_metric(labels, snap["step"])
             yield g
-        step, lag = gauge("constructor_step", "last step a Data Constructor wrote", ("dp",)), gauge(
-            "constructor_lag_steps", "steps planned but not yet written by the Data Constructor", ("dp",))
+        step, lag = (
+            gauge("constructor_step", "last step a Data Constructor wrote", ("dp",)),
+            gauge("constructor_lag_steps", "steps planned but not yet written by the Data Constructor", ("dp",)),
+        )
         for dp, written in sorted(snap["progress"].items()):
             step.add_metric([*labels, str(dp)], written)
             if snap["step"] is not None:
@@ -171,18 +178,23 @@ class JobCollector:
         yield rss
         families = {
             "samples": counter("source_samples", "samples read and transformed", ("source", "stream")),
-            "transform_s": counter("source_transform_seconds", "seconds spent reading and transforming",
-                                   ("source", "stream")),
-            "buffered": gauge("source_buffered_samples", "samples in the read buffer, not yet sent",
-                              ("source", "stream")),
-            "buffered_bytes": gauge("source_buffered_bytes", "bytes of the samples in the read buffer",
-                                    ("source", "stream")),
+            "transform_s": counter(
+                "source_transform_seconds", "seconds spent reading and transforming", ("source", "stream")
+            ),
+            "buffered": gauge(
+                "source_buffered_samples", "samples in the read buffer, not yet sent", ("source", "stream")
+            ),
+            "buffered_bytes": gauge(
+                "source_buffered_bytes", "bytes of the samples in the read buffer", ("source", "stream")
+            ),
             "workers": gauge("source_workers", "transform workers of the stream", ("source", "stream")),
             "skipped": counter("source_skipped", "bad rows skipped (on_error: skip)", ("source", "stream")),
-            "skipped_files": counter("source_skipped_files", "files skipped whole (on_error: skip)",
-                                     ("source", "stream")),
-            "skipped_row_groups": counter("source_skipped_row_groups", "unreadable row groups skipped "
-                                          "(on_error: skip)", ("source", "stream")),
+            "skipped_files": counter(
+                "source_skipped_files", "files skipped whole (on_error: skip)", ("source", "stream")
+            ),
+            "skipped_row_groups": counter(
+                "source_skipped_row_groups", "unreadable row groups skipped (on_error: skip)", ("source", "stream")
+            ),
         }
         for record in snap["loaders"].values():
             if not self._mine(record.get("node")):
@@ -200,8 +212,9 @@ class JobCollector:
         yield from families.values()
         batches = counter("trainer_batches", "micro-batches the trainer read", ("rank",))
         wait = counter("trainer_wait_seconds", "seconds the trainer waited in DataLoader.__next__", ("rank",))
-        copies = counter("trainer_copies", "batches copied out of the ring: the trainer held more than it can lease",
-                         ("rank",))
+        copies = counter(
+            "trainer_copies", "batches copied out of the ring: the trainer held more than it can lease", ("rank",)
+        )
         for rank, record in sorted(snap["ranks"].items()):
             if self._mine(record.get("node")):
                 batches.add_metric([*labels, str(rank)], record["batches"])
@@ -214,8 +227,7 @@ class JobCollector:
             g = gauge("loader_pressure", "busy transform workers demanded over the loaders' CPU budget")
             g.add_metric(labels, snap["pressure"])
             yield g
-        g = gauge("node_pressure", "a node's loader demand and memory over its budget (several nodes)",
-                  ("of_node",))
+        g = gauge("node_pressure", "a node's loader demand and memory over its budget (several nodes)", ("of_node",))
         for node, p in sorted(snap["node_pressure"].items()):
             g.add_metric([*labels, node], p)
         yield g
@@ -232,8 +244,12 @@ def start_metrics_process(job: Job, run_dir, redis_url: str) -> subprocess.Popen
     """Serve /metrics for this node in a process of its own (overlord.sidecar.service)."""
     from overlord.sidecar import service
 
-    return service.start("overlord.metrics", run_dir, "metrics.log",
-                         {"OVERLORD_REDIS_URL": split_redis_password(redis_url)[0], **password_env(redis_url)})
+    return service.start(
+        "overlord.metrics",
+        run_dir,
+        "metrics.log",
+        {"OVERLORD_REDIS_URL": split_redis_password(redis_url)[0], **password_env(redis_url)},
+    )
 
 
 def metrics_host(job: Job) -> str:
@@ -262,10 +278,14 @@ def guarded(app: Callable, token: str | None) -> Callable:
     def check(environ, start_response):
         given = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
         if not hmac.compare_digest(given, want):
-            start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
-                                                ("WWW-Authenticate", 'Bearer realm="overlord"')])
-            return [f"401: /metrics needs the header 'Authorization: Bearer <token>' with the token the "
-                    f"sidecar has in ${TOKEN_ENV}\n".encode()]
+            start_response(
+                "401 Unauthorized",
+                [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", 'Bearer realm="overlord"')],
+            )
+            return [
+                f"401: /metrics needs the header 'Authorization: Bearer <token>' with the token the "
+                f"sidecar has in ${TOKEN_ENV}\n".encode()
+            ]
         return app(environ, start_response)
 
     return check
@@ -292,14 +312,20 @@ def main(argv: list[str] | None = None) -> int:
         from overlord.store import connect
 
         registry = CollectorRegistry()
-        registry.register(JobCollector(job, connect(os.environ["OVERLORD_REDIS_URL"], timeout_s=5),
-                                       node=job.node if job.multi_node else None))
+        registry.register(
+            JobCollector(
+                job, connect(os.environ["OVERLORD_REDIS_URL"], timeout_s=5), node=job.node if job.multi_node else None
+            )
+        )
         token = os.environ.get(TOKEN_ENV) or None
         host = metrics_host(job)
         server, _ = serve_http(guarded(make_wsgi_app(registry), token), host, job.metrics_port)
         logging.getLogger("overlord.metrics").info(
-            "serving Prometheus metrics on %s port %d (/metrics)%s", host, job.metrics_port,
-            f", bearer token from ${TOKEN_ENV} required" if token else "")
+            "serving Prometheus metrics on %s port %d (/metrics)%s",
+            host,
+            job.metrics_port,
+            f", bearer token from ${TOKEN_ENV} required" if token else "",
+        )
         return server.shutdown
 
     return service.main("metrics", argv, start)

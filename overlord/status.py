@@ -34,7 +34,9 @@ def collect(job: Job) -> dict[str, Any]:
         if raw:
             hb = json.loads(raw)
             roles[key.decode().split(":hb:", 1)[1]] = {
-                "pid": hb["pid"], "node": hb["node"], "age_s": round(now - hb["time"], 2),
+                "pid": hb["pid"],
+                "node": hb["node"],
+                "age_s": round(now - hb["time"], 2),
                 "loop_age_s": round(hb.get("loop_age", 0.0) + now - hb["time"], 2),
             }
     return {
@@ -43,7 +45,9 @@ def collect(job: Job) -> dict[str, Any]:
         "cursors": state.get("cursors", {}),
         "roles": roles,
         "progress": {k.decode(): int(v) for k, v in r.hgetall(keys.progress).items() if k.startswith(b"c")},
-        "replays": {k.decode(): v.decode().rsplit(":", 1)[1] for k, v in r.hgetall(keys.progress).items() if k.startswith(b"r")},
+        "replays": {
+            k.decode(): v.decode().rsplit(":", 1)[1] for k, v in r.hgetall(keys.progress).items() if k.startswith(b"r")
+        },
         "leader": holder(r, keys),
         "generation": int(planner["token"]) if "token" in planner else None,
         "active_loaders": {k.decode(): int(v) for k, v in r.hgetall(keys.active).items()},
@@ -52,12 +56,16 @@ def collect(job: Job) -> dict[str, Any]:
         "workers": {k.decode(): int(v) for k, v in r.hgetall(keys.workers).items()},
         "pressure": float(planner["pressure"]) if "pressure" in planner else None,
         "node_pressure": json.loads(planner.get("node_pressure") or "{}"),
-        "scaling": [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrevrange(keys.scaling, count=10)][::-1],
+        "scaling": [
+            {k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrevrange(keys.scaling, count=10)
+        ][::-1],
         "autoscale": json.loads(r.get(keys.autoscale) or "null"),
         "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
         "nodes": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.nodes).items()},
         "placement": {k.decode(): v.decode() for k, v in r.hgetall(keys.placement).items()},
-        "moves": [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrevrange(keys.placements, count=10)][::-1],
+        "moves": [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrevrange(keys.placements, count=10)][
+            ::-1
+        ],
         "errors": [json.loads(e)["message"] for e in r.lrange(keys.errors, 0, -1)],
         "checkpoints": _checkpoints(r, keys),
         "resume": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.resume).items()},
@@ -67,16 +75,23 @@ def collect(job: Job) -> dict[str, Any]:
 
 def _checkpoints(r, keys: Keys) -> dict[str, Any]:
     steps = Checkpoints(keys).steps(r)
-    return {"count": len(steps), "oldest_step": steps[0] if steps else None, "newest_step": steps[-1] if steps else None,
-            "snapshots": r.hlen(keys.ckpt), "deltas": r.hlen(keys.ckpt_delta)}
+    return {
+        "count": len(steps),
+        "oldest_step": steps[0] if steps else None,
+        "newest_step": steps[-1] if steps else None,
+        "snapshots": r.hlen(keys.ckpt),
+        "deltas": r.hlen(keys.ckpt_delta),
+    }
 
 
 def render(status: dict[str, Any]) -> str:
     lines = [f"job {status['job']}: planned step {status['step']}"]
     lease = status.get("leader")
     if lease:
-        lines.append(f"planner lease: token {lease['token']} held by pid {lease['pid']} on node {lease['node']} "
-                     f"(planning generation {status.get('generation')})")
+        lines.append(
+            f"planner lease: token {lease['token']} held by pid {lease['pid']} on node {lease['node']} "
+            f"(planning generation {status.get('generation')})"
+        )
     else:
         lines.append("planner lease: free (no Planner leads)")
     lines.append("roles (heartbeat age, time since the role's main loop last turned):")
@@ -88,52 +103,75 @@ def render(status: dict[str, Any]) -> str:
     for node, info in sorted(status["nodes"].items()):
         beat = status["roles"].get(f"sidecar:{node}")
         alive = f"heartbeat {beat['age_s']:.1f}s ago" if beat else "NO heartbeat (lapsed)"
-        lines.append(f"node {node}: sidecar pid {info.get('pid')} on {info.get('host', '?')}, {alive}, "
-                     f"ranks {info.get('ranks')}, budget {info.get('cpus')} CPUs ({info.get('loader_cpus')} for "
-                     f"loaders) / {info.get('memory_mb')} MiB"
-                     + (f", pressure {status['node_pressure'][node]}" if node in status["node_pressure"] else "")
-                     + (f", Flight {info['flight']}" if info.get("flight") else ""))
+        lines.append(
+            f"node {node}: sidecar pid {info.get('pid')} on {info.get('host', '?')}, {alive}, "
+            f"ranks {info.get('ranks')}, budget {info.get('cpus')} CPUs ({info.get('loader_cpus')} for "
+            f"loaders) / {info.get('memory_mb')} MiB"
+            + (f", pressure {status['node_pressure'][node]}" if node in status["node_pressure"] else "")
+            + (f", Flight {info['flight']}" if info.get("flight") else "")
+        )
     if status["placement"]:
         lines.append("placement: " + ", ".join(f"{u}@{n}" for u, n in sorted(status["placement"].items())))
     for move in status["moves"]:
         lines.append(f"  moved {move['unit']} {move['from']} -> {move['to']} ({move['reason']})")
     if status["progress"]:
-        lines.append("constructors (last step written): " + ", ".join(f"{k}={v}" for k, v in sorted(status["progress"].items())))
+        lines.append(
+            "constructors (last step written): " + ", ".join(f"{k}={v}" for k, v in sorted(status["progress"].items()))
+        )
     for name, t in sorted(status.get("trainers", {}).items(), key=lambda kv: int(kv[0][4:])):
-        lines.append(f"trainer {name}: {t.get('batches', 0)} batches, waited {t.get('wait_s', 0):.1f}s, "
-                     f"{t.get('copies', 0)} copied out of the ring (held more than it can lease)"
-                     + (f", {t['dropped']} received twice and dropped" if t.get("dropped") else ""))
+        lines.append(
+            f"trainer {name}: {t.get('batches', 0)} batches, waited {t.get('wait_s', 0):.1f}s, "
+            f"{t.get('copies', 0)} copied out of the ring (held more than it can lease)"
+            + (f", {t['dropped']} received twice and dropped" if t.get("dropped") else "")
+        )
     lines.append("cursors (epoch, seq) per stream:")
     for name, cur in sorted(status["cursors"].items()):
         lines.append(f"  {name:<24} epoch {cur[0]} seq {cur[1]}")
     ck = status["checkpoints"]
     if ck["count"]:
-        lines.append(f"planner checkpoints: {ck['snapshots']} snapshot(s) + {ck['deltas']} delta(s) "
-                     f"(a trainer can resume at steps {ck['oldest_step']}..{ck['newest_step']})")
+        lines.append(
+            f"planner checkpoints: {ck['snapshots']} snapshot(s) + {ck['deltas']} delta(s) "
+            f"(a trainer can resume at steps {ck['oldest_step']}..{ck['newest_step']})"
+        )
     if status.get("active_loaders"):
-        lines.append("active Source Loader processes: " + ", ".join(f"loader{k}=pid {v}" for k, v in sorted(status["active_loaders"].items())))
+        lines.append(
+            "active Source Loader processes: "
+            + ", ".join(f"loader{k}=pid {v}" for k, v in sorted(status["active_loaders"].items()))
+        )
     for p in status.get("promotions", []):
-        lines.append(f"promoted: shadow pid {p['pid']} of loader{p['loader']} on {p['node']} ({p['reason']}) "
-                     f"at {time.strftime('%H:%M:%S', time.localtime(float(p['time'])))}")
+        lines.append(
+            f"promoted: shadow pid {p['pid']} of loader{p['loader']} on {p['node']} ({p['reason']}) "
+            f"at {time.strftime('%H:%M:%S', time.localtime(float(p['time'])))}"
+        )
     for name, n in sorted(status.get("restarts", {}).items()):
         lines.append(f"restarted: {name} {n} time(s) by the sidecar")
     if status.get("autoscale"):
-        lines.append("auto-partitioned: " + ", ".join(f"{n}={p} partition(s)" for n, p in status["autoscale"]["partitions"].items()))
+        lines.append(
+            "auto-partitioned: "
+            + ", ".join(f"{n}={p} partition(s)" for n, p in status["autoscale"]["partitions"].items())
+        )
     if status.get("pressure") is not None:
-        lines.append(f"loader CPU pressure: {status['pressure']} (busy workers demanded / CPU budget; over 1, "
-                     "loading holds the trainers back)")
+        lines.append(
+            f"loader CPU pressure: {status['pressure']} (busy workers demanded / CPU budget; over 1, "
+            "loading holds the trainers back)"
+        )
     if status.get("workers"):
         lines.append("transform workers: " + ", ".join(f"{k}={v}" for k, v in sorted(status["workers"].items())))
     for e in status.get("scaling", []):
-        lines.append(f"scaled: step {e['step']} source {e['source']} -> {e['workers']} worker(s) "
-                     f"({e['rate']} samples/s x {e['cost_ms']} ms = {e['demand']} busy workers)")
+        lines.append(
+            f"scaled: step {e['step']} source {e['source']} -> {e['workers']} worker(s) "
+            f"({e['rate']} samples/s x {e['cost_ms']} ms = {e['demand']} busy workers)"
+        )
     for dp, step in sorted(status.get("replays", {}).items()):
         lines.append(f"replay: Data Constructor {dp[1:]} restarted at step {step}")
     if status["resume"].get("step") is not None:
         lines.append(f"resumed at step {status['resume']['step']}")
     for (source, uri), n in sorted(per_file(status["counters"]).items()):
-        what = "skipped whole (not readable, or lacks a declared column)" if n["whole"] else (
-            f"{n['rows']} row(s) skipped" + (f", {n['groups']} unreadable row group(s)" if n["groups"] else ""))
+        what = (
+            "skipped whole (not readable, or lacks a declared column)"
+            if n["whole"]
+            else (f"{n['rows']} row(s) skipped" + (f", {n['groups']} unreadable row group(s)" if n["groups"] else ""))
+        )
         lines.append(f"skipped (on_error: skip): source {source!r} file {uri!r}: {what}; the loader log says why")
     for k, v in sorted(status["counters"].items()):
         if not k.startswith(FILE_FIELDS):

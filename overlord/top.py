@@ -36,10 +36,14 @@ def view(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any]:
             if n < 0:  # the loader process restarted: its totals began again
                 n, b = s["prepared"], {"transform_s": 0.0}
             streams[stream] = {
-                "source": source_of(stream), "loader": name, "node": record.get("node", ""),
+                "source": source_of(stream),
+                "loader": name,
+                "node": record.get("node", ""),
                 "samples_per_s": round(n / dt, 1),
                 "transform_ms": round(1000 * (s["transform_s"] - b["transform_s"]) / n, 3) if n > 0 else None,
-                "buffered": s["buffered"], "workers": s["workers"], "skipped": s["skipped"],
+                "buffered": s["buffered"],
+                "workers": s["workers"],
+                "skipped": s["skipped"],
             }
     ranks = {}
     for rank, record in cur["ranks"].items():
@@ -48,19 +52,38 @@ def view(prev: dict[str, Any], cur: dict[str, Any]) -> dict[str, Any]:
         if batches < 0:
             batches, wait = record["batches"], record["wait_s"]
         ranks[rank] = {
-            "node": record.get("node", ""), "batches_per_s": round(batches / dt, 1),
-            "stall_pct": round(100 * min(1.0, max(0.0, wait / dt)), 1), "step": record["step"],
+            "node": record.get("node", ""),
+            "batches_per_s": round(batches / dt, 1),
+            "stall_pct": round(100 * min(1.0, max(0.0, wait / dt)), 1),
+            "step": record["step"],
             "behind": (cur["step"] - record["step"]) if cur["step"] is not None and record["step"] >= 0 else None,
-            "done": record.get("done", False), "age_s": round(cur["time"] - record["time"], 1),
+            "done": record.get("done", False),
+            "age_s": round(cur["time"] - record["time"], 1),
         }
-    roles = {name: {"node": r["node"], "pid": r["pid"], "heartbeat_age_s": round(r["age_s"], 1),
-                    "loop_age_s": round(r["loop_age_s"], 1), "rss_mb": r["rss_mb"],
-                    "restarts": cur["restarts"].get(name, 0)}
-             for name, r in cur["roles"].items()}
+    roles = {
+        name: {
+            "node": r["node"],
+            "pid": r["pid"],
+            "heartbeat_age_s": round(r["age_s"], 1),
+            "loop_age_s": round(r["loop_age_s"], 1),
+            "rss_mb": r["rss_mb"],
+            "restarts": cur["restarts"].get(name, 0),
+        }
+        for name, r in cur["roles"].items()
+    }
     lag = {dp: cur["step"] - written for dp, written in cur["progress"].items()} if cur["step"] is not None else {}
-    return {"step": cur["step"], "done": cur["done"], "pressure": cur["pressure"], "node_pressure": cur["node_pressure"],
-            "errors": cur["errors"], "constructor_lag": lag, "roles": roles, "streams": streams, "ranks": ranks,
-            "interval_s": round(dt, 2)}
+    return {
+        "step": cur["step"],
+        "done": cur["done"],
+        "pressure": cur["pressure"],
+        "node_pressure": cur["node_pressure"],
+        "errors": cur["errors"],
+        "constructor_lag": lag,
+        "roles": roles,
+        "streams": streams,
+        "ranks": ranks,
+        "interval_s": round(dt, 2),
+    }
 
 
 def render(job: str, v: dict[str, Any]) -> str:
@@ -76,23 +99,33 @@ def render(job: str, v: dict[str, Any]) -> str:
     lines.append(f"{'ROLE':<16}{'NODE':<10}{'PID':>8}{'HEARTBEAT':>11}{'LOOP':>8}{'RSS MiB':>9}{'RESTARTS':>10}")
     for name, r in sorted(v["roles"].items()):
         rss = "" if r["rss_mb"] is None else f"{r['rss_mb']:.0f}"
-        lines.append(f"{name:<16}{r['node']:<10}{r['pid']:>8}{r['heartbeat_age_s']:>10.1f}s{r['loop_age_s']:>7.1f}s"
-                     f"{rss:>9}{r['restarts']:>10}")
-    lines += ["", f"{'STREAM':<24}{'LOADER':<10}{'SAMPLES/S':>10}{'MS/SAMPLE':>11}{'BUFFERED':>10}{'WORKERS':>9}"
-              f"{'SKIPPED':>9}"]
+        lines.append(
+            f"{name:<16}{r['node']:<10}{r['pid']:>8}{r['heartbeat_age_s']:>10.1f}s{r['loop_age_s']:>7.1f}s"
+            f"{rss:>9}{r['restarts']:>10}"
+        )
+    lines += [
+        "",
+        f"{'STREAM':<24}{'LOADER':<10}{'SAMPLES/S':>10}{'MS/SAMPLE':>11}{'BUFFERED':>10}{'WORKERS':>9}{'SKIPPED':>9}",
+    ]
     for stream, s in sorted(v["streams"].items()):
         ms = "-" if s["transform_ms"] is None else f"{s['transform_ms']:.2f}"
-        lines.append(f"{stream:<24}{s['loader']:<10}{s['samples_per_s']:>10.1f}{ms:>11}{s['buffered']:>10}"
-                     f"{s['workers']:>9}{s['skipped']:>9}")
+        lines.append(
+            f"{stream:<24}{s['loader']:<10}{s['samples_per_s']:>10.1f}{ms:>11}{s['buffered']:>10}"
+            f"{s['workers']:>9}{s['skipped']:>9}"
+        )
     lines += ["", f"{'RANK':<6}{'NODE':<10}{'BATCHES/S':>10}{'STALL %':>9}{'STEP':>8}{'BEHIND':>8}"]
     for rank, t in sorted(v["ranks"].items()):
         behind = "-" if t["behind"] is None else str(t["behind"])
         state = " done" if t["done"] else (f" (silent {t['age_s']:.0f}s)" if t["age_s"] > 5 else "")
-        lines.append(f"{rank:<6}{t['node']:<10}{t['batches_per_s']:>10.1f}{t['stall_pct']:>9.1f}{t['step']:>8}"
-                     f"{behind:>8}{state}")
+        lines.append(
+            f"{rank:<6}{t['node']:<10}{t['batches_per_s']:>10.1f}{t['stall_pct']:>9.1f}{t['step']:>8}{behind:>8}{state}"
+        )
     if v["constructor_lag"]:
-        lines += ["", "constructor lag (steps planned, not yet written): "
-                  + ", ".join(f"dp{dp}={n}" for dp, n in sorted(v["constructor_lag"].items()))]
+        lines += [
+            "",
+            "constructor lag (steps planned, not yet written): "
+            + ", ".join(f"dp{dp}={n}" for dp, n in sorted(v["constructor_lag"].items())),
+        ]
     return "\n".join(lines)
 
 

@@ -72,9 +72,7 @@ def tokenize(text: str) -> np.ndarray:
     pieces = _PIECES.findall(text)
     # crc32 is stable across processes and Python versions, unlike hash(); the modulo
     # is done once over the whole array rather than per piece.
-    crcs = np.fromiter(
-        (zlib.crc32(p.encode("utf-8")) for p in pieces), dtype=np.uint32, count=len(pieces)
-    )
+    crcs = np.fromiter((zlib.crc32(p.encode("utf-8")) for p in pieces), dtype=np.uint32, count=len(pieces))
     ids = crcs % np.uint32(VOCAB_SIZE - _FIRST_PIECE_ID) + np.uint32(_FIRST_PIECE_ID)
     return ids.astype(np.int32)
 
@@ -87,9 +85,7 @@ def _with_bos_eos(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def _column(
-    row: dict[str, object], name: str, kind: type | tuple[type, ...], transform: str
-) -> object:
+def _column(row: dict[str, object], name: str, kind: type | tuple[type, ...], transform: str) -> object:
     """Returns ``row[name]``, raising a message that says which column the transform needs."""
     try:
         value = row[name]
@@ -99,9 +95,7 @@ def _column(
             f"{sorted(row)}; point the source at a table with that column"
         ) from None
     except TypeError:
-        raise TypeError(
-            f"transform {transform!r} takes a row as a dict, got {type(row).__name__}"
-        ) from None
+        raise TypeError(f"transform {transform!r} takes a row as a dict, got {type(row).__name__}") from None
     if not isinstance(value, kind):
         kinds = kind if isinstance(kind, tuple) else (kind,)
         raise TypeError(
@@ -185,11 +179,7 @@ def _decode_patches(data: bytes, where: str) -> tuple[np.ndarray, int, int]:
         img = img.resize((wp * PATCH, hp * PATCH), Image.Resampling.BILINEAR)
     pixels = np.asarray(img, dtype=np.uint8)
     # (H, W, C) -> (hp, P, wp, P, C) -> (hp, wp, P, P, C): each patch's pixels contiguous.
-    patches = (
-        pixels.reshape(hp, PATCH, wp, PATCH, 3)
-        .transpose(0, 2, 1, 3, 4)
-        .reshape(hp * wp, PATCH * PATCH * 3)
-    )
+    patches = pixels.reshape(hp, PATCH, wp, PATCH, 3).transpose(0, 2, 1, 3, 4).reshape(hp * wp, PATCH * PATCH * 3)
     return np.ascontiguousarray(patches), hp, wp
 
 
@@ -228,10 +218,15 @@ def decode_image(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     patches, hp, wp = _decode_patches(sample["image_bytes"].tobytes(), "decode_image")
     out["pixel_values"] = patches
     if not np.array_equal(out["image_grid"], [[hp, wp]]):
-        raise ValueError(f"decode_image: the decoded image has patch grid {(hp, wp)}, its header said "
-                         f"{tuple(out['image_grid'][0])}")
-    return {"input_ids": out["input_ids"], "pixel_values": out["pixel_values"], "image_grid": out["image_grid"],
-            **{k: v for k, v in out.items() if k not in ("input_ids", "pixel_values", "image_grid")}}
+        raise ValueError(
+            f"decode_image: the decoded image has patch grid {(hp, wp)}, its header said {tuple(out['image_grid'][0])}"
+        )
+    return {
+        "input_ids": out["input_ids"],
+        "pixel_values": out["pixel_values"],
+        "image_grid": out["image_grid"],
+        **{k: v for k, v in out.items() if k not in ("input_ids", "pixel_values", "image_grid")},
+    }
 
 
 def sample_metadata(sample: dict[str, np.ndarray]) -> tuple[int, int, int]:
@@ -273,10 +268,7 @@ def resolve(spec: str) -> Callable[..., object]:
             missing or is not callable. The message names the spec.
     """
     if not isinstance(spec, str) or spec.count(":") != 1:
-        raise ConfigError(
-            f"transform spec {spec!r} must be 'module:callable', "
-            "e.g. 'overlord.transforms:text'"
-        )
+        raise ConfigError(f"transform spec {spec!r} must be 'module:callable', e.g. 'overlord.transforms:text'")
     module_name, attr_path = spec.split(":")
     if not module_name or not attr_path:
         raise ConfigError(f"transform spec {spec!r} must name both a module and a callable")
@@ -297,13 +289,10 @@ def resolve(spec: str) -> Callable[..., object]:
             obj = getattr(obj, part)
         except AttributeError:
             raise ConfigError(
-                f"transform spec {spec!r}: {module_name!r} has no attribute {attr_path!r}; "
-                "check the name after the ':'"
+                f"transform spec {spec!r}: {module_name!r} has no attribute {attr_path!r}; check the name after the ':'"
             ) from None
     if not callable(obj):
-        raise ConfigError(
-            f"transform spec {spec!r} names a {type(obj).__name__}, which is not callable"
-        )
+        raise ConfigError(f"transform spec {spec!r} names a {type(obj).__name__}, which is not callable")
     return obj
 
 
@@ -359,7 +348,9 @@ def build(spec: str, args: dict | None = None, *, context_length: int | None = N
             f"{type(exc).__name__}: {exc}; fix the arguments (or the factory)"
         ) from exc
     if not callable(made):
-        raise ConfigError(f"transform spec {spec!r} with Source.transform_args returned a {type(made).__name__}, not a transform")
+        raise ConfigError(
+            f"transform spec {spec!r} with Source.transform_args returned a {type(made).__name__}, not a transform"
+        )
     return made
 
 

@@ -64,8 +64,11 @@ def _load(path: str):
     try:
         return path, Tokenizer.from_file(path)
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a bad file
-        hint = " (a SentencePiece .model: save its tokenizer.json with transformers' tokenizer.save_pretrained)" \
-            if path.endswith(".model") else ""
+        hint = (
+            " (a SentencePiece .model: save its tokenizer.json with transformers' tokenizer.save_pretrained)"
+            if path.endswith(".model")
+            else ""
+        )
         raise ConfigError(
             f"transform Tokenize: {path!r} is not a tokenizers tokenizer.json ({exc}){hint}; "
             "set transform_args.tokenizer to one"
@@ -152,7 +155,9 @@ class Tokenize:
             raise ConfigError(f"transform Tokenize: {side}={value!r} must be a token, an id, null or 'auto'")
         if isinstance(value, int):
             if not 0 <= value < self.vocab:
-                raise ConfigError(f"transform Tokenize: {side}={value} is outside the vocabulary of {self.path!r} (0..{self.vocab - 1})")
+                raise ConfigError(
+                    f"transform Tokenize: {side}={value} is outside the vocabulary of {self.path!r} (0..{self.vocab - 1})"
+                )
             return value
         token_id = self.tokenizer.token_to_id(value)
         if token_id is None:

@@ -13,7 +13,9 @@ def src(**kw):
 
 
 def test_valid_job_round_trips_through_json_and_yaml(tmp_path):
-    job = Job(name="j", sources=(src(), src(name="code", weight=2.0)), mesh=Mesh(dp=2, tp=2), batch=BatchSpec(global_batch=8))
+    job = Job(
+        name="j", sources=(src(), src(name="code", weight=2.0)), mesh=Mesh(dp=2, tp=2), batch=BatchSpec(global_batch=8)
+    )
     assert Job.from_dict(job.to_dict()) == job
     path = tmp_path / "job.yaml"
     path.write_text(
@@ -62,6 +64,8 @@ def test_mesh_coordinates_tp_fastest():
 def test_more_micro_batches_than_a_rank_gets_samples_is_refused():
     """global_batch 8 over dp 2 gives each rank 4 samples a step: 8 micro-batches would
     deliver empty ones (issue 16/17: 96 empty micro-batches were delivered)."""
-    with pytest.raises(ConfigError, match=r"micro_batches=8: micro-batches would be empty; raise global_batch to at least 16"):
+    with pytest.raises(
+        ConfigError, match=r"micro_batches=8: micro-batches would be empty; raise global_batch to at least 16"
+    ):
         Job(name="j", sources=(src(),), mesh=Mesh(dp=2), batch=BatchSpec(global_batch=8, micro_batches=8))
     Job(name="j", sources=(src(),), mesh=Mesh(dp=2), batch=BatchSpec(global_batch=8, micro_batches=4))

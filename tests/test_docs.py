@@ -87,8 +87,11 @@ def test_attributes_read_multiline_and_shared_entries(tool):
 
     summary, described = tool.attributes(Demo)
     assert summary == "Demo config."
-    assert described == {"size": "how many, continued here.", "cert": "a pair described once.",
-                         "key": "a pair described once."}
+    assert described == {
+        "size": "how many, continued here.",
+        "cert": "a pair described once.",
+        "key": "a pair described once.",
+    }
 
 
 def test_an_undocumented_field_fails_loudly(tool, monkeypatch, capsys):
@@ -138,9 +141,13 @@ def cookbook(tmp_path_factory):
 
 
 def _functions(module, *params: str) -> dict:
-    return {name: fn for name, fn in vars(module).items()
-            if inspect.isfunction(fn) and fn.__module__ == MODULE
-            and tuple(inspect.signature(fn).parameters)[: len(params)] == params}
+    return {
+        name: fn
+        for name, fn in vars(module).items()
+        if inspect.isfunction(fn)
+        and fn.__module__ == MODULE
+        and tuple(inspect.signature(fn).parameters)[: len(params)] == params
+    }
 
 
 def _plan_steps(job: Job, strategy, steps: int = 3) -> list:
@@ -148,11 +155,18 @@ def _plan_steps(job: Job, strategy, steps: int = 3) -> list:
     token counts up to the context length, image sources patches too)."""
     layout = Layout.plan(job)
     core = PlannerCore(
-        streams=layout.streams, stream_source=layout.stream_source, tree=ClientPlaceTree(job.mesh),
+        streams=layout.streams,
+        stream_source=layout.stream_source,
+        tree=ClientPlaceTree(job.mesh),
         schedule=from_config(job.mixing, [s.name for s in job.sources], [s.weight for s in job.sources]),
-        strategy=strategy, seed=job.seed, global_batch=job.batch.global_batch,
-        micro_batches=job.batch.micro_batches, context_length=job.batch.context_length,
-        finite=job.epochs is not None, drop_last=job.batch.drop_last, mixing_unit=mixing_unit(job.mixing),
+        strategy=strategy,
+        seed=job.seed,
+        global_batch=job.batch.global_batch,
+        micro_batches=job.batch.micro_batches,
+        context_length=job.batch.context_length,
+        finite=job.epochs is not None,
+        drop_last=job.batch.drop_last,
+        mixing_unit=mixing_unit(job.mixing),
     )
     rng = np.random.default_rng(7)
     n = (steps + 1) * job.batch.global_batch
@@ -198,13 +212,17 @@ def test_cookbook_job_loads_and_plans(index, cookbook, monkeypatch):
 def test_cookbook_strategies_plan(cookbook):
     strategies = _functions(cookbook, "data", "tree")
     assert len(strategies) >= 4
-    job = Job.from_dict({
-        "name": "cookbook",
-        "sources": [{"name": "web", "paths": ["/x/*.parquet"]},
-                    {"name": "laion", "paths": ["/y/*.parquet"], "transform": "overlord.transforms:image_text"}],
-        "mesh": {"dp": 2, "cp": 2, "tp": 2},
-        "batch": {"global_batch": 32, "micro_batches": 2, "context_length": 1024},
-    })
+    job = Job.from_dict(
+        {
+            "name": "cookbook",
+            "sources": [
+                {"name": "web", "paths": ["/x/*.parquet"]},
+                {"name": "laion", "paths": ["/y/*.parquet"], "transform": "overlord.transforms:image_text"},
+            ],
+            "mesh": {"dp": 2, "cp": 2, "tp": 2},
+            "batch": {"global_batch": 32, "micro_batches": 2, "context_length": 1024},
+        }
+    )
     for fn in strategies.values():
         _plan_steps(job, fn)
 

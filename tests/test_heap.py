@@ -38,8 +38,9 @@ def in_heap(address):
 
 def _run(body: str, *argv: str) -> str:
     code = _MALLOC.format(repo=str(REPO)) + body
-    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60, check=True
+    ).stdout.strip()
 
 
 def test_tuned_malloc_keeps_large_blocks_out_of_the_heap():
@@ -104,8 +105,14 @@ print(pa.system_memory_pool().bytes_allocated() >= 1 << 20)
 
     def run(order: str, **env: str) -> list[str]:
         code = _MALLOC.format(repo=str(REPO)) + body
-        return subprocess.run([sys.executable, "-c", code, order], capture_output=True, text=True, timeout=60,
-                              check=True, env={**clean, **env}).stdout.split()
+        return subprocess.run(
+            [sys.executable, "-c", code, order],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+            env={**clean, **env},
+        ).stdout.split()
 
     assert run("overlord-first") == ["system", "True"]  # Arrow's own default pool, scratch buffers too
     assert run("pyarrow-first") == ["system", "True"]  # pyarrow's allocations at least

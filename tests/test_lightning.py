@@ -73,10 +73,17 @@ class Model(pl.LightningModule):
 
 def fit(tmp_path, max_steps: int, ckpt_path=None) -> tuple[Model, Data]:
     model, data = Model(), Data()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3,
-                                                    save_top_k=-1)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=3, save_top_k=-1)],
+    )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return model, data
 

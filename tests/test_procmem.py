@@ -87,9 +87,7 @@ def test_tree_pids_finds_children_and_grandchildren():
         "print(*[k.pid for k in kids], flush=True)\n"
         "time.sleep(30)\n"
     )
-    parent = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True
-    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
     try:
         ready, _, _ = select.select([parent.stdout], [], [], 30)
         assert ready, "the parent did not report its children in 30 s"

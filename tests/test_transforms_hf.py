@@ -43,8 +43,11 @@ def bpe(tmp_path_factory):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer)
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
     tok.save(str(path))
@@ -58,7 +61,9 @@ def wordpiece(tmp_path_factory):
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"]))
+    tok.train_from_iterator(
+        CORPUS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"])
+    )
     path = tmp_path_factory.mktemp("wp") / "tokenizer.json"
     tok.save(str(path))
     return str(path)
@@ -118,7 +123,9 @@ def test_the_same_bytes_in_another_process(bpe):
         "t = Tokenize(tokenizer=sys.argv[1], context_length=16);"
         "print(json.dumps([t({'text': s})['input_ids'].tobytes().hex() for s in json.loads(sys.argv[2])]))"
     )
-    out = subprocess.run([sys.executable, "-c", code, bpe, json.dumps(TEXTS)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code, bpe, json.dumps(TEXTS)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == mine
 
@@ -126,8 +133,14 @@ def test_the_same_bytes_in_another_process(bpe):
 def test_a_source_loader_encodes_batches_on_its_workers_with_the_same_samples(bpe, tmp_path):
     texts = [f"{CORPUS[i % 4]} {i}" for i in range(90)]
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "ds"))
-    source = Source(name="wiki", paths=(str(tmp_path / "ds"),), format="hf", shuffle_window=16,
-                    transform="overlord.transforms_hf:Tokenize", transform_args={"tokenizer": bpe})
+    source = Source(
+        name="wiki",
+        paths=(str(tmp_path / "ds"),),
+        format="hf",
+        shuffle_window=16,
+        transform="overlord.transforms_hf:Tokenize",
+        transform_args={"tokenizer": bpe},
+    )
 
     def run(workers, context_length=12):
         ld = SourceLoader(source, 0, seed=3, epochs=1, context_length=context_length)
@@ -153,12 +166,18 @@ def test_a_source_loader_encodes_batches_on_its_workers_with_the_same_samples(bp
 
 
 def test_tokenizer_file_errors_say_what_to_set(bpe, tmp_path):
-    with pytest.raises(ConfigError, match=r"tokenizer file '.*missing/tokenizer.json' does not exist; set transform_args.tokenizer"):
+    with pytest.raises(
+        ConfigError, match=r"tokenizer file '.*missing/tokenizer.json' does not exist; set transform_args.tokenizer"
+    ):
         Tokenize(tokenizer=str(tmp_path / "missing" / "tokenizer.json"))
     (tmp_path / "bad.json").write_text('{"version": "1.0"}')
-    with pytest.raises(ConfigError, match=r"'.*bad.json' is not a tokenizers tokenizer.json \(.*\); set transform_args.tokenizer"):
+    with pytest.raises(
+        ConfigError, match=r"'.*bad.json' is not a tokenizers tokenizer.json \(.*\); set transform_args.tokenizer"
+    ):
         Tokenize(tokenizer=str(tmp_path / "bad.json"))
-    with pytest.raises(ConfigError, match=r"bos token '<bos>' \(given\) is not in the vocabulary of '.*tokenizer.json'"):
+    with pytest.raises(
+        ConfigError, match=r"bos token '<bos>' \(given\) is not in the vocabulary of '.*tokenizer.json'"
+    ):
         Tokenize(tokenizer=bpe, bos="<bos>")
     with pytest.raises(ConfigError, match=r"eos=400 is outside the vocabulary"):
         Tokenize(tokenizer=bpe, eos=400)
@@ -166,7 +185,9 @@ def test_tokenizer_file_errors_say_what_to_set(bpe, tmp_path):
         Tokenize(tokenizer=bpe, context_length=2)
     bare = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     bare.save(str(tmp_path / "bare.json"))
-    with pytest.raises(ConfigError, match=r"found no BOS token .* set transform_args.bos to a token or an id, or to null for none"):
+    with pytest.raises(
+        ConfigError, match=r"found no BOS token .* set transform_args.bos to a token or an id, or to null for none"
+    ):
         Tokenize(tokenizer=str(tmp_path / "bare.json"))
 
 
@@ -175,12 +196,21 @@ def test_source_config_errors_name_the_source(bpe, tmp_path):
     path = str(tmp_path / "a.parquet")
     cases = {
         (): r"source 'wiki': transform spec 'overlord.transforms_hf:Tokenize' names a class, a transform factory: give its arguments in Source.transform_args",
-        (("tokenizer", str(tmp_path / "nope.json")),): r"source 'wiki': transform Tokenize: tokenizer file '.*nope.json' does not exist",
-        (("tokenizer", bpe), ("colum", "x")): r"source 'wiki': .*transform_args \['colum', 'tokenizer'\] do not fit it .*; it takes \['tokenizer', 'column', 'bos'",
+        (
+            ("tokenizer", str(tmp_path / "nope.json")),
+        ): r"source 'wiki': transform Tokenize: tokenizer file '.*nope.json' does not exist",
+        (
+            ("tokenizer", bpe),
+            ("colum", "x"),
+        ): r"source 'wiki': .*transform_args \['colum', 'tokenizer'\] do not fit it .*; it takes \['tokenizer', 'column', 'bos'",
     }
     for args, message in cases.items():
-        source = Source(name="wiki", paths=(path,), transform="overlord.transforms_hf:Tokenize",
-                        transform_args=dict(args) if args else None)
+        source = Source(
+            name="wiki",
+            paths=(path,),
+            transform="overlord.transforms_hf:Tokenize",
+            transform_args=dict(args) if args else None,
+        )
         with pytest.raises(ConfigError, match=message):
             SourceLoader(source, 0, seed=0, epochs=1)
     with pytest.raises(ConfigError, match=r"Source.transform_args must be plain data \(it crosses processes as JSON\)"):
@@ -195,22 +225,39 @@ def test_a_row_without_text_names_source_file_row_and_column(bpe, tmp_path):
 
     def drain(path, *, workers=1, **kw):
         args = {"tokenizer": bpe, **kw.pop("args", {})}
-        ld = SourceLoader(Source(name="wiki", paths=(path,), format="hf", transform="overlord.transforms_hf:Tokenize",
-                                 transform_args=args, **kw), 0, seed=0, epochs=1)
+        ld = SourceLoader(
+            Source(
+                name="wiki",
+                paths=(path,),
+                format="hf",
+                transform="overlord.transforms_hf:Tokenize",
+                transform_args=args,
+                **kw,
+            ),
+            0,
+            seed=0,
+            epochs=1,
+        )
         ld.set_workers(workers)
         out = []
         while not ld.finished:
             out += ld.prepare(4)[0]
         return ld, out
 
-    with pytest.raises(SourceReadError, match=r"source 'wiki' file '.*data-00000-of-00001.arrow' row \d+: transform "
-                                              r"overlord.transforms_hf:Tokenize raised KeyError: .*needs a text column 'content' "
-                                              r"but the row has \['body', 'text'\]; set transform_args.column"):
+    with pytest.raises(
+        SourceReadError,
+        match=r"source 'wiki' file '.*data-00000-of-00001.arrow' row \d+: transform "
+        r"overlord.transforms_hf:Tokenize raised KeyError: .*needs a text column 'content' "
+        r"but the row has \['body', 'text'\]; set transform_args.column",
+    ):
         drain(str(tmp_path / "ds"), args={"column": "content"})
     for workers in (1, 2):  # the batch that holds it fails, and the row is found and named
-        with pytest.raises(SourceReadError, match=r"source 'wiki' file '.*nulls/data-00000-of-00001.arrow' row 6: transform "
-                                                  r"overlord.transforms_hf:Tokenize raised TypeError: .*column 'text' must be a "
-                                                  r"string, got NoneType"):
+        with pytest.raises(
+            SourceReadError,
+            match=r"source 'wiki' file '.*nulls/data-00000-of-00001.arrow' row 6: transform "
+            r"overlord.transforms_hf:Tokenize raised TypeError: .*column 'text' must be a "
+            r"string, got NoneType",
+        ):
             drain(str(tmp_path / "nulls"), workers=workers)
     ld, out = drain(str(tmp_path / "nulls"), workers=2, on_error="skip")
     assert ld.skipped == 1 and sorted(s.key for s in out) == sorted(f"wiki:0:{r}" for r in range(10) if r != 6)
@@ -222,6 +269,7 @@ def test_without_the_extra_the_error_says_pip_install_overlord_hf(bpe):
         "from overlord.transforms_hf import Tokenize\n"
         "try:\n    Tokenize(tokenizer=sys.argv[1])\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, bpe], capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ))
+    out = subprocess.run(
+        [sys.executable, "-c", code, bpe], capture_output=True, text=True, timeout=60, env=dict(os.environ)
+    )
     assert "ConfigError" in out.stdout and "pip install 'overlord[hf]'" in out.stdout, out.stdout + out.stderr

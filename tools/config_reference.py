@@ -59,8 +59,11 @@ def config_classes() -> list[type]:
     from overlord.autoscale.partition import Budget
 
     found = [
-        obj for name, obj in vars(config).items()
-        if not name.startswith("_") and inspect.isclass(obj) and dataclasses.is_dataclass(obj)
+        obj
+        for name, obj in vars(config).items()
+        if not name.startswith("_")
+        and inspect.isclass(obj)
+        and dataclasses.is_dataclass(obj)
         and obj.__module__ == config.__name__
     ]
     rank = {name: i for i, name in enumerate(ORDER)}
@@ -99,15 +102,19 @@ def attributes(cls: type) -> tuple[str, dict[str, str]]:
         elif entries and depth > indent:
             entries[-1][1].append(line.strip())
         else:
-            raise DocError(f"{cls.__qualname__}: cannot read the Attributes line {line.strip()!r}; "
-                           "write 'field: description' (or 'a, b: description'), continued with deeper indentation")
+            raise DocError(
+                f"{cls.__qualname__}: cannot read the Attributes line {line.strip()!r}; "
+                "write 'field: description' (or 'a, b: description'), continued with deeper indentation"
+            )
     fields = {f.name for f in dataclasses.fields(cls)}
     out: dict[str, str] = {}
     for names, text in entries:
         for name in names:
             if name not in fields:
-                raise DocError(f"{cls.__qualname__} docstring describes {name!r}, which is not one of its fields "
-                               f"{sorted(fields)}; fix the Attributes section")
+                raise DocError(
+                    f"{cls.__qualname__} docstring describes {name!r}, which is not one of its fields "
+                    f"{sorted(fields)}; fix the Attributes section"
+                )
             out[name] = " ".join(text)
     return summary, out
 
@@ -186,8 +193,9 @@ def render() -> str:
             out.append(f"| `{f.name}` | `{_cell(kind)}` | {_cell(_default(f))} | {_cell(described[f.name])} |")
         out.append("")
     if missing:
-        raise DocError(f"no description for {', '.join(missing)}; add each to its class docstring's "
-                       "'Attributes:' section")
+        raise DocError(
+            f"no description for {', '.join(missing)}; add each to its class docstring's 'Attributes:' section"
+        )
     return "\n".join(out)
 
 
@@ -209,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = args.out.read_text() if args.out.exists() else None
         if current != text:
-            print(f"config_reference: {_shown(args.out)} is stale; run python tools/config_reference.py",
-                  file=sys.stderr)
+            print(
+                f"config_reference: {_shown(args.out)} is stale; run python tools/config_reference.py", file=sys.stderr
+            )
             return 1
         return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,4 +2,11 @@
 
 from overlord.autoscale.partition import Budget, PartitionError, Partitioning, SourceCost, SourcePlan, partition
 
-__all__ = sorted(["Budget", "PartitionError", "Partitioning", "SourceCost", "SourcePlan", "partition"])
+__all__ = [
+    "Budget",
+    "PartitionError",
+    "Partitioning",
+    "SourceCost",
+    "SourcePlan",
+    "partition",
+]

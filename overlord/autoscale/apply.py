@@ -40,8 +40,10 @@ def budget_of(job: Job) -> Budget:
             try:
                 cfg[name] = float(os.environ[var])
             except ValueError:
-                raise ConfigError(f"${var}={os.environ[var]!r} is not a number; set it to this node's "
-                                  f"{'CPUs' if name == 'cpus' else 'MiB'} for the sidecar") from None
+                raise ConfigError(
+                    f"${var}={os.environ[var]!r} is not a number; set it to this node's "
+                    f"{'CPUs' if name == 'cpus' else 'MiB'} for the sidecar"
+                ) from None
     cpus = float(cfg.get("cpus", len(os.sched_getaffinity(0))))
     defaults = {
         "cpus": cpus,
@@ -81,9 +83,16 @@ def autoscale(job: Job, r, keys, *, resume: bool = False) -> tuple[Job, Partitio
         costs_ms = {c.name: c.transform_ms for c in costs}
         how = f"{len(profiled)} source(s) from the profile journal, {len(measured)} profiled now"
     log.info("auto-partitioned the sources (%s):\n%s", how, part.render())
-    r.set(keys.autoscale, json.dumps({"partitions": {s.name: s.partitions for s in part.sources},
-                                      "loaders": [[list(x) for x in hosted] for hosted in part.loaders],
-                                      "costs_ms": costs_ms}))
+    r.set(
+        keys.autoscale,
+        json.dumps(
+            {
+                "partitions": {s.name: s.partitions for s in part.sources},
+                "loaders": [[list(x) for x in hosted] for hosted in part.loaders],
+                "costs_ms": costs_ms,
+            }
+        ),
+    )
     sources = tuple(dataclasses.replace(s, partitions=part.of(s.name).partitions) for s in job.sources)
     return dataclasses.replace(job, sources=sources), part
 

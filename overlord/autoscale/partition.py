@@ -132,9 +132,13 @@ class Partitioning:
     def render(self) -> str:
         lines = [f"{'source':<20} {'cluster':>7} {'demand':>7} {'workers':>8} {'partitions':>10} {'memory MiB':>11}"]
         for s in self.sources:
-            lines.append(f"{s.name:<20} {s.cluster:>7} {s.demand:>7.3f} {s.workers:>8.2f} {s.partitions:>10} {s.memory_mb:>11.1f}")
-        lines.append(f"{len(self.loaders)} loader process(es), {sum(self.loader_workers):.1f} worker(s), "
-                     f"{self.memory_mb:.0f} MiB in all:")
+            lines.append(
+                f"{s.name:<20} {s.cluster:>7} {s.demand:>7.3f} {s.workers:>8.2f} {s.partitions:>10} {s.memory_mb:>11.1f}"
+            )
+        lines.append(
+            f"{len(self.loaders)} loader process(es), {sum(self.loader_workers):.1f} worker(s), "
+            f"{self.memory_mb:.0f} MiB in all:"
+        )
         for k, (hosted, w) in enumerate(zip(self.loaders, self.loader_workers)):
             lines.append(f"  loader {k}: {w:.2f} worker(s): " + ", ".join(f"{n}.{p}" for n, p in hosted))
         lines += [f"note: {n}" for n in self.notes]
@@ -183,8 +187,11 @@ def partition(costs: list[SourceCost], budget: Budget) -> Partitioning:
         if by_memory > by_cpu:
             notes.append(f"{c.name}: {parts} partitions for its {c.state_mb:g} MiB of file state")
         buffers = parts * budget.buffer_samples * c.sample_kb / 1024
-        plans.append(SourcePlan(c.name, cluster_of[c.name], round(demand[c.name], 6), round(w, 3), parts,
-                                round(c.state_mb + buffers, 1)))
+        plans.append(
+            SourcePlan(
+                c.name, cluster_of[c.name], round(demand[c.name], 6), round(w, 3), parts, round(c.state_mb + buffers, 1)
+            )
+        )
         streams += [(c.name, p, w / parts, cluster_of[c.name]) for p in range(parts)]
 
     loaders, loader_workers = _pack(streams, budget.max_workers_per_loader)
@@ -196,8 +203,13 @@ def partition(costs: list[SourceCost], budget: Budget) -> Partitioning:
             f"{budget.loader_mb:.0f} MiB after the Data Constructors and the Planner; raise the memory budget "
             "or lower Job.buffer_samples"
         )
-    return Partitioning(sources=sorted(plans, key=lambda p: [c.name for c in costs].index(p.name)),
-                        loaders=loaders, loader_workers=loader_workers, memory_mb=round(memory, 1), notes=notes)
+    return Partitioning(
+        sources=sorted(plans, key=lambda p: [c.name for c in costs].index(p.name)),
+        loaders=loaders,
+        loader_workers=loader_workers,
+        memory_mb=round(memory, 1),
+        notes=notes,
+    )
 
 
 def _allocate(demand: dict[str, float], blocks: int, cap: int) -> dict[str, float]:

@@ -40,7 +40,7 @@ class Profile:
         return json.dumps({**asdict(self), "updated": time.time()})
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> "Profile":
+    def from_json(cls, raw: str | bytes) -> Profile:
         d = json.loads(raw)
         return cls(samples=d["samples"], seconds=d["seconds"], out_bytes=d["out_bytes"], state_bytes=d["state_bytes"])
 
@@ -75,8 +75,14 @@ def measure(job, samples: int = 64) -> dict[str, SourceCost]:
 
     profiles = {}
     for src in job.sources:
-        loader = SourceLoader(src, 0, seed=job.seed, epochs=job.epochs, context_length=job.batch.context_length,
-                              vocab_size=job.batch.vocab_size)
+        loader = SourceLoader(
+            src,
+            0,
+            seed=job.seed,
+            epochs=job.epochs,
+            context_length=job.batch.context_length,
+            vocab_size=job.batch.vocab_size,
+        )
         loader.prepare(min(8, samples))  # warm-up: imports, first file open
         loader.profile = Profile()
         loader.prepare(samples)

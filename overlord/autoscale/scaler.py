@@ -56,8 +56,9 @@ class Scaler:
         """Workers (busy transform threads, over all partitions) the source keeps busy."""
         return self.rate.get(name, 0.0) * self.costs_ms.get(name, 0.0) / 1000
 
-    def observe(self, step: int, counts: dict[str, int], now: float,
-                ahead: dict[str, float] | None = None) -> dict[str, int]:
+    def observe(
+        self, step: int, counts: dict[str, int], now: float, ahead: dict[str, float] | None = None
+    ) -> dict[str, int]:
         """Record the samples step `step` took per source at time `now` (seconds); returns
         the sources whose worker count changes now (empty most steps).
 

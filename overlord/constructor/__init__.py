@@ -2,4 +2,7 @@
 
 from overlord.constructor.packing import pack, pad
 
-__all__ = sorted(["pack", "pad"])
+__all__ = [
+    "pack",
+    "pad",
+]

@@ -46,8 +46,18 @@ _WAIT_S = 0.05  # one futex wait on a loader ring when none has a record
 class DataConstructor:
     """The constructor of DP group `dp`."""
 
-    def __init__(self, job: Job, layout: Layout, dp: int, r, keys, stop: threading.Event, beat: Beat,
-                 restarted: bool = False, bridges: dict[int, object] | None = None) -> None:
+    def __init__(
+        self,
+        job: Job,
+        layout: Layout,
+        dp: int,
+        r,
+        keys,
+        stop: threading.Event,
+        beat: Beat,
+        restarted: bool = False,
+        bridges: dict[int, object] | None = None,
+    ) -> None:
         self.job, self.layout, self.dp, self.restarted = job, layout, dp, restarted
         self.r, self.keys, self.stop, self.beat = r, keys, stop, beat
         # per loader process: its ring on this node, and on several nodes a Bridge that
@@ -68,8 +78,11 @@ class DataConstructor:
         self.truncated = 0
         self.skip: dict[int, int] = {}
         # transformation reordering: the deferred half of a source's transform runs here
-        self.decoders = {i: (job.sources[src].decode, resolve(job.sources[src].decode))
-                         for i, src in enumerate(layout.stream_source) if job.sources[src].decode}
+        self.decoders = {
+            i: (job.sources[src].decode, resolve(job.sources[src].decode))
+            for i, src in enumerate(layout.stream_source)
+            if job.sources[src].decode
+        }
         self.stash: dict[tuple[int, int, int], tuple[int, dict[str, np.ndarray], str]] = {}  # samples of later steps
         self.dropped = 0  # duplicate records seen (after a restart)
         self._turn = 0

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Mapping
+from collections.abc import Mapping
 
 import redis
 
@@ -63,7 +63,7 @@ class MarkWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"marks-{dp}")
 
-    def start(self) -> "MarkWatch":
+    def start(self) -> MarkWatch:
         self._thread.start()
         return self
 

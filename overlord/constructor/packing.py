@@ -22,7 +22,7 @@ L) and `attention_mask` replaces cu_seqlens. Documents longer than L are truncat
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -55,7 +55,11 @@ def _images(samples: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
         if "pixel_values" in s:
             pix.append(s["pixel_values"].reshape(len(s["pixel_values"]), -1))
             g = s.get("image_grid")
-            g = np.asarray(g, dtype=np.int32).reshape(-1, 2) if g is not None else np.array([[len(pix[-1]), 1]], np.int32)
+            g = (
+                np.asarray(g, dtype=np.int32).reshape(-1, 2)
+                if g is not None
+                else np.array([[len(pix[-1]), 1]], np.int32)
+            )
             grid.append(g)
             doc.extend([i] * len(g))
     if not pix:

@@ -25,15 +25,21 @@ def run_constructors(ctx) -> None:
 
         directory = Directory(ctx.r, ctx.keys, ctx.stop)
         token = job_token(ctx.job, r=ctx.r)
-        bridges = {dp: {k: Bridge(ctx.job, ctx.r, ctx.keys, k, dp, directory, ctx.stop, token)
-                        for k in range(ctx.layout.loaders)} for dp in hosted}
+        bridges = {
+            dp: {
+                k: Bridge(ctx.job, ctx.r, ctx.keys, k, dp, directory, ctx.stop, token)
+                for k in range(ctx.layout.loaders)
+            }
+            for dp in hosted
+        }
 
     def one(dp: int) -> None:
         try:
             # a Redis client of its own: blocking reads of one must not delay another
             r = connect(ctx.redis_url, ride_through_s=ctx.job.redis_outage_s)
-            DataConstructor(ctx.job, ctx.layout, dp, r, ctx.keys, ctx.stop, ctx.beat,
-                            restarted=ctx.attempt > 0, bridges=bridges[dp]).run()
+            DataConstructor(
+                ctx.job, ctx.layout, dp, r, ctx.keys, ctx.stop, ctx.beat, restarted=ctx.attempt > 0, bridges=bridges[dp]
+            ).run()
         except Stopped:
             pass
         except BaseException as exc:  # noqa: BLE001 - reported below with its DP group

@@ -103,9 +103,7 @@ def _vocabulary() -> np.ndarray:
     return np.array([*words, ".", ","], dtype=object)
 
 
-def _draw_lengths(
-    rng: np.random.Generator, n: int, model: _Lengths, force_long: bool
-) -> np.ndarray:
+def _draw_lengths(rng: np.random.Generator, n: int, model: _Lengths, force_long: bool) -> np.ndarray:
     body = np.clip(np.rint(rng.lognormal(np.log(model.median), model.sigma, n)), 1, 64)
     tail = np.minimum(65 * (1 + rng.pareto(model.alpha, n)), model.max_tokens)
     lengths = np.where(rng.random(n) < model.tail, np.rint(tail), body).astype(np.int64)
@@ -183,9 +181,7 @@ def source_names(text_sources: int, image_sources: int) -> tuple[list[str], list
     return text, image
 
 
-def _source_table(
-    kind: str, index: int, name: str, rows: int, seed: int, max_image_side: int
-) -> pa.Table:
+def _source_table(kind: str, index: int, name: str, rows: int, seed: int, max_image_side: int) -> pa.Table:
     rng = np.random.default_rng([seed, 0 if kind == "text" else 1, index])
     ids = pa.array(np.arange(rows, dtype=np.int64))
     if kind == "text":
@@ -295,10 +291,7 @@ def generate_corpus(
     manifest = read_manifest(root)
     if not _complete(root, manifest, params):
         manifest = _write(root, params)
-    return {
-        name: [str(root / rel) for rel in entry["files"]]
-        for name, entry in manifest["sources"].items()
-    }
+    return {name: [str(root / rel) for rel in entry["files"]] for name, entry in manifest["sources"].items()}
 
 
 def _write(root: Path, params: dict) -> dict:
@@ -312,18 +305,14 @@ def _write(root: Path, params: dict) -> dict:
     sources: dict[str, dict] = {}
     files: dict[str, int] = {}
     for kind, index, name in plan:
-        table = _source_table(
-            kind, index, name, params["rows_per_source"], params["seed"], params["max_image_side"]
-        )
+        table = _source_table(kind, index, name, params["rows_per_source"], params["seed"], params["max_image_side"])
         (root / name).mkdir(exist_ok=True)
         rels = []
         bounds = np.linspace(0, table.num_rows, params["files_per_source"] + 1).astype(int)
         for part, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             rel = f"{name}/part-{part:05d}.parquet"
             tmp = root / f"{rel}.tmp"
-            pq.write_table(
-                table.slice(lo, hi - lo), tmp, row_group_size=params["row_group_size"]
-            )
+            pq.write_table(table.slice(lo, hi - lo), tmp, row_group_size=params["row_group_size"])
             os.replace(tmp, root / rel)  # a reader never sees a half-written file
             files[rel] = (root / rel).stat().st_size
             rels.append(rel)
@@ -372,9 +361,7 @@ def generate_many(
         ConfigError: A count is out of range.
     """
     if n_sources < 1 or image_every < 1:
-        raise ConfigError(
-            f"generate_many: n_sources={n_sources} and image_every={image_every} must be >= 1"
-        )
+        raise ConfigError(f"generate_many: n_sources={n_sources} and image_every={image_every} must be >= 1")
     images = max(1, n_sources // image_every) if n_sources > 1 else 0
     return generate_corpus(
         out_dir,

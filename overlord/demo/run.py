@@ -71,8 +71,17 @@ def run_demo(*, out_dir: str = "demo-data", ranks: int = 4, steps: int = 100, pr
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank))
         trainers.append(
             subprocess.Popen(
-                [sys.executable, "-m", "overlord.demo.trainer", "--config", str(config), "--steps", str(steps),
-                 "--out", str(results / f"rank{rank}.json")],
+                [
+                    sys.executable,
+                    "-m",
+                    "overlord.demo.trainer",
+                    "--config",
+                    str(config),
+                    "--steps",
+                    str(steps),
+                    "--out",
+                    str(results / f"rank{rank}.json"),
+                ],
                 env=env,
             )
         )
@@ -102,8 +111,14 @@ def run_demo(*, out_dir: str = "demo-data", ranks: int = 4, steps: int = 100, pr
         print(f"overlord demo: trainer exit codes {codes}; sidecar log: {out / 'sidecar.log'}", file=sys.stderr)
         return 1
     leftovers = list_segments(job.name)
-    print(summary([json.loads((results / f"rank{r}.json").read_text()) for r in range(ranks)], peak_pss, launched,
-                  job.strategy.rsplit(":", 1)[-1]))
+    print(
+        summary(
+            [json.loads((results / f"rank{r}.json").read_text()) for r in range(ranks)],
+            peak_pss,
+            launched,
+            job.strategy.rsplit(":", 1)[-1],
+        )
+    )
     if leftovers:
         print(f"overlord demo: shared-memory segments left behind: {leftovers}", file=sys.stderr)
         return 1
@@ -132,7 +147,9 @@ def summary(ranks: list[dict], peak_pss: int, launched: float, strategy: str) ->
         "mix            source     requested  achieved",
     ]
     for name in sorted(counts, key=lambda n: -WEIGHTS.get(n, 0)):
-        lines.append(f"               {name:<10} {WEIGHTS.get(name, 0) / total_w:>8.1%}  {counts[name] / samples:>8.1%}")
+        lines.append(
+            f"               {name:<10} {WEIGHTS.get(name, 0) / total_w:>8.1%}  {counts[name] / samples:>8.1%}"
+        )
     return "\n".join(lines)
 
 

@@ -3,4 +3,10 @@
 from overlord.loader.order import EpochOrder, RowGroups
 from overlord.loader.source_loader import Prepared, SourceLoader, stream_name
 
-__all__ = sorted(["EpochOrder", "Prepared", "RowGroups", "SourceLoader", "stream_name"])
+__all__ = [
+    "EpochOrder",
+    "Prepared",
+    "RowGroups",
+    "SourceLoader",
+    "stream_name",
+]

@@ -95,7 +95,9 @@ class ParquetFile:
     def difficulty(self, column: str) -> list[float]:
         """Midpoint of the column's min/max statistics, per row group."""
         if column not in self.names:
-            raise SchemaError(f"{self.where} has no difficulty column {column!r}; it has {self.names}. Fix Source.difficulty")
+            raise SchemaError(
+                f"{self.where} has no difficulty column {column!r}; it has {self.names}. Fix Source.difficulty"
+            )
         index = self.file.schema_arrow.get_field_index(column)
         out = []
         for g in range(self.file.metadata.num_row_groups):
@@ -210,7 +212,9 @@ class JsonlFile:
                 data = f.read()[start:end]
         lines = _lines(data, int(idx.first_lines[group]))
         if len(lines) != idx.rows[group]:
-            raise OSError(f"block {group} has {len(lines)} rows where the index built at open found {idx.rows[group]}; the file changed while it was read")
+            raise OSError(
+                f"block {group} has {len(lines)} rows where the index built at open found {idx.rows[group]}; the file changed while it was read"
+            )
         return _LinesChunk(lines, columns)
 
 
@@ -254,8 +258,11 @@ def locations(source: str, format: str, paths: tuple[str, ...]) -> list[Location
     out = [loc for pattern in paths for loc in storage.expand(source, pattern)]
     for loc in out:
         local = isinstance(loc.filesystem, pafs.LocalFileSystem)
-        if loc.path.endswith(".arrow") or (local and os.path.isdir(loc.path) and any(
-                os.path.isfile(os.path.join(loc.path, name)) for name in (hf.STATE, hf.DICT, hf.INFO))):
+        if loc.path.endswith(".arrow") or (
+            local
+            and os.path.isdir(loc.path)
+            and any(os.path.isfile(os.path.join(loc.path, name)) for name in (hf.STATE, hf.DICT, hf.INFO))
+        ):
             raise SourceReadError(
                 f"source {source!r}: {loc.uri!r} is a Hugging Face datasets "
                 f"{'Arrow file' if loc.path.endswith('.arrow') else 'directory'}, and the source's format is "

@@ -57,8 +57,11 @@ STATE, INFO, DICT = "state.json", "dataset_info.json", "dataset_dict.json"  # da
 
 # what a file that is not an Arrow stream starts with, and what to do about it
 _MAGIC = (
-    (b"ARROW1", "it is an Arrow IPC file (Feather v2), not the Arrow stream datasets writes; "
-     "load it with pyarrow.feather and write Parquet (format: parquet)"),
+    (
+        b"ARROW1",
+        "it is an Arrow IPC file (Feather v2), not the Arrow stream datasets writes; "
+        "load it with pyarrow.feather and write Parquet (format: parquet)",
+    ),
     (b"PAR1", "it is a Parquet file: give it to a source with format: parquet"),
     (b"{", "it is JSON text: for a save_to_disk directory give the directory, for JSON lines use format: jsonl"),
 )
@@ -127,7 +130,9 @@ def _directory(source: str, path: str) -> list[Location]:
             )
         files = [f.get("filename") for f in state.get("_data_files") or () if isinstance(f, dict)]
         if not files or not all(isinstance(f, str) for f in files):
-            raise SourceReadError(f"source {source!r}: {os.path.join(path, STATE)!r} lists no data files; save the dataset again")
+            raise SourceReadError(
+                f"source {source!r}: {os.path.join(path, STATE)!r} lists no data files; save the dataset again"
+            )
         missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
         if missing:
             raise SourceReadError(
@@ -232,11 +237,15 @@ class _Index:
                     "cast them to plain types (ds.cast) and save again, or write Parquet"
                 )
             else:
-                raise _invalid(f"it has a {message.type!r} message where the Arrow stream of a dataset has record batches")
+                raise _invalid(
+                    f"it has a {message.type!r} message where the Arrow stream of a dataset has record batches"
+                )
         if schema is None:
             raise _invalid("it is not an Arrow stream: no schema message at its start")
         self.schema = schema
-        self.offsets, self.lengths, self.starts, self.rows = (np.asarray(v, np.int64) for v in (offsets, lengths, starts, rows))
+        self.offsets, self.lengths, self.starts, self.rows = (
+            np.asarray(v, np.int64) for v in (offsets, lengths, starts, rows)
+        )
         self.nbytes = 4 * self.rows.nbytes
 
 
@@ -262,15 +271,21 @@ class HfFile:
         """Midpoint of the column's min and max, per row group (computed: Arrow streams
         keep no statistics; reads that one column of the file once)."""
         if column not in self.names:
-            raise SchemaError(f"{self.where} has no difficulty column {column!r}; it has {self.names}. Fix Source.difficulty")
+            raise SchemaError(
+                f"{self.where} has no difficulty column {column!r}; it has {self.names}. Fix Source.difficulty"
+            )
         kind = self.index.schema.field(column).type
         if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-            raise SchemaError(f"{self.where}: difficulty column {column!r} is {kind}, not numeric; fix Source.difficulty")
+            raise SchemaError(
+                f"{self.where}: difficulty column {column!r} is {kind}, not numeric; fix Source.difficulty"
+            )
         out = []
         for g in range(len(self.index.rows)):
             low, high = pc.min_max(self._batch(g).column(column)).values()
             if not low.is_valid:
-                raise SchemaError(f"{self.where} row group {g}: difficulty column {column!r} is all null; fill it or unset Source.difficulty")
+                raise SchemaError(
+                    f"{self.where} row group {g}: difficulty column {column!r} is all null; fill it or unset Source.difficulty"
+                )
             out.append((float(low.as_py()) + float(high.as_py())) / 2)
         return out
 

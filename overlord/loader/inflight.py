@@ -35,8 +35,8 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 MAGIC = b"OVLINFL1"
 _HEADER = struct.Struct("<8sII")
@@ -70,7 +70,7 @@ class Inflight:
         finally:
             os.close(fd)
         _HEADER.pack_into(self._map, 0, MAGIC, SLOTS, len(names))
-        self._map[_HEADER.size + SLOTS * _SLOT.size:] = names
+        self._map[_HEADER.size + SLOTS * _SLOT.size :] = names
         self._slots: dict[int, int] = {}  # thread ident -> slot offset
         self._threads: dict[int, int] = {}  # slot offset -> thread ident (for its stack)
         self._lock = threading.Lock()
@@ -134,7 +134,7 @@ def last_samples(path: Path) -> list[tuple[str, tuple[int, int, int], float]]:
         magic, slots, names_len = _HEADER.unpack_from(data, 0)
         if magic != MAGIC:
             return []
-        streams = json.loads(data[_HEADER.size + slots * _SLOT.size:][:names_len])
+        streams = json.loads(data[_HEADER.size + slots * _SLOT.size :][:names_len])
     except (OSError, struct.error, ValueError):
         return []
     now, out = time.monotonic(), []
@@ -167,8 +167,9 @@ class Deadline:
         expired: called with the message.
     """
 
-    def __init__(self, table: Inflight, streams: list, deadlines: list[float], specs: list[str],
-                 expired: Callable[[str], None]) -> None:
+    def __init__(
+        self, table: Inflight, streams: list, deadlines: list[float], specs: list[str], expired: Callable[[str], None]
+    ) -> None:
         self.table, self.streams, self.deadlines, self.specs = table, streams, deadlines, specs
         self.expired = expired
         self.interval = max(0.05, min(1.0, min(deadlines, default=1.0) / 4))

@@ -44,7 +44,7 @@ class RowGroups:
     difficulty: np.ndarray | None = None  # float64 per row group, for a curriculum
 
     @classmethod
-    def from_counts(cls, counts: list[list[int]], difficulty: list[list[float]] | None = None) -> "RowGroups":
+    def from_counts(cls, counts: list[list[int]], difficulty: list[list[float]] | None = None) -> RowGroups:
         """Build from per-file lists of row-group row counts (and difficulties)."""
         file, group, rows, first = [], [], [], []
         for f, groups in enumerate(counts):

@@ -73,9 +73,15 @@ class LoaderProcess:
         for i in self.hosted:
             src = job.sources[layout.stream_source[i]]
             partition = int(layout.streams[i].rsplit(".", 1)[1])
-            self.loaders[i] = SourceLoader(src, partition, seed=job.seed, epochs=job.epochs,
-                                           context_length=job.batch.context_length, vocab_size=job.batch.vocab_size,
-                                           max_sample_bytes=ring_max_record(job.sample_ring_bytes))
+            self.loaders[i] = SourceLoader(
+                src,
+                partition,
+                seed=job.seed,
+                epochs=job.epochs,
+                context_length=job.batch.context_length,
+                vocab_size=job.batch.vocab_size,
+                max_sample_bytes=ring_max_record(job.sample_ring_bytes),
+            )
         self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in self.hosted}  # not yet sent
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every constructor finished it
         self.kept: dict[Item, Prepared] = {}  # samples of those steps
@@ -108,8 +114,13 @@ class LoaderProcess:
         self.skip_upto = done
         if self.active:
             self._claim_rings()
-        log.info("%s loader process %d at step %d hosting streams %s", "active" if self.active else "shadow",
-                 self.ctx.index, self.step, [self.layout.streams[i] for i in self.hosted])
+        log.info(
+            "%s loader process %d at step %d hosting streams %s",
+            "active" if self.active else "shadow",
+            self.ctx.index,
+            self.step,
+            [self.layout.streams[i] for i in self.hosted],
+        )
 
     def _rebuild(self, step: int, state: dict | None) -> None:
         """Start every stream after its cursor in the planner state before `step` and
@@ -125,8 +136,11 @@ class LoaderProcess:
         for (stream, epoch), seqs in deferred.items():
             for sample in self.loaders[stream].prepare_at(epoch, seqs):
                 self.buffers[stream][(sample.epoch, sample.seq)] = sample
-        log.info("rebuilt read buffers at step %d from the planner checkpoint (%d deferred samples re-read)",
-                 step, sum(len(v) for v in deferred.values()))
+        log.info(
+            "rebuilt read buffers at step %d from the planner checkpoint (%d deferred samples re-read)",
+            step,
+            sum(len(v) for v in deferred.values()),
+        )
 
     def _claim_rings(self) -> None:
         for dp in range(self.job.mesh.dp):
@@ -207,8 +221,13 @@ class LoaderProcess:
         table = Inflight(inflight_path(self.ctx.run_dir, os.getpid()), streams)
         for k, i in enumerate(ids):
             self.loaders[i].inflight, self.loaders[i].stream_id = table, k
-        deadline = Deadline(table, streams, [self.job.transform_deadline(self.loaders[i].source) for i in ids],
-                            [self.loaders[i].source.transform for i in ids], self._hung)
+        deadline = Deadline(
+            table,
+            streams,
+            [self.job.transform_deadline(self.loaders[i].source) for i in ids],
+            [self.loaders[i].source.transform for i in ids],
+            self._hung,
+        )
         threading.Thread(target=deadline.run, args=(self.ctx.stop,), daemon=True, name="transform-deadline").start()
         return table
 
@@ -405,15 +424,26 @@ class LoaderProcess:
         streams = {}
         for i, loader in self.loaders.items():
             streams[self.layout.streams[i]] = {
-                "prepared": loader.profile.samples, "transform_s": round(loader.profile.seconds, 4),
-                "buffered": len(self.buffers[i]), "workers": loader.workers, "skipped": loader.skipped,
-                "skipped_files": loader.skips.files_skipped, "skipped_row_groups": loader.skips.groups_skipped,
-                "epoch": loader.epoch, "buffered_bytes": sum(p.nbytes for p in self.buffers[i].values()),
+                "prepared": loader.profile.samples,
+                "transform_s": round(loader.profile.seconds, 4),
+                "buffered": len(self.buffers[i]),
+                "workers": loader.workers,
+                "skipped": loader.skipped,
+                "skipped_files": loader.skips.files_skipped,
+                "skipped_row_groups": loader.skips.groups_skipped,
+                "epoch": loader.epoch,
+                "buffered_bytes": sum(p.nbytes for p in self.buffers[i].values()),
             }
         kept = sum(p.nbytes for p in self.kept.values())  # sent, kept until every constructor finished the step
-        record = {"node": self.job.node, "pid": os.getpid(), "time": time.time(), "step": self.step,
-                  "kept_bytes": kept, "arrow_bytes": pa.total_allocated_bytes(),  # row groups read, in Arrow's pool
-                  "streams": streams}
+        record = {
+            "node": self.job.node,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "step": self.step,
+            "kept_bytes": kept,
+            "arrow_bytes": pa.total_allocated_bytes(),  # row groups read, in Arrow's pool
+            "streams": streams,
+        }
         try:
             self.r.hset(self.keys.stats, f"loader{self.ctx.index}", json.dumps(record))
         except redis.RedisError:

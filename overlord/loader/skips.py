@@ -95,8 +95,14 @@ class Skips:
             first = entry.rows == 1 and not entry.groups
             entry.why = entry.why or why
         if first:
-            log.warning("source %r file %r row %d skipped (on_error: skip): %s; further skips in this file are "
-                        "counted (overlord status)", self.source, uri, row, why)
+            log.warning(
+                "source %r file %r row %d skipped (on_error: skip): %s; further skips in this file are "
+                "counted (overlord status)",
+                self.source,
+                uri,
+                row,
+                why,
+            )
 
     @property
     def any(self) -> bool:
@@ -145,10 +151,10 @@ def per_file(counters: dict[str, int]) -> dict[tuple[str, str], dict[str, int]]:
         prefix = next((p for p in FILE_FIELDS if name.startswith(p)), None)
         if prefix is None:
             continue
-        stream, uri = name[len(prefix):].split(":", 1)  # source names hold no ':'
+        stream, uri = name[len(prefix) :].split(":", 1)  # source names hold no ':'
         into = out.setdefault((stream.rsplit(".", 1)[0], uri), {"whole": 0, "groups": 0, "rows": 0})
         if prefix == "skipped_file:":
             into["whole"] = 1
         else:
-            into[prefix[len("skipped_"):-1]] += int(value)
+            into[prefix[len("skipped_") : -1]] += int(value)
     return out

@@ -26,9 +26,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -94,8 +94,15 @@ class SourceLoader:
     """
 
     def __init__(
-        self, source: Source, partition: int, *, seed: int, epochs: int | None, context_length: int | None = None,
-        vocab_size: int | None = None, max_sample_bytes: int | None = None,
+        self,
+        source: Source,
+        partition: int,
+        *,
+        seed: int,
+        epochs: int | None,
+        context_length: int | None = None,
+        vocab_size: int | None = None,
+        max_sample_bytes: int | None = None,
     ) -> None:
         self.source = source
         self.partition = partition
@@ -119,8 +126,11 @@ class SourceLoader:
         # a file skipped whole (on_error: skip) has no row groups: the order never reaches it
         readable = [self._survey(i) for i in range(len(self.paths))]
         counts = [self._open(i).group_rows() if ok else [] for i, ok in enumerate(readable)]
-        difficulty = [self._open(i).difficulty(source.difficulty) if ok else [] for i, ok in enumerate(readable)] \
-            if source.difficulty else None
+        difficulty = (
+            [self._open(i).difficulty(source.difficulty) if ok else [] for i, ok in enumerate(readable)]
+            if source.difficulty
+            else None
+        )
         self.groups = RowGroups.from_counts(counts, difficulty)
         self.epoch = 0
         self.seq = 0  # next seq to prepare in self.epoch
@@ -158,7 +168,9 @@ class SourceLoader:
         try:
             handle = self.format.open(self.locations[file], self._where(file))
         except FileNotFoundError:
-            raise SourceReadError(f"{self._where(file)} is missing; restore it or remove it from Source.paths") from None
+            raise SourceReadError(
+                f"{self._where(file)} is missing; restore it or remove it from Source.paths"
+            ) from None
         except PermissionError as exc:  # the machine's doing, not the file's bytes: never skipped
             raise SourceReadError(f"{self._where(file)} cannot be opened ({exc}); fix its permissions") from None
         except (pa.ArrowException, OSError) as exc:
@@ -334,9 +346,12 @@ class SourceLoader:
         if size <= limit:
             return sample
         return self._reject(
-            read[1], f"the sample is {size} B as a ring record ({sample.nbytes} B of arrays), larger than the "
+            read[1],
+            f"the sample is {size} B as a ring record ({sample.nbytes} B of arrays), larger than the "
             f"largest record the loader-to-constructor ring can hold ({limit} B); raise Job.sample_ring_bytes "
-            "or make the transform's samples smaller", None)
+            "or make the transform's samples smaller",
+            None,
+        )
 
     def _nothing_left(self) -> str:
         return (
@@ -438,7 +453,9 @@ class SourceLoader:
         try:
             arrays = check_sample(arrays, vocab_size=self.vocab_size)
         except ContractError as exc:  # the output contract (contract.py): a bad row like any other
-            return self._reject(where, f"the output of transform {self.source.transform} breaks the contract: {exc}", exc)
+            return self._reject(
+                where, f"the output of transform {self.source.transform} breaks the contract: {exc}", exc
+            )
         key = f"{self.source.name}:{where.file}:{where.row_in_file}"
         tokens, patches, nbytes = sample_metadata(arrays)
         with self._lock:

@@ -97,7 +97,9 @@ def expand(source: str, pattern: str) -> list[Location]:
         local = pafs.LocalFileSystem()
         hits = sorted(glob.glob(os.path.expanduser(pattern)))
         if not hits:
-            raise SourceReadError(f"source {source!r}: path {pattern!r} matches no file; fix Source.paths or create the file")
+            raise SourceReadError(
+                f"source {source!r}: path {pattern!r} matches no file; fix Source.paths or create the file"
+            )
         return [Location(h, local, os.path.abspath(h)) for h in hits]
     shown = redact(pattern)
     try:
@@ -105,9 +107,13 @@ def expand(source: str, pattern: str) -> list[Location]:
         head = _head(pattern, path)
         paths = _match(filesystem, path)
     except (pa.ArrowException, OSError) as exc:
-        raise SourceReadError(f"source {source!r}: cannot list {shown!r} ({redact(str(exc))}); {hint(pattern)}") from None
+        raise SourceReadError(
+            f"source {source!r}: cannot list {shown!r} ({redact(str(exc))}); {hint(pattern)}"
+        ) from None
     if not paths:
-        raise SourceReadError(f"source {source!r}: URI {shown!r} matches no file; fix Source.paths or upload the files ({hint(pattern)})")
+        raise SourceReadError(
+            f"source {source!r}: URI {shown!r} matches no file; fix Source.paths or upload the files ({hint(pattern)})"
+        )
     return [Location(head + p, filesystem, p) for p in paths]
 
 
@@ -141,7 +147,7 @@ def _match(filesystem: pafs.FileSystem, pattern: str) -> list[str]:
     for info in listing:
         got = info.path.split("/")
         if info.type == pafs.FileType.File and len(got) == len(parts):
-            if all(fnmatch.fnmatchcase(g, p) for g, p in zip(got[wild[0]:], parts[wild[0]:])):
+            if all(fnmatch.fnmatchcase(g, p) for g, p in zip(got[wild[0] :], parts[wild[0] :])):
                 out.append(info.path)
     return sorted(out)
 

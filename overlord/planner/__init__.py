@@ -12,19 +12,17 @@ from overlord.planner.lowlevel import constructor_do_plan, loader_do_plan
 from overlord.planner.meta import MetaChunk
 from overlord.planner.tree import ClientPlaceTree
 
-__all__ = sorted(
-    [
-        "ClientPlaceTree",
-        "DGraph",
-        "ITEM",
-        "MetaChunk",
-        "NeedMetadata",
-        "Plan",
-        "Planned",
-        "PlannerCore",
-        "StepData",
-        "constructor_do_plan",
-        "loader_do_plan",
-        "resolve_strategy",
-    ]
-)
+__all__ = [
+    "ClientPlaceTree",
+    "DGraph",
+    "ITEM",
+    "MetaChunk",
+    "NeedMetadata",
+    "Plan",
+    "Planned",
+    "PlannerCore",
+    "StepData",
+    "constructor_do_plan",
+    "loader_do_plan",
+    "resolve_strategy",
+]

@@ -38,9 +38,16 @@ from overlord.errors import ConfigError, PlanError
 class Balancer(Protocol):
     """The signature of a balancer (see the module docstring for the contract)."""
 
-    def __call__(self, costs: np.ndarray, k: int, *, sizes: np.ndarray | None = None,
-                 capacity: float | None = None, max_count: int | None = None,
-                 equal_count: bool = False) -> np.ndarray: ...
+    def __call__(
+        self,
+        costs: np.ndarray,
+        k: int,
+        *,
+        sizes: np.ndarray | None = None,
+        capacity: float | None = None,
+        max_count: int | None = None,
+        equal_count: bool = False,
+    ) -> np.ndarray: ...
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -62,8 +69,10 @@ def _check(costs, k, sizes, capacity, max_count) -> tuple[np.ndarray, np.ndarray
         bad = ~np.isfinite(arr) | (arr < 0)
         if bad.any():
             i = int(np.argmax(bad))
-            raise PlanError(f"{name} of item {i} is {arr[i]!r}; {name}s must be finite and >= 0 "
-                            f"(check the cost model / sample metadata)")
+            raise PlanError(
+                f"{name} of item {i} is {arr[i]!r}; {name}s must be finite and >= 0 "
+                f"(check the cost model / sample metadata)"
+            )
     k = _positive_int("k", k)
     if capacity is not None:
         if sizes is None:
@@ -272,8 +281,12 @@ def _repair(c, s, k, out, capacity, max_count, equal_count) -> np.ndarray:
     on = out >= 0
     counts = np.bincount(out[on], minlength=k)
     used = np.bincount(out[on], weights=sz[on], minlength=k)
-    if ((counts <= lim).all() and (used <= cap).all() and (sz[~on] > cap).all()
-            and not (equal_count and np.ptp(counts) > 1)):
+    if (
+        (counts <= lim).all()
+        and (used <= cap).all()
+        and (sz[~on] > cap).all()
+        and not (equal_count and np.ptp(counts) > 1)
+    ):
         return out  # the common case: nothing to evict, nothing left that fits
     out = out.copy()
     members = [[] for _ in range(k)]
@@ -443,8 +456,9 @@ def get_balancer(name: str) -> Balancer:
     try:
         return BALANCERS[name]
     except (KeyError, TypeError):
-        raise ConfigError(f"unknown balancer {name!r}; known: {', '.join(sorted(BALANCERS))} "
-                          f"(add one with register_balancer)") from None
+        raise ConfigError(
+            f"unknown balancer {name!r}; known: {', '.join(sorted(BALANCERS))} (add one with register_balancer)"
+        ) from None
 
 
 MODES = ("two_level", "interleaved", "keep_order")
@@ -456,8 +470,20 @@ MODES = ("two_level", "interleaved", "keep_order")
 _CLASSIC_KK_MAX_WORK = 1 << 16
 
 
-def assign(costs, buckets, bins, *, inter="karmarkar_karp", intra="greedy", sizes=None,
-           bin_capacity=None, equal_count=True, refine=True, mode="two_level", keep_order=False):
+def assign(
+    costs,
+    buckets,
+    bins,
+    *,
+    inter="karmarkar_karp",
+    intra="greedy",
+    sizes=None,
+    bin_capacity=None,
+    equal_count=True,
+    refine=True,
+    mode="two_level",
+    keep_order=False,
+):
     """Place items into `buckets` (DP ranks) x `bins` (micro-batches per bucket).
 
     Modes:
@@ -570,12 +596,28 @@ def _level(name, c, k, s, capacity, equal_count, refine):
 def _call(fn, c, k, s, capacity, equal_count):
     """Run a balancer and check its answer, so a user-defined one fails clearly."""
     out = np.asarray(fn(c, k, sizes=s, capacity=capacity, equal_count=equal_count))
-    if out.shape != c.shape or not np.issubdtype(out.dtype, np.integer) or (out.size and (
-            out.min() < -1 or out.max() >= k)):
-        raise PlanError(f"balancer {getattr(fn, '__name__', fn)!r} returned {out.dtype} {out.shape}; "
-                        f"need one int in [-1, {k}) per item ({c.shape})")
+    if (
+        out.shape != c.shape
+        or not np.issubdtype(out.dtype, np.integer)
+        or (out.size and (out.min() < -1 or out.max() >= k))
+    ):
+        raise PlanError(
+            f"balancer {getattr(fn, '__name__', fn)!r} returned {out.dtype} {out.shape}; "
+            f"need one int in [-1, {k}) per item ({c.shape})"
+        )
     return out.astype(np.int64, copy=False)
 
 
-__all__ = sorted(["BALANCERS", "Balancer", "MODES", "assign", "get_balancer", "greedy",
-                  "karmarkar_karp", "register_balancer", "swap_refine"])
+__all__ = sorted(
+    [
+        "BALANCERS",
+        "Balancer",
+        "MODES",
+        "assign",
+        "get_balancer",
+        "greedy",
+        "karmarkar_karp",
+        "register_balancer",
+        "swap_refine",
+    ]
+)

@@ -18,8 +18,15 @@ import numpy as np
 from overlord.planner.meta import MetaChunk
 
 ITEM = np.dtype(
-    [("stream", "<i4"), ("source", "<i4"), ("epoch", "<i4"), ("seq", "<i8"),
-     ("tokens", "<i4"), ("patches", "<i4"), ("nbytes", "<i8")]
+    [
+        ("stream", "<i4"),
+        ("source", "<i4"),
+        ("epoch", "<i4"),
+        ("seq", "<i8"),
+        ("tokens", "<i4"),
+        ("patches", "<i4"),
+        ("nbytes", "<i8"),
+    ]
 )
 
 

@@ -14,7 +14,7 @@ loader prepared enough samples?) is never taken early: the strategy raises
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -172,10 +172,18 @@ class PlannerCore:
 
     def step_data(self) -> StepData:
         return StepData(
-            step=self.step, seed=self.seed, buffer=self.buffer, schedule=self.schedule,
-            global_batch=self.global_batch, micro_batches=self.mb, context_length=self.context_length,
-            drop_last=self.drop_last, round_robin=list(self.rr), deferred=self.deferred,
-            mixing_unit=self.mixing_unit, epoch=self.epoch(),
+            step=self.step,
+            seed=self.seed,
+            buffer=self.buffer,
+            schedule=self.schedule,
+            global_batch=self.global_batch,
+            micro_batches=self.mb,
+            context_length=self.context_length,
+            drop_last=self.drop_last,
+            round_robin=list(self.rr),
+            deferred=self.deferred,
+            mixing_unit=self.mixing_unit,
+            epoch=self.epoch(),
         )
 
     def epoch(self) -> int:

@@ -21,7 +21,7 @@ sample with several images, sum `encoder_cost` over its images.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,8 +35,10 @@ def _lengths(x: np.ndarray | float, what: str) -> np.ndarray:
     bad = ~np.isfinite(arr) | (arr < 0)
     if bad.any():
         where = np.unravel_index(int(np.argmax(bad)), arr.shape)
-        raise PlanError(f"{what} must be finite and >= 0, got {float(arr[where])!r} at index "
-                        f"{tuple(map(int, where))}; check the sample metadata")
+        raise PlanError(
+            f"{what} must be finite and >= 0, got {float(arr[where])!r} at index "
+            f"{tuple(map(int, where))}; check the sample metadata"
+        )
     return arr
 
 

@@ -41,8 +41,8 @@ hold less than one deliverable step is refused at step 0 (PlanError).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -100,13 +100,21 @@ class Plan:
         import json
 
         return json.dumps(
-            {"step": self.step, "axis": self.axis, "last": self.last, "broadcast": list(self.broadcast),
-             "deferred": self.deferred, "buckets": self.buckets, "encoder": self.encoder, "dropped": self.dropped},
+            {
+                "step": self.step,
+                "axis": self.axis,
+                "last": self.last,
+                "broadcast": list(self.broadcast),
+                "deferred": self.deferred,
+                "buckets": self.buckets,
+                "encoder": self.encoder,
+                "dropped": self.dropped,
+            },
             separators=(",", ":"),
         ).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Plan":
+    def from_json(cls, data: bytes) -> Plan:
         import json
 
         obj = json.loads(data)
@@ -114,9 +122,16 @@ class Plan:
         encoder = obj.get("encoder")
         if encoder is not None:
             encoder = [[tuple(item) for item in rank] for rank in encoder]
-        return cls(step=obj["step"], buckets=buckets, axis=obj["axis"], last=obj["last"],
-                   broadcast=tuple(obj["broadcast"]), deferred=obj["deferred"], encoder=encoder,
-                   dropped=obj.get("dropped", 0))
+        return cls(
+            step=obj["step"],
+            buckets=buckets,
+            axis=obj["axis"],
+            last=obj["last"],
+            broadcast=tuple(obj["broadcast"]),
+            deferred=obj["deferred"],
+            encoder=encoder,
+            dropped=obj.get("dropped", 0),
+        )
 
     def samples(self) -> int:
         return sum(len(mb) for bucket in self.buckets for mb in bucket)
@@ -150,7 +165,7 @@ class DGraph:
 
     # -- primitives ----------------------------------------------------------------------
 
-    def mix(self, schedule=None) -> "DGraph":
+    def mix(self, schedule=None) -> DGraph:
         """Select this step's samples by the mixing schedule (deferred samples first).
 
         The schedule is read per step, per epoch (the job's epoch: the lowest epoch any
@@ -198,8 +213,10 @@ class DGraph:
             return None
         nxt = d.step + 1
         if d.mixing_unit == "substep":
-            weights = sum(np.asarray(schedule.weights(nxt + m / d.micro_batches), dtype=np.float64)
-                          for m in range(d.micro_batches))
+            weights = sum(
+                np.asarray(schedule.weights(nxt + m / d.micro_batches), dtype=np.float64)
+                for m in range(d.micro_batches)
+            )
         else:
             weights = np.asarray(schedule.weights(d.epoch if d.mixing_unit == "epoch" else nxt), dtype=np.float64)
         left, open_sources = 0, []
@@ -217,8 +234,9 @@ class DGraph:
             raise NeedMetadata(wanted)
         return left
 
-    def _counts(self, weights: np.ndarray, need: int, rng: np.random.Generator,
-                base: np.ndarray | None = None) -> np.ndarray:
+    def _counts(
+        self, weights: np.ndarray, need: int, rng: np.random.Generator, base: np.ndarray | None = None
+    ) -> np.ndarray:
         """Samples per source (on top of `base`), never more than the loaders reported."""
         buf = self.data.buffer
         counts = np.zeros(len(weights), dtype=np.int64) if base is None else base.copy()
@@ -239,7 +257,7 @@ class DGraph:
                     live[src] = False
         return counts
 
-    def distribute(self, axis: str = "DP", group_size: int | None = None) -> "DGraph":
+    def distribute(self, axis: str = "DP", group_size: int | None = None) -> DGraph:
         """Spread samples over the nodes of `axis` (DP, CP: DPxCP ranks, WORLD: all ranks);
         with `group_size`, balance inside groups of that many buckets only."""
         self.tree.buckets(axis)  # validates the axis
@@ -248,7 +266,7 @@ class DGraph:
         self.axis, self.group_size = axis, group_size
         return self
 
-    def cost(self, fn: str | Callable[[np.ndarray], np.ndarray]) -> "DGraph":
+    def cost(self, fn: str | Callable[[np.ndarray], np.ndarray]) -> DGraph:
         """Register the cost model: a COSTS name or a function of the view's sizes."""
         from overlord.planner.cost import get_cost
 
@@ -258,8 +276,9 @@ class DGraph:
             raise ConfigError(f"cost function returned shape {self.costs.shape}, expected ({len(self.items)},)")
         return self
 
-    def balance(self, method: str, level: str = "inter", *, capacity: int | None = None,
-                keep_order: bool = False) -> "DGraph":
+    def balance(
+        self, method: str, level: str = "inter", *, capacity: int | None = None, keep_order: bool = False
+    ) -> DGraph:
         """Balance costs over buckets (level="inter"), micro-batches ("intra"), both,
         or "interleaved" (over all buckets x micro-batches at once, then dealt).
 
@@ -288,7 +307,7 @@ class DGraph:
             self.capacity = capacity
         return self
 
-    def broadcast_at(self, dim: str) -> "DGraph":
+    def broadcast_at(self, dim: str) -> DGraph:
         """The trainer broadcasts along `dim` itself: only its rank 0 fetches bytes."""
         self.tree.broadcast_at(dim)
         return self
@@ -312,8 +331,7 @@ class DGraph:
             bucket = np.full(len(items), -1, dtype=np.int64)
             for m in range(bins):
                 mine = np.flatnonzero(self.sub == m)
-                b, _ = _assign(costs[mine], n_buckets, 1, self.inter, self.intra, sizes[mine], self.capacity,
-                               self.mode)
+                b, _ = _assign(costs[mine], n_buckets, 1, self.inter, self.intra, sizes[mine], self.capacity, self.mode)
                 bucket[mine] = b
             return bucket, np.where(bucket >= 0, self.sub, -1)
         group = self.group_size or n_buckets
@@ -323,8 +341,9 @@ class DGraph:
         owner = np.arange(len(items)) % len(groups)  # samples dealt to groups evenly
         for gi, members in enumerate(groups):
             mine = np.flatnonzero(owner == gi)
-            b, m = _assign(costs[mine], len(members), bins, self.inter, self.intra, sizes[mine], self.capacity,
-                           self.mode)
+            b, m = _assign(
+                costs[mine], len(members), bins, self.inter, self.intra, sizes[mine], self.capacity, self.mode
+            )
             placed = b >= 0
             bucket[mine[placed]] = members[b[placed]]
             mbin[mine[placed]] = m[placed]
@@ -344,22 +363,32 @@ class DGraph:
             raise PlanError(
                 f"step {self.data.step}: sample {int(items['seq'][i])} of stream {name!r} (epoch "
                 f"{int(items['epoch'][i])}) has {int(sizes[i])} {self.metric}"
-                + (f" (documents are cut at context_length={self.data.context_length})" if self.metric == "tokens" else "")
+                + (
+                    f" (documents are cut at context_length={self.data.context_length})"
+                    if self.metric == "tokens"
+                    else ""
+                )
                 + f" but balance(capacity={self.capacity}) holds at most {self.capacity} per micro-batch, so no "
                 "micro-batch could ever take it; raise capacity to at least the largest sample"
-                + (" (context_length)" if self.metric == "tokens" else "") + " or filter such samples in the transform"
+                + (" (context_length)" if self.metric == "tokens" else "")
+                + " or filter such samples in the transform"
             )
         return sizes
 
-    def view(self, name: str) -> "DGraph":
+    def view(self, name: str) -> DGraph:
         """Another graph over the same selected samples, sized by other metadata
         (e.g. "patches" for a vision encoder beside a "tokens" backbone graph)."""
         other = DGraph(self.data, self.tree, view=name)
-        other.items, other.take, other.round_robin, other.last = self._require_items(), self.take, self.round_robin, self.last
+        other.items, other.take, other.round_robin, other.last = (
+            self._require_items(),
+            self.take,
+            self.round_robin,
+            self.last,
+        )
         other.sub, other.after = self.sub, self.after
         return other
 
-    def plan(self, encoder: "DGraph | None" = None) -> "Planned":
+    def plan(self, encoder: DGraph | None = None) -> Planned:
         """Run the balancers and build the Plan (committed by the Planner).
 
         Args:
@@ -379,8 +408,13 @@ class DGraph:
             encoder_rank[has_images & (bucket >= 0)] = rank
         return self.plan_raw(bucket, mbin, encoder_rank, encoder_axis=encoder.axis if encoder else None)
 
-    def plan_raw(self, bucket: np.ndarray, mbin: np.ndarray, encoder_rank: np.ndarray | None = None,
-                 encoder_axis: str | None = None) -> "Planned":
+    def plan_raw(
+        self,
+        bucket: np.ndarray,
+        mbin: np.ndarray,
+        encoder_rank: np.ndarray | None = None,
+        encoder_axis: str | None = None,
+    ) -> Planned:
         """Build the Plan from an explicit placement (low-level interface).
 
         Args:
@@ -395,9 +429,15 @@ class DGraph:
         items = self._require_items()
         n_buckets, bins = self.tree.buckets(self.axis), self.data.micro_batches
         bucket, mbin = np.asarray(bucket, dtype=np.int64), np.asarray(mbin, dtype=np.int64)
-        if bucket.shape != (len(items),) or mbin.shape != (len(items),) or (bucket >= n_buckets).any() or (
-                (bucket >= 0) & ((mbin < 0) | (mbin >= bins))).any():
-            raise ConfigError(f"plan_raw: need one bucket in [-1, {n_buckets}) and micro-batch in [0, {bins}) per sample")
+        if (
+            bucket.shape != (len(items),)
+            or mbin.shape != (len(items),)
+            or (bucket >= n_buckets).any()
+            or ((bucket >= 0) & ((mbin < 0) | (mbin >= bins))).any()
+        ):
+            raise ConfigError(
+                f"plan_raw: need one bucket in [-1, {n_buckets}) and micro-batch in [0, {bins}) per sample"
+            )
         bucket, mbin = bucket.copy(), mbin.copy()
         d = self.data
         deferred = items[bucket < 0]
@@ -427,11 +467,20 @@ class DGraph:
         encoder = None
         if encoder_rank is not None:
             ranks = self.tree.buckets(encoder_axis or "WORLD")
-            encoder = [list(map(tuple, triples(items[np.flatnonzero(encoder_rank == r)]).tolist())) for r in range(ranks)]
+            encoder = [
+                list(map(tuple, triples(items[np.flatnonzero(encoder_rank == r)]).tolist())) for r in range(ranks)
+            ]
         deferred = items[bucket < 0]
-        plan = Plan(step=self.data.step, buckets=out, axis=self.axis, last=ends,
-                    broadcast=tuple(sorted(self.tree.broadcast)), deferred=0 if ends else len(deferred),
-                    encoder=encoder, dropped=dropped)
+        plan = Plan(
+            step=self.data.step,
+            buckets=out,
+            axis=self.axis,
+            last=ends,
+            broadcast=tuple(sorted(self.tree.broadcast)),
+            deferred=0 if ends else len(deferred),
+            encoder=encoder,
+            dropped=dropped,
+        )
         return Planned(plan, self.take, self.round_robin, deferred)
 
 
@@ -446,7 +495,7 @@ def _sub_batches(deferred: np.ndarray, fresh: np.ndarray, per_mb: list[np.ndarra
     for src in np.unique(fresh["source"]):
         idx = np.flatnonzero(fresh["source"] == src)
         rank[idx] = np.arange(len(idx))
-    sub[len(deferred):] = (rank[:, None] >= cuts[:, fresh["source"]].T).sum(axis=1)
+    sub[len(deferred) :] = (rank[:, None] >= cuts[:, fresh["source"]].T).sum(axis=1)
     return sub
 
 
@@ -489,8 +538,16 @@ def _assign(costs, buckets, bins, inter, intra, sizes, capacity, mode="two_level
         return i % buckets, (i // buckets) % bins
     from overlord.planner.balance import assign
 
-    return assign(costs, buckets, bins, inter=_method(inter), intra=_method(intra),
-                  sizes=sizes if capacity is not None else None, bin_capacity=capacity, mode=mode)
+    return assign(
+        costs,
+        buckets,
+        bins,
+        inter=_method(inter),
+        intra=_method(intra),
+        sizes=sizes if capacity is not None else None,
+        bin_capacity=capacity,
+        mode=mode,
+    )
 
 
 def _method(name: str) -> str:

@@ -53,17 +53,26 @@ class DryRun:
         ]
         mean = self.rank_cost.mean()
         for d in range(self.rank_cost.shape[1]):
-            lines.append(f"  dp {d:<4} {self.rank_cost[:, d].mean() / mean:6.3f} | {self.vanilla_cost[:, d].mean() / mean:6.3f}")
+            lines.append(
+                f"  dp {d:<4} {self.rank_cost[:, d].mean() / mean:6.3f} | {self.vanilla_cost[:, d].mean() / mean:6.3f}"
+            )
         return "\n".join(lines)
 
 
 def _core(job: Job, layout: Layout, strategy) -> PlannerCore:
     return PlannerCore(
-        streams=layout.streams, stream_source=layout.stream_source, tree=ClientPlaceTree(job.mesh),
+        streams=layout.streams,
+        stream_source=layout.stream_source,
+        tree=ClientPlaceTree(job.mesh),
         schedule=from_config(job.mixing, [s.name for s in job.sources], [s.weight for s in job.sources]),
-        strategy=strategy, seed=job.seed, global_batch=job.batch.global_batch,
-        micro_batches=job.batch.micro_batches, context_length=job.batch.context_length,
-        finite=job.epochs is not None, drop_last=job.batch.drop_last, mixing_unit=mixing_unit(job.mixing),
+        strategy=strategy,
+        seed=job.seed,
+        global_batch=job.batch.global_batch,
+        micro_batches=job.batch.micro_batches,
+        context_length=job.batch.context_length,
+        finite=job.epochs is not None,
+        drop_last=job.batch.drop_last,
+        mixing_unit=mixing_unit(job.mixing),
     )
 
 
@@ -74,14 +83,29 @@ def dry_run(job: Job, steps: int = 20) -> DryRun:
     chunks: list[tuple[int, MetaChunk]] = []
     for i, name in enumerate(layout.streams):
         src = job.sources[layout.stream_source[i]]
-        loader = SourceLoader(src, int(name.rsplit(".", 1)[1]), seed=job.seed, epochs=job.epochs,
-                              context_length=job.batch.context_length, vocab_size=job.batch.vocab_size)
+        loader = SourceLoader(
+            src,
+            int(name.rsplit(".", 1)[1]),
+            seed=job.seed,
+            epochs=job.epochs,
+            context_length=job.batch.context_length,
+            vocab_size=job.batch.vocab_size,
+        )
         samples, ended = loader.prepare(per_stream)
-        chunks.append((i, MetaChunk(
-            epoch=samples[0].epoch if samples else 0, seq=np.asarray([s.seq for s in samples], np.int64),
-            tokens=np.asarray([s.tokens for s in samples], np.int64), patches=np.asarray([s.patches for s in samples], np.int64),
-            nbytes=np.asarray([s.nbytes for s in samples], np.int64), ended=ended, final=loader.finished,
-        )))
+        chunks.append(
+            (
+                i,
+                MetaChunk(
+                    epoch=samples[0].epoch if samples else 0,
+                    seq=np.asarray([s.seq for s in samples], np.int64),
+                    tokens=np.asarray([s.tokens for s in samples], np.int64),
+                    patches=np.asarray([s.patches for s in samples], np.int64),
+                    nbytes=np.asarray([s.nbytes for s in samples], np.int64),
+                    ended=ended,
+                    final=loader.finished,
+                ),
+            )
+        )
     costs = []
     for strategy in (resolve_strategy(job.strategy), vanilla):
         core = _core(job, layout, strategy)
@@ -94,11 +118,15 @@ def dry_run(job: Job, steps: int = 20) -> DryRun:
             plan = core.plan_step()
             if plan is None:
                 break
-            rows.append([
-                sum(float(transformer_cost(np.asarray([tokens_of[s][q] for s, _, q in mb] or [0])).sum())
-                    for mb in _group_of(plan, job, d))
-                for d in range(job.mesh.dp)
-            ])
+            rows.append(
+                [
+                    sum(
+                        float(transformer_cost(np.asarray([tokens_of[s][q] for s, _, q in mb] or [0])).sum())
+                        for mb in _group_of(plan, job, d)
+                    )
+                    for d in range(job.mesh.dp)
+                ]
+            )
         costs.append(np.asarray(rows))
     n = min(len(costs[0]), len(costs[1]))
     return DryRun(job.strategy, n, costs[0][:n], costs[1][:n])

@@ -68,7 +68,9 @@ class Lease:
                 return int(self.token)
             if current is None:
                 token = int(self.r.incr(self.keys.fence))
-                value = json.dumps({"token": token, "pid": os.getpid(), "node": self.node, "since": time.time()}).encode()
+                value = json.dumps(
+                    {"token": token, "pid": os.getpid(), "node": self.node, "since": time.time()}
+                ).encode()
                 if self.r.set(self.keys.leader, value, nx=True, px=self.ttl_ms):
                     self.token, self.value = token, value
                     self.lost.clear()
@@ -145,6 +147,7 @@ def release_if(r: redis.Redis, keys: Keys, check) -> bool:
 
 def release_dead(r: redis.Redis, keys: Keys, pid: int, node: str) -> bool:
     """Drop the lease of a Planner this sidecar saw die (pid on this node)."""
+
     def held_by_dead(value: bytes) -> bool:
         lease = json.loads(value)
         return lease.get("pid") == pid and lease.get("node") == node

@@ -48,8 +48,13 @@ def homes(job: Job, layout: Layout) -> dict[str, str]:
     return home
 
 
-def place(home: dict[str, str], current: dict[str, str], live: set[str], registered: set[str],
-          cpus: dict[str, float] | None = None) -> dict[str, str]:
+def place(
+    home: dict[str, str],
+    current: dict[str, str],
+    live: set[str],
+    registered: set[str],
+    cpus: dict[str, float] | None = None,
+) -> dict[str, str]:
     """The placement for this membership.
 
     A unit runs at home unless its home node registered and is no longer live; then it
@@ -100,8 +105,15 @@ def pressure(node: str, placed: dict[str, str], use: dict[str, Use], budget: dic
     return max(cpu, mem)
 
 
-def relieve(placed: dict[str, str], current: dict[str, str], home: dict[str, str], live: set[str],
-            use: dict[str, Use], budget: dict[str, Use], over: set[str]) -> tuple[dict[str, str], dict[str, str]]:
+def relieve(
+    placed: dict[str, str],
+    current: dict[str, str],
+    home: dict[str, str],
+    live: set[str],
+    use: dict[str, Use],
+    budget: dict[str, Use],
+    over: set[str],
+) -> tuple[dict[str, str], dict[str, str]]:
     """The membership placement `placed` adjusted for capacity; returns it and why each
     loader moved for capacity (unit -> reason).
 
@@ -118,8 +130,11 @@ def relieve(placed: dict[str, str], current: dict[str, str], home: dict[str, str
     """
     placed = dict(placed)
     why: dict[str, str] = {}
-    away = sorted(u for u, n in home.items() if u.startswith("loader") and placed[u] == n
-                  and current.get(u) not in (None, n) and current[u] in live)
+    away = sorted(
+        u
+        for u, n in home.items()
+        if u.startswith("loader") and placed[u] == n and current.get(u) not in (None, n) and current[u] in live
+    )
     placed.update({u: current[u] for u in away})
     for unit in away:  # home, one at a time, while there is room there
         trial = {**placed, unit: home[unit]}

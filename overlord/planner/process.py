@@ -144,8 +144,13 @@ def _lead(ctx, lease: Lease, token: int) -> None:
             break
         except WriteUncertain:
             continue
-    log.info("leading with lease token %d (generation %d) from step %d%s", token, generation, core.step,
-             " (from the newest checkpoint)" if newest is not None else "")
+    log.info(
+        "leading with lease token %d (generation %d) from step %d%s",
+        token,
+        generation,
+        core.step,
+        " (from the newest checkpoint)" if newest is not None else "",
+    )
     first = core.step
     # the job's first step: where trainers that consumed nothing yet stand
     start = int(r.hget(keys.resume, "step") or 0)
@@ -166,10 +171,16 @@ def _lead(ctx, lease: Lease, token: int) -> None:
         if placer is not None:
             placer.check()
         progress = r.hgetall(keys.progress)
-        slowest = min((int(progress.get(built_field(d).encode(), first - 1)) for d in range(job.mesh.dp)),
-                      default=first - 1)
-        consumed = max(start, min((int(progress.get(consumed_field(d).encode(), start + 1)) - 1
-                                   for d in range(job.mesh.dp)), default=start))
+        slowest = min(
+            (int(progress.get(built_field(d).encode(), first - 1)) for d in range(job.mesh.dp)), default=first - 1
+        )
+        consumed = max(
+            start,
+            min(
+                (int(progress.get(consumed_field(d).encode(), start + 1)) - 1 for d in range(job.mesh.dp)),
+                default=start,
+            ),
+        )
         ahead = core.step - slowest > job.plan_ahead or core.step - consumed > job.plan_ahead
         if ahead:
             waiting_since = time.monotonic()  # waiting on trainers is not a stall
@@ -184,10 +195,17 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                 if old:  # Redis holds a bounded window of plans, not every step of the job
                     pipe.delete(*[keys.plan(s) for s in old])
                 pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
-                pipe.xadd(keys.plans, {"step": plan.step, "last": int(plan.last)}, id=f"{plan.step + 1}-0",
-                          maxlen=1000, approximate=True)
-                pipe.hset(keys.planner, mapping={"step": plan.step, "updated": time.time(),
-                                                 **({"done": 1} if plan.last else {})})
+                pipe.xadd(
+                    keys.plans,
+                    {"step": plan.step, "last": int(plan.last)},
+                    id=f"{plan.step + 1}-0",
+                    maxlen=1000,
+                    approximate=True,
+                )
+                pipe.hset(
+                    keys.planner,
+                    mapping={"step": plan.step, "updated": time.time(), **({"done": 1} if plan.last else {})},
+                )
                 if plan.dropped:
                     pipe.hset(keys.counters, "dropped_last", plan.dropped)
                 ckpts.write(pipe, core.step, delta, core.state)  # where a resume at step core.step starts
@@ -201,9 +219,14 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                 scaling.observe(plan, core)
             waiting_since = time.monotonic()
             if plan.last:
-                log.info("planned the last step %d; planner done%s", plan.step,
-                         f" ({plan.dropped} sample(s) left over, fewer than a step delivers with drop_last="
-                         f"{job.batch.drop_last}: dropped, counter dropped_last)" if plan.dropped else "")
+                log.info(
+                    "planned the last step %d; planner done%s",
+                    plan.step,
+                    f" ({plan.dropped} sample(s) left over, fewer than a step delivers with drop_last="
+                    f"{job.batch.drop_last}: dropped, counter dropped_last)"
+                    if plan.dropped
+                    else "",
+                )
                 return
             continue
         if ahead:
@@ -265,9 +288,14 @@ class _Scaling:
         from overlord.autoscale.apply import budget_of
 
         partitions = {s.name: s.partitions for s in job.sources}
-        self.scaler = Scaler(costs_ms={}, current=current, partitions=partitions, cpus=budget_of(job).loader_cpus,
-                             max_workers=int(job.autoscale.get("max_threads", 4)),
-                             interval=int(job.autoscale.get("scale_interval", 8)))
+        self.scaler = Scaler(
+            costs_ms={},
+            current=current,
+            partitions=partitions,
+            cpus=budget_of(job).loader_cpus,
+            max_workers=int(job.autoscale.get("max_threads", 4)),
+            interval=int(job.autoscale.get("scale_interval", 8)),
+        )
         self.warned = False
         # far enough ahead that workers are up before the read buffers of the old mix drain
         self.lookahead = 2 * self.scaler.interval + job.plan_ahead
@@ -304,26 +332,47 @@ class _Scaling:
             if pressure > 1:
                 pipe.hincrby(self.ctx.keys.counters, "over_budget_intervals", 1)
                 if not self.warned:
-                    log.warning("step %d: the sources demand %.1fx the loaders' CPU budget (%.1f CPUs); trainers "
-                                "will wait on loading: raise Job.autoscale cpus or lower the costly sources' weights",
-                                plan.step, pressure, self.scaler.cpus)
+                    log.warning(
+                        "step %d: the sources demand %.1fx the loaders' CPU budget (%.1f CPUs); trainers "
+                        "will wait on loading: raise Job.autoscale cpus or lower the costly sources' weights",
+                        plan.step,
+                        pressure,
+                        self.scaler.cpus,
+                    )
                     self.warned = True
             pipe.execute()
         if not changed:
             return
         r, keys, layout = self.ctx.r, self.ctx.keys, self.ctx.layout
         pipe = r.pipeline(transaction=True)
-        pipe.hset(keys.workers, mapping={stream: changed[self.names[i]] for i, stream in enumerate(layout.streams)
-                                         if self.names[i] in changed})
+        pipe.hset(
+            keys.workers,
+            mapping={
+                stream: changed[self.names[i]] for i, stream in enumerate(layout.streams) if self.names[i] in changed
+            },
+        )
         for name, workers in changed.items():
-            pipe.xadd(keys.scaling, {"step": plan.step, "source": name, "workers": workers,
-                                     "rate": round(self.scaler.rate.get(name, 0.0), 2),
-                                     "demand": round(self.scaler.demand(name), 3),
-                                     "cost_ms": round(self.scaler.costs_ms.get(name, 0.0), 4), "time": time.time()},
-                      maxlen=10000, approximate=True)
+            pipe.xadd(
+                keys.scaling,
+                {
+                    "step": plan.step,
+                    "source": name,
+                    "workers": workers,
+                    "rate": round(self.scaler.rate.get(name, 0.0), 2),
+                    "demand": round(self.scaler.demand(name), 3),
+                    "cost_ms": round(self.scaler.costs_ms.get(name, 0.0), 4),
+                    "time": time.time(),
+                },
+                maxlen=10000,
+                approximate=True,
+            )
         pipe.execute()
-        log.info("step %d: transform workers per partition now %s (busy workers demanded %s)", plan.step, changed,
-                 {n: round(self.scaler.demand(n), 2) for n in self.scaler.current})
+        log.info(
+            "step %d: transform workers per partition now %s (busy workers demanded %s)",
+            plan.step,
+            changed,
+            {n: round(self.scaler.demand(n), 2) for n in self.scaler.current},
+        )
 
 
 def _publish_once(r, keys, lease: Lease, publish, step: int, tries: int = 5) -> None:
@@ -382,9 +431,19 @@ class _Promoter:
 
             def promote(pipe, k=k, shadow=shadow, previous=previous) -> None:
                 pipe.hset(keys.active, k, shadow["pid"])
-                pipe.xadd(keys.promotions, {"loader": k, "pid": shadow["pid"], "node": shadow["node"],
-                                            "previous": previous or b"", "time": time.time(),
-                                            "reason": "active heartbeat lapsed"}, maxlen=1000, approximate=True)
+                pipe.xadd(
+                    keys.promotions,
+                    {
+                        "loader": k,
+                        "pid": shadow["pid"],
+                        "node": shadow["node"],
+                        "previous": previous or b"",
+                        "time": time.time(),
+                        "reason": "active heartbeat lapsed",
+                    },
+                    maxlen=1000,
+                    approximate=True,
+                )
 
             try:
                 self.lease.fenced(promote)
@@ -403,7 +462,7 @@ class _Placer:
     CAPACITY_S = 1.0  # between two looks at the nodes' load (role heartbeats beat once a second)
     PATIENCE = 3  # looks a node must be over budget before a loader moves off it
 
-    def __init__(self, ctx, lease: Lease, scaling: "_Scaling | None" = None) -> None:
+    def __init__(self, ctx, lease: Lease, scaling: _Scaling | None = None) -> None:
         from overlord.planner.placement import homes
 
         self.ctx, self.lease, self.scaling = ctx, lease, scaling
@@ -449,8 +508,12 @@ class _Placer:
             for unit, node in moved.items():
                 before = current.get(unit, "")
                 reason = why.get(unit) or ("home" if node == self.home[unit] else f"node {before} down")
-                pipe.xadd(keys.placements, {"unit": unit, "from": before, "to": node, "reason": reason,
-                                            "time": time.time()}, maxlen=1000, approximate=True)
+                pipe.xadd(
+                    keys.placements,
+                    {"unit": unit, "from": before, "to": node, "reason": reason, "time": time.time()},
+                    maxlen=1000,
+                    approximate=True,
+                )
 
         try:
             self.lease.fenced(write)
@@ -459,8 +522,12 @@ class _Placer:
             return
         for node in {current.get(u) for u in why}:
             self.over_for.pop(node, None)  # patience again before its next loader moves
-        log.warning("placement: %s (live nodes %s)%s", {u: f"{current.get(u)} -> {n}" for u, n in moved.items()},
-                    sorted(live), f"; for capacity: {why}" if why else "")
+        log.warning(
+            "placement: %s (live nodes %s)%s",
+            {u: f"{current.get(u)} -> {n}" for u, n in moved.items()},
+            sorted(live),
+            f"; for capacity: {why}" if why else "",
+        )
 
     def _measure(self, current: dict[str, str], live: set[str], members: dict[str, dict]) -> set[str]:
         """Look at the nodes' load: what each loader process demands (the scaler's busy
@@ -479,10 +546,13 @@ class _Placer:
         for i, k in enumerate(layout.loader_of):
             name = self.scaling.names[i]
             demand[f"loader{k}"] = demand.get(f"loader{k}", 0.0) + scaler.demand(name) / max(
-                1, scaler.partitions.get(name, 1))
+                1, scaler.partitions.get(name, 1)
+            )
         self.use = {u: Use(cpus=demand.get(u, 0.0), mb=rss[u]) for u in units}
-        self.budget = {n: Use(cpus=float(m.get("loader_cpus") or m.get("cpus") or 0),
-                              mb=float(m.get("memory_mb") or 0)) for n, m in members.items()}
+        self.budget = {
+            n: Use(cpus=float(m.get("loader_cpus") or m.get("cpus") or 0), mb=float(m.get("memory_mb") or 0))
+            for n, m in members.items()
+        }
         # the job's pressure (and its warning) is over the loader CPUs of all live nodes
         scaler.cpus = sum(self.budget[n].cpus for n in live if n in self.budget) or scaler.cpus
         now = {n: pressure(n, current, self.use, self.budget) for n in live}
@@ -498,4 +568,3 @@ def _reported_metrics(r, keys) -> dict[str, float]:
         for name, value in json.loads(raw)["metrics"].items():
             sums.setdefault(name, []).append(float(value))
     return {name: sum(v) / len(v) for name, v in sums.items()}
-

@@ -18,8 +18,9 @@ weights, which hold until the next update and are part of the planner checkpoint
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -92,7 +93,12 @@ class Dynamic:
                 f"dynamic mixing function {getattr(self.fn, '__name__', self.fn)!r} raised at step {step}: "
                 f"{type(exc).__name__}: {exc}; fix mixing.fn"
             ) from exc
-        if weights.shape != self.base.shape or (weights < 0).any() or not np.isfinite(weights).all() or weights.sum() <= 0:
+        if (
+            weights.shape != self.base.shape
+            or (weights < 0).any()
+            or not np.isfinite(weights).all()
+            or weights.sum() <= 0
+        ):
             raise ConfigError(
                 f"dynamic mixing function returned {weights!r} at step {step}; it must return "
                 f"{len(self.base)} finite weights >= 0, not all 0"
@@ -110,8 +116,9 @@ class Dynamic:
         self.current, self.updated = np.asarray(state["weights"], dtype=np.float64), int(state["updated"])
 
 
-def loss_proportional(step: int, metrics: Mapping[str, float], base: np.ndarray, sources: Sequence[str],
-                      temperature: float = 1.0) -> np.ndarray:
+def loss_proportional(
+    step: int, metrics: Mapping[str, float], base: np.ndarray, sources: Sequence[str], temperature: float = 1.0
+) -> np.ndarray:
     """Up-weight sources whose reported loss (`loss/<source>`) is above the mean.
 
     weight_s = base_s * exp(temperature * (loss_s - mean loss)); a source without a

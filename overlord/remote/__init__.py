@@ -2,4 +2,9 @@
 
 from overlord.remote.flight import BatchServer, RemoteReader, job_token, serve
 
-__all__ = sorted(["BatchServer", "RemoteReader", "job_token", "serve"])
+__all__ = [
+    "BatchServer",
+    "RemoteReader",
+    "job_token",
+    "serve",
+]

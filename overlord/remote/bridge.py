@@ -74,8 +74,18 @@ class Bridge:
     """Samples of loader process `loader` for DP group `dp`, while that loader runs on
     another node; reads like a ring (try_read / read / release / close)."""
 
-    def __init__(self, job, r, keys, loader: int, dp: int, directory: Directory, stop: threading.Event,
-                 token: str, lz4: bool = True) -> None:
+    def __init__(
+        self,
+        job,
+        r,
+        keys,
+        loader: int,
+        dp: int,
+        directory: Directory,
+        stop: threading.Event,
+        token: str,
+        lz4: bool = True,
+    ) -> None:
         self.job, self.r, self.keys = job, r, keys
         self.loader, self.dp, self.directory, self.stop = loader, dp, directory, stop
         self.token, self.lz4 = token, lz4
@@ -97,7 +107,9 @@ class Bridge:
         try:
             return self.queue.get(timeout=timeout)
         except queue.Empty:
-            raise RingTimeout(f"no sample from loader process {self.loader} for dp={self.dp} within {timeout:.3g}s") from None
+            raise RingTimeout(
+                f"no sample from loader process {self.loader} for dp={self.dp} within {timeout:.3g}s"
+            ) from None
 
     def release(self) -> None:
         pass  # every record is its own buffer
@@ -117,17 +129,28 @@ class Bridge:
             if node is None or node == self.job.node or location is None:
                 self.stop.wait(RETRY_S)  # local (its ring is read directly) or not placed yet
                 continue
-            reader = RemoteReader(self.job, location, token=self.token, lz4=self.lz4,
-                                  timeout_s=self.job.timeout_s, samples=(self.loader, self.dp),
-                                  open_timeout_s=OPEN_S)  # then look again where the loader runs
+            reader = RemoteReader(
+                self.job,
+                location,
+                token=self.token,
+                lz4=self.lz4,
+                timeout_s=self.job.timeout_s,
+                samples=(self.loader, self.dp),
+                open_timeout_s=OPEN_S,
+            )  # then look again where the loader runs
             try:
                 self._pump(reader, unit, node)
             except Exception as exc:  # noqa: BLE001 - pyarrow.flight errors: reconnect and ask for a replay
                 if self.stop.is_set():
                     return
                 self.reconnects += 1
-                log.warning("samples of loader process %d for dp=%d from node %r: stream broke (%s); "
-                            "asking for a replay", self.loader, self.dp, node, str(exc).splitlines()[0])
+                log.warning(
+                    "samples of loader process %d for dp=%d from node %r: stream broke (%s); asking for a replay",
+                    self.loader,
+                    self.dp,
+                    node,
+                    str(exc).splitlines()[0],
+                )
                 self._ask_replay()
                 self.stop.wait(RETRY_S)
             finally:
@@ -156,4 +179,3 @@ class Bridge:
         done = self.r.hget(self.keys.progress, f"c{self.dp}")
         step = int(done) + 1 if done is not None else 0
         self.r.hset(self.keys.progress, f"r{self.dp}", f"{os.getpid()}.{time.time():.6f}:{step}")
-

@@ -104,9 +104,11 @@ def job_token(job: Job, *, create: bool = False, r=None) -> str:
         ) from None
 
 
-TICKET_HOLDS = ('a ticket is a JSON object {"job": str, "token": str, "lz4": bool, "rank": int, '
-                '"after": [step, microbatch]} or {"job": str, "token": str, "lz4": bool, "loader": int, "dp": int}; '
-                "read with overlord.remote.RemoteReader")
+TICKET_HOLDS = (
+    'a ticket is a JSON object {"job": str, "token": str, "lz4": bool, "rank": int, '
+    '"after": [step, microbatch]} or {"job": str, "token": str, "lz4": bool, "loader": int, "dp": int}; '
+    "read with overlord.remote.RemoteReader"
+)
 MAX_TICKET_BYTES = 4096  # a real one is ~120 B
 _INT64 = 2**63 - 1
 
@@ -118,6 +120,7 @@ def parse_ticket(raw: bytes) -> dict:
         flight.FlightServerError: saying what is wrong and what a ticket holds (the
             client sees the message; no traceback crosses).
     """
+
     def bad(what: str) -> flight.FlightServerError:
         return flight.FlightServerError(f"bad ticket: {what}; {TICKET_HOLDS}")
 
@@ -164,13 +167,16 @@ class BatchServer(flight.FlightServerBase):
         """Authenticate a request; the name of the ring it asks for."""
         if request.get("job") != self.job.name:
             raise flight.FlightUnauthenticatedError(
-                f"this sidecar serves job {self.job.name!r}, not {request.get('job')!r}")
+                f"this sidecar serves job {self.job.name!r}, not {request.get('job')!r}"
+            )
         if not hmac.compare_digest(str(request.get("token", "")), self.token):
             raise flight.FlightUnauthenticatedError(f"wrong token for job {self.job.name!r}")
         if "loader" in request:
             loader, dp = request.get("loader"), request.get("dp")
             if not isinstance(loader, int) or loader < 0 or not isinstance(dp, int) or not 0 <= dp < self.job.mesh.dp:
-                raise flight.FlightServerError(f"loader {loader!r} / dp {dp!r} is not a sample ring of job {self.job.name!r}")
+                raise flight.FlightServerError(
+                    f"loader {loader!r} / dp {dp!r} is not a sample ring of job {self.job.name!r}"
+                )
             return sample_ring(self.job, loader, dp)
         rank = request.get("rank")
         if not isinstance(rank, int) or not 0 <= rank < self.job.mesh.world_size:
@@ -271,9 +277,19 @@ def serve(job: Job, port: int, token: str, host: str = "0.0.0.0") -> BatchServer
 class RemoteReader:
     """A trainer's stream of its micro-batches from a sidecar's Flight endpoint."""
 
-    def __init__(self, job: Job, location: str, rank: int | None = None, *, token: str, lz4: bool = True,
-                 after: tuple[int, int] = (-1, -1), timeout_s: float = 60.0,
-                 samples: tuple[int, int] | None = None, open_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        job: Job,
+        location: str,
+        rank: int | None = None,
+        *,
+        token: str,
+        lz4: bool = True,
+        after: tuple[int, int] = (-1, -1),
+        timeout_s: float = 60.0,
+        samples: tuple[int, int] | None = None,
+        open_timeout_s: float | None = None,
+    ) -> None:
         """Read rank `rank`'s micro-batches, or with `samples=(loader, dp)` the samples
         loader process `loader` sends DP group `dp`. Opening waits up to
         `open_timeout_s` (default `timeout_s`) for an endpoint that is starting."""
@@ -339,10 +355,11 @@ class RemoteReader:
                     raise RingTimeout(f"no record from {self.location} within {self.timeout_s:g}s")
                 continue
             column = chunk.column(0)
-            offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=len(column) + 1,
-                                    offset=column.offset * 4)
+            offsets = np.frombuffer(
+                column.buffers()[1], dtype=np.int32, count=len(column) + 1, offset=column.offset * 4
+            )
             data = memoryview(column.buffers()[2])
-            self._rows = [data[offsets[i]:offsets[i + 1]] for i in range(len(column))][::-1]
+            self._rows = [data[offsets[i] : offsets[i + 1]] for i in range(len(column))][::-1]
         row = self._rows.pop()
         record = np.empty(len(row), dtype=np.uint8)  # numpy aligns its allocations
         record[:] = np.frombuffer(row, dtype=np.uint8)
@@ -363,6 +380,6 @@ def start_server_process(job: Job, token: str, run_dir: Path) -> subprocess.Pope
     token travels in its environment, never in argv."""
     from overlord.sidecar import service
 
-    return service.start("overlord.remote.server", run_dir, "flight.log",
-                         {TOKEN_ENV: token, **password_env(job.redis_url)})
-
+    return service.start(
+        "overlord.remote.server", run_dir, "flight.log", {TOKEN_ENV: token, **password_env(job.redis_url)}
+    )

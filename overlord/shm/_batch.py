@@ -264,8 +264,7 @@ def decode_batch(view: Any) -> tuple[dict[str, np.ndarray], dict]:
             raise BatchFormatError(f"tensor {name!r}: {nbytes} B does not match shape {shape} of {dtype}")
         if off < table_end or off % DATA_ALIGN or off + nbytes > size:
             raise BatchFormatError(
-                f"tensor {name!r}: data [{off}, {off + nbytes}) is not a 64-aligned range "
-                f"within [{table_end}, {size})"
+                f"tensor {name!r}: data [{off}, {off + nbytes}) is not a 64-aligned range within [{table_end}, {size})"
             )
         try:
             arr = np.frombuffer(mv, dtype=dtype, count=nbytes // dtype.itemsize, offset=off).reshape(shape)

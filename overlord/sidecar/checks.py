@@ -55,14 +55,22 @@ def ring_bytes(job: Job, loaders: int) -> int:
 def shm_problem(needed: int, total: int, free: int, path: str = SHM_PATH) -> tuple[str | None, str | None]:
     """(error, warning) for rings of `needed` bytes on a filesystem of `total` bytes
     with `free` bytes free (pure)."""
-    fix = (f"give the sidecar more shared memory: `docker run --shm-size={_size(needed * 5 // 4)}` "
-           f"(compose: shm_size), a larger tmpfs on {path}, or smaller Job.sample_ring_bytes / batch.ring_bytes")
+    fix = (
+        f"give the sidecar more shared memory: `docker run --shm-size={_size(needed * 5 // 4)}` "
+        f"(compose: shm_size), a larger tmpfs on {path}, or smaller Job.sample_ring_bytes / batch.ring_bytes"
+    )
     if needed > total:
-        return (f"the job's rings may hold {_size(needed)} but {path} is only {_size(total)} "
-                f"(Docker's default is 64m); {fix}", None)
+        return (
+            f"the job's rings may hold {_size(needed)} but {path} is only {_size(total)} "
+            f"(Docker's default is 64m); {fix}",
+            None,
+        )
     if needed > free:
-        return (None, f"the job's rings may hold {_size(needed)} and {path} has {_size(free)} free now "
-                      f"(of {_size(total)}); if they fill, a writer dies with SIGBUS: {fix}")
+        return (
+            None,
+            f"the job's rings may hold {_size(needed)} and {path} has {_size(free)} free now "
+            f"(of {_size(total)}); if they fill, a writer dies with SIGBUS: {fix}",
+        )
     return None, None
 
 
@@ -85,8 +93,9 @@ def reserved_ring_bytes(job: Job, loaders: int) -> int:
     loader process to every DP group (on several nodes too: a loader may move here)
     and per client ring of its ranks, each its header page plus its capacity rounded
     up to a power of two (overlord.shm.segment_bytes)."""
-    return (loaders * job.mesh.dp * segment_bytes(job.sample_ring_bytes)
-            + _client_rings(job) * segment_bytes(job.batch.ring_bytes))
+    return loaders * job.mesh.dp * segment_bytes(job.sample_ring_bytes) + _client_rings(job) * segment_bytes(
+        job.batch.ring_bytes
+    )
 
 
 def _client_rings(job: Job) -> int:
@@ -128,8 +137,10 @@ def check_redis(url: str, timeout_s: float = 5.0) -> None:
     try:
         connect(url, timeout_s=timeout_s, ride_through_s=0).close()
     except StoreError as exc:
-        raise StartupError(f"{exc}: start it, and check that this host may reach it (address, firewall, the ACL "
-                           "user and password; TLS: rediss:// with $OVERLORD_REDIS_CA)") from None
+        raise StartupError(
+            f"{exc}: start it, and check that this host may reach it (address, firewall, the ACL "
+            "user and password; TLS: rediss:// with $OVERLORD_REDIS_CA)"
+        ) from None
 
 
 def check_sources(job: Job) -> None:
@@ -178,11 +189,17 @@ def yield_problem(job: Job, empty: dict[str, tuple[list[str], list[str]]]) -> tu
 
     what = "; ".join(named(n) for n in empty)
     if len(empty) == len(job.sources):
-        return (f"job {job.name!r} has no data at all: {what}. It could never yield a batch; give the source(s) "
-                "files with rows (fix Source.paths) or write the data first", None)
+        return (
+            f"job {job.name!r} has no data at all: {what}. It could never yield a batch; give the source(s) "
+            "files with rows (fix Source.paths) or write the data first",
+            None,
+        )
     if job.epochs is None:
-        return (f"job {job.name!r}: {what}; with epochs: null it can never yield a sample and every step would wait "
-                "for it. Give it files with rows, or remove it from Job.sources", None)
+        return (
+            f"job {job.name!r}: {what}; with epochs: null it can never yield a sample and every step would wait "
+            "for it. Give it files with rows, or remove it from Job.sources",
+            None,
+        )
     return None, f"job {job.name!r}: {what}; it yields nothing in the job's {job.epochs} epoch(s)"
 
 

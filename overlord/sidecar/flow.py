@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import redis
@@ -31,6 +31,7 @@ def set_on_signal(event: threading.Event):
     """A signal handler that sets `event` from another thread. Setting it in the handler
     itself deadlocks when the signal lands while the main thread is inside
     `event.wait()` holding the event's lock (seen: a sidecar that never stopped)."""
+
     def handler(*_) -> None:
         threading.Thread(target=event.set, daemon=True, name="on-signal").start()
 
@@ -74,7 +75,9 @@ def alive_within(r: redis.Redis, keys: Keys, role: str, index: int, timeout_s: f
     return age is not None and age < max(timeout_s, 3 * HEARTBEAT_S)
 
 
-def push(ring: Ring, arrays: Mapping[str, np.ndarray], meta: dict, stop: threading.Event, beat: Beat | None = None) -> None:
+def push(
+    ring: Ring, arrays: Mapping[str, np.ndarray], meta: dict, stop: threading.Event, beat: Beat | None = None
+) -> None:
     """Write one batch record, waiting on back-pressure while the consumer lives."""
     while True:
         try:
@@ -92,8 +95,15 @@ def fetch_plan(r: redis.Redis, keys: Keys, step: int) -> Plan | None:
     return Plan.from_json(raw) if raw is not None else None
 
 
-def wait_plan(r: redis.Redis, keys: Keys, step: int, stop: threading.Event, timeout_s: float,
-              block_ms: int = 200, beat: Beat | None = None) -> Plan:
+def wait_plan(
+    r: redis.Redis,
+    keys: Keys,
+    step: int,
+    stop: threading.Event,
+    timeout_s: float,
+    block_ms: int = 200,
+    beat: Beat | None = None,
+) -> Plan:
     """Block until the plan of `step` is published (XREAD on the plans stream)."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -31,7 +31,7 @@ class Layout:
     shadowed: list[int]  # loader processes that have a Shadow Loader process
 
     @classmethod
-    def plan(cls, job: Job, partitioning=None) -> "Layout":
+    def plan(cls, job: Job, partitioning=None) -> Layout:
         """Streams round robin over `loader_processes` processes, or where an
         auto-partitioning (overlord.autoscale) put each one."""
         streams, stream_source = [], []
@@ -71,7 +71,7 @@ class Layout:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Layout":
+    def from_json(cls, text: str | bytes) -> Layout:
         return cls(**json.loads(text))
 
 

@@ -85,8 +85,11 @@ class NodeMember:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "ranks": self.job.ranks_of_node(self.job.node),
-            "flight": (f"grpc{'+tls' if self.job.flight_cert else ''}://{host}:{self.job.flight_port}"
-                       if self.job.flight_port else None),
+            "flight": (
+                f"grpc{'+tls' if self.job.flight_cert else ''}://{host}:{self.job.flight_port}"
+                if self.job.flight_port
+                else None
+            ),
             "cpus": budget.cpus,
             "loader_cpus": round(budget.loader_cpus, 3),  # what capacity placement weighs loaders against
             "memory_mb": round(budget.memory_mb),
@@ -98,12 +101,14 @@ class NodeMember:
         at a time decides, under the `boot` lock; a joiner takes the job's sources
         (partitions may have been sized by autoscale) and layout from Redis."""
         from overlord.planner.placement import homes
-        
+
         deadline = time.monotonic() + self.job.timeout_s
         while not self.r.set(self.keys.boot, self.job.node, nx=True, px=BOOT_LOCK_MS):
             if time.monotonic() > deadline:
-                raise OverlordError(f"node {self.job.node!r}: another sidecar of job {self.job.name!r} held the "
-                                    f"boot lock ({self.keys.boot}) for {self.job.timeout_s:g}s")
+                raise OverlordError(
+                    f"node {self.job.node!r}: another sidecar of job {self.job.name!r} held the "
+                    f"boot lock ({self.keys.boot}) for {self.job.timeout_s:g}s"
+                )
             time.sleep(0.05)
         try:
             clear_dead(self.r, self.keys, self.job.node)  # what this node's previous sidecar left
@@ -111,7 +116,9 @@ class NodeMember:
             stored, raw_layout = self.r.get(self.keys.job_config), self.r.get(self.keys.layout)
             if others and stored is not None and raw_layout is not None:
                 job = Job.from_dict(json.loads(stored))
-                if job.node_ids != self.job.node_ids or [s.name for s in job.sources] != [s.name for s in self.job.sources]:
+                if job.node_ids != self.job.node_ids or [s.name for s in job.sources] != [
+                    s.name for s in self.job.sources
+                ]:
                     raise OverlordError(
                         f"node {self.job.node!r} runs job {self.job.name!r} with nodes {list(self.job.node_ids)} and "
                         f"sources {[s.name for s in self.job.sources]}, but the running job (nodes {sorted(others)}) has "
@@ -146,7 +153,9 @@ class NodeMember:
         mine = {unit for unit, node in placement.items() if node == self.job.node}
         for name, proc in list(self.children.items()):
             if name != "planner0" and name not in mine and name not in self.leaving and proc.poll() is None:
-                log.warning("%s (pid %d) is placed on node %r now; stopping it here", name, proc.pid, placement.get(name))
+                log.warning(
+                    "%s (pid %d) is placed on node %r now; stopping it here", name, proc.pid, placement.get(name)
+                )
                 proc.terminate()
                 self.leaving.add(name)
         for unit in sorted(mine):
@@ -155,7 +164,7 @@ class NodeMember:
 
     def _may_start(self, unit: str) -> bool:
         """Whether `unit` is free to start here: no live process of it beats anywhere."""
-        role, index = unit.rstrip("0123456789"), unit[len(unit.rstrip("0123456789")):]
+        role, index = unit.rstrip("0123456789"), unit[len(unit.rstrip("0123456789")) :]
         raw = self.r.get(self.keys.heartbeat(role, index))
         if raw is None:
             return True
@@ -166,7 +175,7 @@ class NodeMember:
         return False
 
     def _start_unit(self, unit: str) -> None:
-        role, index = unit.rstrip("0123456789"), int(unit[len(unit.rstrip("0123456789")):])
+        role, index = unit.rstrip("0123456789"), int(unit[len(unit.rstrip("0123456789")) :])
         running = self.r.hget(self.keys.planner, "step") is not None  # the job began: recover from Redis
         if role == "constructor" and self.job.node_ids[index] != self.job.node:
             # another node's DP groups: their trainers read these rings over Flight

@@ -148,8 +148,11 @@ def rewind(job: Job, r, found: Mode, rank: int, at: tuple[int, int], timeout_s: 
     waiting: dict[int, int] = {}
     while alive(found.pid):
         try:
-            asked = {int(k.split(b":")[1]): json.loads(v)["pid"] for k, v in r.hgetall(keys.resume).items()
-                     if k.startswith(b"rewind:")}
+            asked = {
+                int(k.split(b":")[1]): json.loads(v)["pid"]
+                for k, v in r.hgetall(keys.resume).items()
+                if k.startswith(b"rewind:")
+            }
         except (redis.RedisError, OverlordError):
             time.sleep(0.05)  # on its way out
             continue

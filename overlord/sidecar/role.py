@@ -39,8 +39,12 @@ log = logging.getLogger("overlord")
 
 HEARTBEAT_TTL_S = 5
 ROLES = ("planner", "loader", "shadow", "constructor")
-ROLE_TITLES = {"planner": "Planner", "loader": "SourceLoader process", "shadow": "ShadowLoader process",
-               "constructor": "DataConstructor host"}
+ROLE_TITLES = {
+    "planner": "Planner",
+    "loader": "SourceLoader process",
+    "shadow": "ShadowLoader process",
+    "constructor": "DataConstructor host",
+}
 
 
 @dataclass
@@ -74,9 +78,16 @@ class RoleContext:
         """Write this role's heartbeat now (the role may change: a shadow is promoted)."""
         self.r.set(
             self.keys.heartbeat(self.role, str(self.index)),
-            json.dumps({"pid": os.getpid(), "node": self.job.node, "time": time.time(),
-                        "loop_age": round(self.beat.age(), 3), "attempt": self.attempt,
-                        "rss_mb": round(rss_bytes(os.getpid()) / 2**20, 1)}),
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "node": self.job.node,
+                    "time": time.time(),
+                    "loop_age": round(self.beat.age(), 3),
+                    "attempt": self.attempt,
+                    "rss_mb": round(rss_bytes(os.getpid()) / 2**20, 1),
+                }
+            ),
             ex=HEARTBEAT_TTL_S,
         )
 

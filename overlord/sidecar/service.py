@@ -16,8 +16,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from overlord.config import Job
 
@@ -27,7 +27,10 @@ def start(module: str, run_dir: Path, log_name: str, env: dict[str, str]) -> sub
     log = open(run_dir / log_name, "ab")
     return subprocess.Popen(
         [sys.executable, "-m", module, "--run-dir", str(run_dir), "--parent", str(os.getpid())],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **env),
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, **env),
     )
 
 

@@ -39,8 +39,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import redis
 
@@ -49,12 +49,12 @@ from overlord.errors import OverlordError
 from overlord.loader.inflight import inflight_path, last_samples
 from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.lease import release_dead
-from overlord.shm import pid_alive as _alive
 from overlord.shm import Ring, cleanup_stale, unlink_all
-from overlord.sidecar.flow import HEARTBEAT_S, set_on_signal
-from overlord.sidecar.checks import check_redis, check_shm, check_sources, check_transforms
-from overlord.sidecar.layout import Layout, client_ring, sample_ring
+from overlord.shm import pid_alive as _alive
 from overlord.sidecar import mode
+from overlord.sidecar.checks import check_redis, check_shm, check_sources, check_transforms
+from overlord.sidecar.flow import HEARTBEAT_S, set_on_signal
+from overlord.sidecar.layout import Layout, client_ring, sample_ring
 from overlord.sidecar.membership import NodeMember
 from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload
@@ -98,8 +98,10 @@ class Sidecar(NodeMember):
 
     def __init__(self, job: Job, *, exit_when_idle: bool = False, resume: bool = False) -> None:
         if resume and job.multi_node:
-            raise OverlordError("--resume of a job on several nodes is not supported yet: a node's sidecar that "
-                                "restarts joins the running job by itself; restart a stopped job fresh")
+            raise OverlordError(
+                "--resume of a job on several nodes is not supported yet: a node's sidecar that "
+                "restarts joins the running job by itself; restart a stopped job fresh"
+            )
         self.job = job
         self.exit_when_idle = exit_when_idle
         self.resume = resume
@@ -152,7 +154,11 @@ class Sidecar(NodeMember):
 
     def _publish(self, r, layout: Layout) -> None:
         # forget the last run's plans, metadata and errors; a resume keeps the checkpoints
-        keep = {self.keys.ckpt.encode(), self.keys.ckpt_delta.encode(), self.keys.ckpt_layout.encode()} if self.resume else set()
+        keep = (
+            {self.keys.ckpt.encode(), self.keys.ckpt_delta.encode(), self.keys.ckpt_layout.encode()}
+            if self.resume
+            else set()
+        )
         keep.add(self.keys.profile.encode())  # cost profiles outlive a run: the next start partitions from them
         keep.add(self.keys.boot.encode())  # held by this sidecar while it publishes
         if self.job.autoscale is not None:
@@ -186,9 +192,11 @@ class Sidecar(NodeMember):
             return
         self._beaten = now
         try:
-            self.r.set(self.keys.heartbeat("sidecar", self.job.node),
-                       json.dumps({"pid": os.getpid(), "node": self.job.node, "time": time.time(), "loop_age": 0.0}),
-                       ex=HEARTBEAT_TTL_S)
+            self.r.set(
+                self.keys.heartbeat("sidecar", self.job.node),
+                json.dumps({"pid": os.getpid(), "node": self.job.node, "time": time.time(), "loop_age": 0.0}),
+                ex=HEARTBEAT_TTL_S,
+            )
         except redis.RedisError:
             pass  # Redis away: the watch loop restarts an embedded one
 
@@ -209,7 +217,9 @@ class Sidecar(NodeMember):
         deadline = time.monotonic() + self.job.timeout_s
         while True:
             raw = self.r.hgetall(self.keys.resume)
-            positions = {r: json.loads(raw[f"position:{r}".encode()]) for r in range(world) if f"position:{r}".encode() in raw}
+            positions = {
+                r: json.loads(raw[f"position:{r}".encode()]) for r in range(world) if f"position:{r}".encode() in raw
+            }
             if len(positions) == world:
                 break
             if time.monotonic() > deadline:
@@ -233,8 +243,12 @@ class Sidecar(NodeMember):
         mapping = {"step": step, **{f"skip:{r}": (p[0] - step) * mb + p[1] for r, p in positions.items()}}
         self.r.hset(self.keys.resume, mapping=mapping)
         mode.write(self.job, resume=True, decided=True, spawned=mode.spawned_here())
-        log.info("resuming job %r at step %d (micro-batches already consumed per rank: %s)",
-                 self.job.name, step, {r: mapping[f"skip:{r}"] for r in positions})
+        log.info(
+            "resuming job %r at step %d (micro-batches already consumed per rank: %s)",
+            self.job.name,
+            step,
+            {r: mapping[f"skip:{r}"] for r in positions},
+        )
         # the state before `step` says the job's last step came before it
         return bool(Checkpoints(self.keys).load(self.r, step).get("done"))
 
@@ -242,8 +256,9 @@ class Sidecar(NodeMember):
         """A resume after the last step of a finite job: start no role, mark the job done
         and close every client ring, so each trainer's iteration ends at once (the ring
         drains, then says closed) instead of waiting for batches no step will bring."""
-        log.info("resuming job %r after its last step: nothing left to deliver; the trainers' iteration ends",
-                 self.job.name)
+        log.info(
+            "resuming job %r after its last step: nothing left to deliver; the trainers' iteration ends", self.job.name
+        )
         self.r.hset(self.keys.planner, mapping={"done": 1, "updated": time.time()})
         for ring in self.client_rings.values():
             ring.close_writer()
@@ -322,15 +337,24 @@ class Sidecar(NodeMember):
             for i in range(layout.constructor_hosts):
                 self._spawn("constructor", i, url)
         if self.job.flight_port:
-            log.info("serving rings over Arrow Flight on port %d%s", self.job.flight_port,
-                     " (TLS)" if self.job.flight_cert else "")
+            log.info(
+                "serving rings over Arrow Flight on port %d%s",
+                self.job.flight_port,
+                " (TLS)" if self.job.flight_cert else "",
+            )
         if self.job.metrics_port:
             from overlord.metrics import metrics_host
 
-            log.info("serving Prometheus metrics on %s port %d (/metrics)", metrics_host(self.job), self.job.metrics_port)
+            log.info(
+                "serving Prometheus metrics on %s port %d (/metrics)", metrics_host(self.job), self.job.metrics_port
+            )
         log.info(
             "sidecar for job %r on node %r: %d stream(s) in %d loader process(es), %d DP group(s), redis %s",
-            self.job.name, self.job.node, len(layout.streams), layout.loaders, self.job.mesh.dp,
+            self.job.name,
+            self.job.node,
+            len(layout.streams),
+            layout.loaders,
+            self.job.mesh.dp,
             "embedded" if self.redis else "external",
         )
 
@@ -375,8 +399,7 @@ class Sidecar(NodeMember):
             if samples:
                 what, key, _ = samples[0]
                 how = f"by signal {-code} ({_signal_name(-code)})" if code < 0 else f"with status {code}"
-                found = (key, f"{name} (pid {proc.pid}) on node {self.job.node!r} died {how} while "
-                              f"transforming {what}")
+                found = (key, f"{name} (pid {proc.pid}) on node {self.job.node!r} died {how} while transforming {what}")
         self.deaths[proc.pid] = found
         return found
 
@@ -391,8 +414,15 @@ class Sidecar(NodeMember):
             "active, shadow and restarted loader makes it alike, and a death is not"
         )
         proc = self.children[name]
-        record = {"role": proc.role, "index": proc.index, "node": self.job.node, "pid": proc.pid,
-                  "type": "LoaderDied", "message": message, "time": time.time()}
+        record = {
+            "role": proc.role,
+            "index": proc.index,
+            "node": self.job.node,
+            "pid": proc.pid,
+            "type": "LoaderDied",
+            "message": message,
+            "time": time.time(),
+        }
         try:
             self.r.rpush(self.keys.errors, json.dumps(record))
         except redis.RedisError:
@@ -414,8 +444,10 @@ class Sidecar(NodeMember):
     # -- recovery ------------------------------------------------------------------------
 
     def _restart_redis(self) -> None:
-        log.warning("the embedded redis-server (pid %s) died; starting it again from its append-only file",
-                    self.redis.proc.pid if self.redis.proc else "?")
+        log.warning(
+            "the embedded redis-server (pid %s) died; starting it again from its append-only file",
+            self.redis.proc.pid if self.redis.proc else "?",
+        )
         self.redis.proc = None
         self.redis.start()
 
@@ -454,7 +486,9 @@ class Sidecar(NodeMember):
             log.warning("%s (pid %d) was killed; the Planner promotes its shadow (pid %d)", name, proc.pid, shadow.pid)
             self.awaiting[index] = time.monotonic()
             return
-        log.warning("%s (pid %d) was killed; restarting it (restart %d of %d)", name, proc.pid, attempt, self.job.max_restarts)
+        log.warning(
+            "%s (pid %d) was killed; restarting it (restart %d of %d)", name, proc.pid, attempt, self.job.max_restarts
+        )
         self._spawn(role, index, self.url, attempt)
 
     def _promoted(self) -> None:
@@ -469,12 +503,19 @@ class Sidecar(NodeMember):
                 # not at once: the new shadow's reading would take CPU from the promoted
                 # loader just when it catches up
                 self.shadow_due[k] = time.monotonic() + SHADOW_RESPAWN_S
-                log.info("loader process %d: shadow pid %d promoted; a new shadow starts in %.0fs", k, shadow.pid,
-                         SHADOW_RESPAWN_S)
+                log.info(
+                    "loader process %d: shadow pid %d promoted; a new shadow starts in %.0fs",
+                    k,
+                    shadow.pid,
+                    SHADOW_RESPAWN_S,
+                )
             elif time.monotonic() - since > self.job.timeout_s:
                 del self.awaiting[k]
-                log.warning("loader process %d: no promotion within %.0fs (is the Planner up?); restarting it",
-                            k, self.job.timeout_s)
+                log.warning(
+                    "loader process %d: no promotion within %.0fs (is the Planner up?); restarting it",
+                    k,
+                    self.job.timeout_s,
+                )
                 self._spawn("loader", k, self.url, self.attempts.get(f"loader{k}", 1))
 
     def _start_due_shadows(self) -> None:

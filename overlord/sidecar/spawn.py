@@ -36,8 +36,8 @@ def preload() -> None:
     heap.tune()
     heap.use_system_arrow_pool()
     import numpy  # noqa: F401
-    import pyarrow.parquet  # noqa: F401
     import PIL.Image  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
     import redis  # noqa: F401
 
     import overlord.constructor.process  # noqa: F401
@@ -55,7 +55,7 @@ class RoleProcess:
 
     def __init__(self, name: str, pid: int) -> None:
         self.name, self.pid = name, pid
-        self.role, self.index = name.rstrip("0123456789"), int(name[len(name.rstrip("0123456789")):] or 0)
+        self.role, self.index = name.rstrip("0123456789"), int(name[len(name.rstrip("0123456789")) :] or 0)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:

@@ -27,7 +27,8 @@ import logging
 import os
 import stat
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -59,8 +60,13 @@ class OutageRetry(Retry):
         self.unreachable_since: float | None = None  # monotonic, while the server is gone
         self.last_outage_end: float | None = None  # monotonic, when it last came back
 
-    def call_with_retry(self, do: Callable[[], T], fail: Callable[..., Any],
-                        is_retryable: Callable[[Exception], bool] | None = None, with_failure_count: bool = False) -> T:
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
         retried = False  # a reconnect nested in a command that still times out is no recovery
 
         def failed(error: Exception, *count: int) -> None:
@@ -69,14 +75,21 @@ class OutageRetry(Retry):
             now = time.monotonic()
             if self.unreachable_since is None:
                 self.unreachable_since = now
-                log.warning("Redis at %s unreachable (%s: %s); waiting for it up to %gs (Job.redis_outage_s)",
-                            self.url, type(error).__name__, error, self.budget_s)
+                log.warning(
+                    "Redis at %s unreachable (%s: %s); waiting for it up to %gs (Job.redis_outage_s)",
+                    self.url,
+                    type(error).__name__,
+                    error,
+                    self.budget_s,
+                )
             if now - self.unreachable_since >= self.budget_s:
                 if getattr(error, "outage_named", False):  # from a reconnect nested in this command
                     raise error
-                named = type(error)(f"Redis at {self.url} unreachable for {now - self.unreachable_since:.0f}s, past "
-                                    f"Job.redis_outage_s={self.budget_s:g} ({error}); bring it back or fail it "
-                                    "over, or raise Job.redis_outage_s")
+                named = type(error)(
+                    f"Redis at {self.url} unreachable for {now - self.unreachable_since:.0f}s, past "
+                    f"Job.redis_outage_s={self.budget_s:g} ({error}); bring it back or fail it "
+                    "over, or raise Job.redis_outage_s"
+                )
                 setattr(named, "outage_named", True)  # noqa: B010 - an attribute redis-py's errors lack
                 raise named from error
             fail(error, *count)
@@ -162,13 +175,17 @@ def env_password(url: str) -> str | None:
     try:
         mode = os.stat(path).st_mode
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(f"${PASSWORD_FILE_ENV}={path} has mode {stat.S_IMODE(mode):04o}: others may read the "
-                              f"Redis password; chmod 600 {path}")
+            raise ConfigError(
+                f"${PASSWORD_FILE_ENV}={path} has mode {stat.S_IMODE(mode):04o}: others may read the "
+                f"Redis password; chmod 600 {path}"
+            )
         with open(path) as fh:
             return fh.read().strip()
     except OSError as exc:
-        raise ConfigError(f"${PASSWORD_FILE_ENV}={path} cannot be read ({exc.strerror}); point it at the file "
-                          "holding the Redis password, or set $OVERLORD_REDIS_PASSWORD") from None
+        raise ConfigError(
+            f"${PASSWORD_FILE_ENV}={path} cannot be read ({exc.strerror}); point it at the file "
+            "holding the Redis password, or set $OVERLORD_REDIS_PASSWORD"
+        ) from None
 
 
 def password_env(url: str | None) -> dict[str, str]:

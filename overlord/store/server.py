@@ -62,7 +62,7 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"unix://{self.socket}"
 
-    def start(self) -> "EmbeddedRedis":
+    def start(self) -> EmbeddedRedis:
         if len(str(self.socket)) > _SUN_PATH_MAX:
             raise StoreError(
                 f"the embedded Redis socket path {self.socket} is {len(str(self.socket))} characters, "

@@ -31,24 +31,36 @@ from overlord.config import Job
 from overlord.errors import ConfigError
 
 # torch.utils.data.DataLoader's parameters after `dataset`, in its positional order
-TORCH_ORDER = ("batch_size", "shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn", "pin_memory",
-               "drop_last", "timeout", "worker_init_fn", "multiprocessing_context", "generator")
+TORCH_ORDER = (
+    "batch_size",
+    "shuffle",
+    "sampler",
+    "batch_sampler",
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "drop_last",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+)
 TORCH_KEYWORDS = frozenset(TORCH_ORDER) | {"prefetch_factor", "persistent_workers", "pin_memory_device", "in_order"}
 
 _REFUSED = {
     "sampler": "the Planner chooses every rank's samples (Source.weight or Job.mixing, in an order fixed by "
-               "Job.seed), and each rank already gets only its own micro-batches: drop sampler "
-               "(no DistributedSampler either)",
+    "Job.seed), and each rank already gets only its own micro-batches: drop sampler "
+    "(no DistributedSampler either)",
     "batch_sampler": "micro-batches are built by the job: set BatchSpec.global_batch and BatchSpec.micro_batches, "
-                     "and drop batch_sampler",
+    "and drop batch_sampler",
     "collate_fn": "micro-batches are packed or padded by the Data Constructor (BatchSpec.packing, "
-                  "BatchSpec.context_length) and samples made by Source.transform: move collate_fn's work there",
+    "BatchSpec.context_length) and samples made by Source.transform: move collate_fn's work there",
     "worker_init_fn": "the trainer runs no loader workers; per-sample setup belongs in Source.transform, "
-                      "which runs in the Source Loaders",
+    "which runs in the Source Loaders",
 }
 _WARNED = {
     "num_workers": "the Source Loaders in the sidecar read and transform samples; their processes are "
-                   "Job.loader_processes (or Job.autoscale)",
+    "Job.loader_processes (or Job.autoscale)",
     "prefetch_factor": "how far loading runs ahead is bounded by the client ring, BatchSpec.ring_bytes",
     "persistent_workers": "the sidecar's roles persist for the whole job already",
     "multiprocessing_context": "the trainer starts no loader worker processes",
@@ -56,7 +68,7 @@ _WARNED = {
     "pin_memory_device": "pin_memory=True pins for the current CUDA device",
     "in_order": "micro-batches always arrive in (step, micro-batch) order",
     "shuffle": "each source shuffles within Source.shuffle_window rows; set shuffle_window=1 on every source "
-               "for file order",
+    "for file order",
 }
 _warned: set[str] = set()  # names warned about in this process
 
@@ -82,8 +94,10 @@ def refuse_dataset(job: Any) -> None:
 def positional(args: tuple[Any, ...]) -> dict[str, Any]:
     """torch's positional arguments after the dataset, as keywords."""
     if len(args) > len(TORCH_ORDER):
-        raise ConfigError(f"overlord.torch.DataLoader got {len(args) + 1} positional arguments; torch's DataLoader "
-                          f"takes at most {len(TORCH_ORDER) + 1}: pass the job, then keywords")
+        raise ConfigError(
+            f"overlord.torch.DataLoader got {len(args) + 1} positional arguments; torch's DataLoader "
+            f"takes at most {len(TORCH_ORDER) + 1}: pass the job, then keywords"
+        )
     return dict(zip(TORCH_ORDER, args))
 
 
@@ -136,12 +150,21 @@ def apply(job: Job, torch_kwargs: dict[str, Any], *, timeout_s: float | None) ->
     shuffle = torch_kwargs.get("shuffle")
     shuffling = any(s.shuffle_window > 1 for s in job.sources)
     if shuffle and not shuffling:
-        raise ConfigError(f"shuffle=True but no source of job {job.name!r} shuffles (every Source.shuffle_window "
-                          "<= 1); set Source.shuffle_window (rows shuffled together) on the sources")
+        raise ConfigError(
+            f"shuffle=True but no source of job {job.name!r} shuffles (every Source.shuffle_window "
+            "<= 1); set Source.shuffle_window (rows shuffled together) on the sources"
+        )
     if shuffle is not None and not shuffle and shuffling:
         _warn_once("shuffle", shuffle)
-    quiet = {"num_workers": 0, "prefetch_factor": None, "persistent_workers": False, "multiprocessing_context": None,
-             "generator": None, "pin_memory_device": "", "in_order": True}
+    quiet = {
+        "num_workers": 0,
+        "prefetch_factor": None,
+        "persistent_workers": False,
+        "multiprocessing_context": None,
+        "generator": None,
+        "pin_memory_device": "",
+        "in_order": True,
+    }
     for name, default in quiet.items():
         value = torch_kwargs.get(name, default)
         if value is not None and value != default:

@@ -29,8 +29,9 @@ import sys
 import time
 import warnings
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import redis
 import torch
@@ -45,8 +46,8 @@ from overlord.errors import (
     RingError,
     RingTimeout,
 )
-from overlord.shm import pid_alive as alive
 from overlord.shm import Ring, decode_batch
+from overlord.shm import pid_alive as alive
 from overlord.shm._lease import LeasedReader
 from overlord.sidecar import mode
 from overlord.sidecar.layout import client_ring
@@ -55,7 +56,6 @@ from overlord.store.client import password_env
 from overlord.torch import compat, launch
 from overlord.torch import state as states
 from overlord.torch.nodes import _SLICE_S, NodeReader
-
 
 
 class DataLoader(NodeReader):
@@ -118,8 +118,10 @@ class DataLoader(NodeReader):
         self.launcher = launch.detect(rank, world_size)  # and how it was found, for messages
         self.rank = self.launcher.rank
         if not 0 <= self.rank < self.job.mesh.world_size:
-            raise ConfigError(f"rank {self.rank} ({self.launcher.how}) is not in job {self.job.name!r}'s mesh of "
-                              f"{self.job.mesh.world_size} ranks; fix the launch or Job.mesh")
+            raise ConfigError(
+                f"rank {self.rank} ({self.launcher.how}) is not in job {self.job.name!r}'s mesh of "
+                f"{self.job.mesh.world_size} ranks; fix the launch or Job.mesh"
+            )
         launch.check_world(self.job, self.launcher)
         if self.job.multi_node:  # this rank's node, as torchrun placed it
             self.job = self.job.on_node(self.job.node_of_rank(self.rank))
@@ -180,7 +182,6 @@ class DataLoader(NodeReader):
             self._probe_redis = connect(redis_url_of(self.job), timeout_s=1, ride_through_s=0)
         return self._probe_redis
 
-
     def _spawn(self) -> None:
         """Start a detached sidecar unless one runs; one rank wins, the others wait."""
         run_dir = self.job.make_run_path()
@@ -192,8 +193,16 @@ class DataLoader(NodeReader):
             config.write_text(self.job.to_json())
             with open(run_dir / "sidecar.log", "ab") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config), "--exit-when-idle",
-                     *(["--resume"] if self._resume_at is not None else [])],
+                    [
+                        sys.executable,
+                        "-m",
+                        "overlord.cli",
+                        "sidecar",
+                        "--config",
+                        str(config),
+                        "--exit-when-idle",
+                        *(["--resume"] if self._resume_at is not None else []),
+                    ],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
@@ -205,15 +214,21 @@ class DataLoader(NodeReader):
             deadline = time.monotonic() + self.timeout_s
             while not sidecar_running(self.job):
                 if proc.poll() is not None:
-                    said = [line for line in (run_dir / "sidecar.log").read_text(errors="replace").splitlines()
-                            if line.startswith("overlord sidecar: ")]
+                    said = [
+                        line
+                        for line in (run_dir / "sidecar.log").read_text(errors="replace").splitlines()
+                        if line.startswith("overlord sidecar: ")
+                    ]
                     raise RemoteRoleError(
                         f"rank {self.rank}: the sidecar this rank started (pid {proc.pid}) exited with "
-                        f"{proc.returncode}" + (f": {said[-1][len('overlord sidecar: '):]}" if said else "")
+                        f"{proc.returncode}"
+                        + (f": {said[-1][len('overlord sidecar: ') :]}" if said else "")
                         + f"; see {run_dir / 'sidecar.log'}"
                     )
                 if time.monotonic() > deadline:
-                    raise RemoteRoleError(f"rank {self.rank}: the sidecar (pid {proc.pid}) did not start within {self.timeout_s:g}s")
+                    raise RemoteRoleError(
+                        f"rank {self.rank}: the sidecar (pid {proc.pid}) did not start within {self.timeout_s:g}s"
+                    )
                 time.sleep(0.05)
 
     def _connect(self) -> Ring:
@@ -280,8 +295,11 @@ class DataLoader(NodeReader):
                 "`overlord sidecar --config JOB.yaml --resume`, and load the state on every rank before iterating"
             )
         mode.rewind(self.job, self._control(), found, self.rank, self._resume_at, self.timeout_s)
-        warnings.warn(f"rank {self.rank}: stopped the sidecar of job {self.job.name!r} (pid {found.pid}) that served "
-                      f"later batches; starting one that resumes at step {step} micro-batch {mb}", stacklevel=4)
+        warnings.warn(
+            f"rank {self.rank}: stopped the sidecar of job {self.job.name!r} (pid {found.pid}) that served "
+            f"later batches; starting one that resumes at step {step} micro-batch {mb}",
+            stacklevel=4,
+        )
         self._redis = self._probe_redis = None  # its embedded Redis stopped with it
         self._spawn()
 
@@ -379,12 +397,15 @@ class DataLoader(NodeReader):
                 if isinstance(exc, PeerDied):
                     if ring.error or time.monotonic() > deadline:
                         detail = ring.error or str(exc)
-                        raise RemoteRoleError(f"{origin}: the Data Constructor feeding this rank died: {detail}") from None
+                        raise RemoteRoleError(
+                            f"{origin}: the Data Constructor feeding this rank died: {detail}"
+                        ) from None
                     time.sleep(0.01)  # the sidecar restarts it; it sends the unfinished step again
                     continue
                 if time.monotonic() > deadline:
-                    deadline = self._slow_or_hung(origin, f"sidecar pid {ring.creator_pid}",
-                                                  "see the logs in the run directory")
+                    deadline = self._slow_or_hung(
+                        origin, f"sidecar pid {ring.creator_pid}", "see the logs in the run directory"
+                    )
             except RingError as exc:
                 raise RemoteRoleError(f"{origin}: {exc}") from None
 
@@ -394,9 +415,12 @@ class DataLoader(NodeReader):
 
         if self._remote_reader is None:
             if self._resume_at is not None:
-                raise ConfigError("load_state_dict() with a remote DataLoader is not supported yet; read from the local ring")
-            self._remote_reader = RemoteReader(self.job, self.remote, self.rank, token=job_token(self.job),
-                                               after=self._last, timeout_s=self.timeout_s)
+                raise ConfigError(
+                    "load_state_dict() with a remote DataLoader is not supported yet; read from the local ring"
+                )
+            self._remote_reader = RemoteReader(
+                self.job, self.remote, self.rank, token=job_token(self.job), after=self._last, timeout_s=self.timeout_s
+            )
         try:
             return next(self._remote_reader)
         except StopIteration:
@@ -412,7 +436,8 @@ class DataLoader(NodeReader):
         self._resume_at = (0, 0) if step < 0 else self._next_of((step, mb))
         warnings.warn(
             f"rank {self.rank}: the sidecar (pid {self._ring.creator_pid}) died; starting another that resumes "
-            f"at step {self._resume_at[0]} micro-batch {self._resume_at[1]}"
+            f"at step {self._resume_at[0]} micro-batch {self._resume_at[1]}",
+            stacklevel=2,
         )
         self._ring.close()  # batches the trainer still holds keep their mapping
         self._ring = None
@@ -448,7 +473,7 @@ class DataLoader(NodeReader):
                 "from their state_dict), and give Redis an append-only file (appendonly yes) or a replica"
             ) from None
         if turning:
-            warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung")
+            warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung", stacklevel=2)
             return time.monotonic() + self.timeout_s
         raise RemoteRoleError(
             f"{origin}: no batch within {self.timeout_s:g}s ({serving}) and its Data Constructor host "
@@ -475,8 +500,11 @@ class DataLoader(NodeReader):
                 f"Job.redis_outage_s={budget:g} ({type(exc).__name__}: {exc}); no batch within {self.timeout_s:g}s "
                 "since the roles wait on it. Bring Redis back (or fail it over), or raise Job.redis_outage_s"
             ) from None
-        warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s: the job's Redis at {self._redis_url()} is "
-                      f"unreachable ({gone:.0f}s so far); waiting for it up to Job.redis_outage_s={budget:g}")
+        warnings.warn(
+            f"{origin}: no batch for {self.timeout_s:g}s: the job's Redis at {self._redis_url()} is "
+            f"unreachable ({gone:.0f}s so far); waiting for it up to Job.redis_outage_s={budget:g}",
+            stacklevel=2,
+        )
         return now + min(self.timeout_s, max(0.5, budget - gone))
 
     def _finish(self) -> None:
@@ -545,8 +573,10 @@ class DataLoader(NodeReader):
         """
         from overlord.store import Keys
 
-        record = {"step": self.last_meta.get("step", -1) if step is None else step,
-                  "metrics": {k: float(v) for k, v in metrics.items()}}
+        record = {
+            "step": self.last_meta.get("step", -1) if step is None else step,
+            "metrics": {k: float(v) for k, v in metrics.items()},
+        }
         self._control().hset(Keys(self.job.name).metrics, str(self.rank), json.dumps(record))
 
     # -- checkpointing -------------------------------------------------------------------
@@ -604,8 +634,10 @@ class DataLoader(NodeReader):
             )
         position = states.load(self.job, self.rank, state)
         if position.batches and self.job.multi_node:
-            raise ConfigError("load_state_dict() on a job on several nodes is not supported yet: a node that "
-                              "restarts rejoins the running job by itself; restart a stopped job fresh")
+            raise ConfigError(
+                "load_state_dict() on a job on several nodes is not supported yet: a node that "
+                "restarts rejoins the running job by itself; restart a stopped job fresh"
+            )
         if self._ring is not None:  # attached by a next() that yielded nothing: attach again
             self._ring.close()
             self._ring = None
@@ -620,4 +652,3 @@ class DataLoader(NodeReader):
             self._finish()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-

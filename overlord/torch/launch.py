@@ -26,8 +26,8 @@ are how a script says "I know better".
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch.distributed as dist
 
@@ -68,8 +68,9 @@ def _from_local(env: Mapping[str, str]) -> tuple[int | None, str]:
     if local is None:
         return None, how
     if local_world is not None and not 0 <= local < local_world:
-        raise ConfigError(f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}; "
-                          "the launcher set them wrong")
+        raise ConfigError(
+            f"LOCAL_RANK={local} is not below LOCAL_WORLD_SIZE={local_world}; the launcher set them wrong"
+        )
     if node is not None and local_world is not None:
         return node * local_world + local, how
     one_node = node == 0 or (node is None and (local_world is None or world is None or local_world >= world))
@@ -103,8 +104,13 @@ def _from_process_group() -> Launch | None:
     return None
 
 
-def detect(rank: int | None = None, world_size: int | None = None, *,
-           env: Mapping[str, str] | None = None, group: Launch | None | bool = True) -> Launch:
+def detect(
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    group: Launch | None | bool = True,
+) -> Launch:
     """This process's rank and world size (see the module docstring for the order).
 
     Args:
@@ -119,8 +125,9 @@ def detect(rank: int | None = None, world_size: int | None = None, *,
     from_group = _from_process_group() if group is True else (group or None)
     from_env = _from_env(env)
     if from_group is not None and from_env is not None:
-        if from_group.rank != from_env.rank or (from_env.world_size is not None
-                                                and from_env.world_size != from_group.world_size):
+        if from_group.rank != from_env.rank or (
+            from_env.world_size is not None and from_env.world_size != from_group.world_size
+        ):
             raise ConfigError(
                 f"torch.distributed says rank {from_group.rank} of {from_group.world_size} but the environment says "
                 f"rank {from_env.rank} of {from_env.world_size} ({from_env.how}); the process group was set up "
@@ -130,9 +137,11 @@ def detect(rank: int | None = None, world_size: int | None = None, *,
     if rank is None and world_size is None:
         return found
     how = " ".join(f"argument {n}={v}" for n, v in (("rank", rank), ("world_size", world_size)) if v is not None)
-    return Launch(found.rank if rank is None else int(rank),
-                  found.world_size if world_size is None else int(world_size),
-                  how if rank is not None else f"{how}, rank from {found.how}")
+    return Launch(
+        found.rank if rank is None else int(rank),
+        found.world_size if world_size is None else int(world_size),
+        how if rank is not None else f"{how}, rank from {found.how}",
+    )
 
 
 def check_world(job: Job, launch: Launch) -> None:
@@ -148,4 +157,3 @@ def check_world(job: Job, launch: Launch) -> None:
             f"the launcher's world size is {world_size} ({how}) but job {job.name!r} has a mesh of "
             f"dp={m.dp} x pp={m.pp} x cp={m.cp} x tp={m.tp} = {m.world_size} ranks; set Job.mesh to match the launch"
         )
-

@@ -17,8 +17,8 @@ import time
 import warnings
 
 from overlord.errors import PeerDied, RemoteRoleError, RingClosed, RingError, RingTimeout
-from overlord.shm import pid_alive as alive
 from overlord.shm import Ring
+from overlord.shm import pid_alive as alive
 from overlord.sidecar.layout import client_ring
 from overlord.sidecar.sidecar import sidecar_running
 
@@ -53,9 +53,11 @@ class NodeReader:
                 self.switches += 1
                 time.sleep(0.02)  # the node it read from is changing: look again shortly
             if time.monotonic() > deadline:
-                deadline = self._slow_or_hung(f"rank {self.rank} (dp={self.coords['dp']}) of job {self.job.name!r}",
-                                              f"from node {self.serving_node!r}",
-                                              f"the sidecar log of node {self.serving_node!r}")
+                deadline = self._slow_or_hung(
+                    f"rank {self.rank} (dp={self.coords['dp']}) of job {self.job.name!r}",
+                    f"from node {self.serving_node!r}",
+                    f"the sidecar log of node {self.serving_node!r}",
+                )
 
     def _attach_nodes(self, deadline: float) -> None:
         """Open the source this rank reads: its node's ring, or Flight to the node that
@@ -82,10 +84,17 @@ class NodeReader:
                 raw = r.hget(keys.nodes, node)
                 location = json.loads(raw).get("flight") if raw else None
                 if location:
-                    self._remote_reader = RemoteReader(self.job, location, self.rank, token=job_token(self.job, r=r),
-                                                       after=self._last, timeout_s=self.timeout_s, open_timeout_s=1.0)
+                    self._remote_reader = RemoteReader(
+                        self.job,
+                        location,
+                        self.rank,
+                        token=job_token(self.job, r=r),
+                        after=self._last,
+                        timeout_s=self.timeout_s,
+                        open_timeout_s=1.0,
+                    )
                     if self.serving_node is not None and node != self.serving_node:
-                        warnings.warn(f"rank {self.rank}: reading from node {node!r} over Flight")
+                        warnings.warn(f"rank {self.rank}: reading from node {node!r} over Flight", stacklevel=2)
                     self.serving_node = node
                     return
             if time.monotonic() > deadline:
@@ -127,8 +136,11 @@ class NodeReader:
                     return _AGAIN
             else:  # read to its end: this node's sidecar died
                 self._drained.add(ring.creator_pid)
-                warnings.warn(f"rank {self.rank}: the sidecar of node {self.job.node!r} (pid {ring.creator_pid}) died; "
-                              "reading from the node that takes over its Data Constructor")
+                warnings.warn(
+                    f"rank {self.rank}: the sidecar of node {self.job.node!r} (pid {ring.creator_pid}) died; "
+                    "reading from the node that takes over its Data Constructor",
+                    stacklevel=2,
+                )
             ring.close()
             self._ring = None
             return _GONE
@@ -149,8 +161,10 @@ class NodeReader:
         except RingTimeout:
             return _AGAIN
         except Exception as exc:  # noqa: BLE001 - pyarrow.flight: the serving node went away
-            warnings.warn(f"rank {self.rank}: Flight stream from node {self.serving_node!r} broke: "
-                          f"{str(exc).splitlines()[0]}")
+            warnings.warn(
+                f"rank {self.rank}: Flight stream from node {self.serving_node!r} broke: {str(exc).splitlines()[0]}",
+                stacklevel=2,
+            )
             end = False
         self._remote_reader.close()
         self._remote_reader = None

@@ -113,11 +113,16 @@ def merge(states: list[dict[str, Any]]) -> dict[str, Any]:
     base = dict(states[0])
     for s in states[1:]:
         if (s.get("job"), s.get("mesh")) != (base.get("job"), base.get("mesh")):
-            raise ConfigError(f"cannot merge states of job {s.get('job')!r} mesh {s.get('mesh')} with "
-                              f"job {base.get('job')!r} mesh {base.get('mesh')}")
+            raise ConfigError(
+                f"cannot merge states of job {s.get('job')!r} mesh {s.get('mesh')} with "
+                f"job {base.get('job')!r} mesh {base.get('mesh')}"
+            )
     base["format"] = FORMAT
-    base["positions"] = {str(s["rank"]): [s["step"], s["microbatch"], s["batches"]] for s in states[1:]
-                         if (s["step"], s["microbatch"]) != (base["step"], base["microbatch"])}
+    base["positions"] = {
+        str(s["rank"]): [s["step"], s["microbatch"], s["batches"]]
+        for s in states[1:]
+        if (s["step"], s["microbatch"]) != (base["step"], base["microbatch"])
+    }
     base["end"] = all(s.get("end", False) for s in states)
     return base
 
@@ -134,13 +139,16 @@ def load(job: Job, rank: int, state: dict[str, Any]) -> Position:
             and not at a step boundary.
     """
     if not isinstance(state, dict) or "job" not in state:
-        raise ConfigError(f"not an overlord.torch.DataLoader state (a dict with 'job', 'step', 'microbatch', "
-                          f"'batches'): {str(state)[:200]}")
+        raise ConfigError(
+            f"not an overlord.torch.DataLoader state (a dict with 'job', 'step', 'microbatch', "
+            f"'batches'): {str(state)[:200]}"
+        )
     if state["job"] != job.name:
         raise ConfigError(f"the state is of job {state['job']!r}, not {job.name!r}; load the state this job saved")
     if state.get("format", 1) > FORMAT:
-        raise ConfigError(f"the state has format {state['format']}, newer than this Overlord reads ({FORMAT}); "
-                          "upgrade overlord")
+        raise ConfigError(
+            f"the state has format {state['format']}, newer than this Overlord reads ({FORMAT}); upgrade overlord"
+        )
     step, mb, batches = int(state["step"]), int(state["microbatch"]), int(state["batches"])
     own = (state.get("positions") or {}).get(str(rank))
     if own is not None:
@@ -182,8 +190,9 @@ def source_rows(job: Job) -> dict[str, int]:
             try:
                 total += sum(fmt.open(loc, where).group_rows())
             except (OSError, pa.ArrowException) as exc:
-                raise SourceReadError(f"counting the rows of {where} for len(): {exc}; fix Source.paths or "
-                                      "restore the file") from None
+                raise SourceReadError(
+                    f"counting the rows of {where} for len(): {exc}; fix Source.paths or restore the file"
+                ) from None
         rows[src.name] = total
     return rows
 
@@ -231,4 +240,3 @@ def remaining(total: int, position: Position, micro_batches: int) -> int:
         return total
     consumed = position.step * micro_batches + position.microbatch + 1
     return max(total - consumed, 0)
-

@@ -12,7 +12,7 @@ import json
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 PUBLISH_S = 1.0
 
@@ -41,8 +41,12 @@ class StatsPublisher:
                 return  # its DataLoader is gone
             try:
                 r = r or connect(redis_url_of(self.job), timeout_s=2, ride_through_s=0)
-                record = {"node": self.job.node_of_rank(self.rank) if self.job.multi_node else self.job.node,
-                          "pid": os.getpid(), "time": time.time(), **totals}
+                record = {
+                    "node": self.job.node_of_rank(self.rank) if self.job.multi_node else self.job.node,
+                    "pid": os.getpid(),
+                    "time": time.time(),
+                    **totals,
+                }
                 r.hset(key, field, json.dumps(record))
                 self.reached = time.monotonic()
             except Exception:  # noqa: BLE001 - figures for operators must never fail training
@@ -66,8 +70,13 @@ def totals_of(ref) -> Callable[[], dict | None]:
         loader = ref()
         if loader is None:
             return None
-        return {"batches": loader.batches, "wait_s": round(loader.wait_s, 4), "dropped": loader.dropped,
-                "copies": loader.copies,
-                "step": loader.last_meta.get("step", -1), "done": loader._done}
+        return {
+            "batches": loader.batches,
+            "wait_s": round(loader.wait_s, 4),
+            "dropped": loader.dropped,
+            "copies": loader.copies,
+            "step": loader.last_meta.get("step", -1),
+            "done": loader._done,
+        }
 
     return totals

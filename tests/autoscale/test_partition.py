@@ -15,8 +15,11 @@ def _table(n, rng_costs, weights=None):
 
 
 def test_heavy_sources_get_more_workers_and_their_own_processes():
-    costs = [SourceCost(name="video", weight=1, transform_ms=40.0), SourceCost(name="images", weight=1, transform_ms=8.0),
-             *[SourceCost(name=f"text{i}", weight=1, transform_ms=0.4) for i in range(6)]]
+    costs = [
+        SourceCost(name="video", weight=1, transform_ms=40.0),
+        SourceCost(name="images", weight=1, transform_ms=8.0),
+        *[SourceCost(name=f"text{i}", weight=1, transform_ms=0.4) for i in range(6)],
+    ]
     p = partition(costs, Budget(cpus=16, memory_mb=16000, cluster_size=1))
     assert p.of("video").workers > p.of("images").workers > p.of("text0").workers
     assert p.of("video").workers == 8  # capped at max_workers_per_source
@@ -29,8 +32,12 @@ def test_heavy_sources_get_more_workers_and_their_own_processes():
 
 
 def test_a_cluster_shares_one_resource_level():
-    costs = [SourceCost(name="a", weight=1, transform_ms=10.0), SourceCost(name="b", weight=1, transform_ms=6.0),
-             SourceCost(name="c", weight=1, transform_ms=0.1), SourceCost(name="d", weight=1, transform_ms=0.1)]
+    costs = [
+        SourceCost(name="a", weight=1, transform_ms=10.0),
+        SourceCost(name="b", weight=1, transform_ms=6.0),
+        SourceCost(name="c", weight=1, transform_ms=0.1),
+        SourceCost(name="d", weight=1, transform_ms=0.1),
+    ]
     p = partition(costs, Budget(cpus=10, memory_mb=8000, cluster_size=2))
     assert p.of("a").cluster == p.of("b").cluster != p.of("c").cluster
     assert p.of("a").demand == p.of("b").demand > p.of("c").demand
@@ -43,7 +50,10 @@ def test_weight_scales_the_demand():
 
 
 def test_file_state_beyond_one_loader_raises_the_partitions():
-    costs = [SourceCost(name="wide", weight=1, transform_ms=1.0, state_mb=5000), SourceCost(name="b", weight=1, transform_ms=1.0)]
+    costs = [
+        SourceCost(name="wide", weight=1, transform_ms=1.0, state_mb=5000),
+        SourceCost(name="b", weight=1, transform_ms=1.0),
+    ]
     p = partition(costs, Budget(cpus=4, memory_mb=64000, max_loader_mb=1024))
     assert p.of("wide").partitions == 5 and p.of("b").partitions == 1
     assert any("file state" in n for n in p.notes)
@@ -56,7 +66,10 @@ def test_a_budget_that_cannot_hold_the_sources_says_what_to_raise():
     with pytest.raises(PartitionError, match="raise the memory budget"):
         partition(costs, Budget(cpus=8, memory_mb=500))
     with pytest.raises(PartitionError, match="max_partitions"):
-        partition([SourceCost(name="x", weight=1, transform_ms=1, state_mb=10000)], Budget(cpus=4, memory_mb=10**6, max_partitions=4))
+        partition(
+            [SourceCost(name="x", weight=1, transform_ms=1, state_mb=10000)],
+            Budget(cpus=4, memory_mb=10**6, max_partitions=4),
+        )
 
 
 @settings(max_examples=200, deadline=None)
@@ -69,8 +82,9 @@ def test_a_budget_that_cannot_hold_the_sources_says_what_to_raise():
 )
 def test_sums_within_budget_and_limits_respected(costs, weights, cpus, w_src, w_actor):
     ws = weights.draw(st.lists(st.floats(0.01, 10.0), min_size=len(costs), max_size=len(costs)))
-    budget = Budget(cpus=cpus, memory_mb=10**7, max_workers_per_source=w_src, max_workers_per_loader=w_actor,
-                    max_partitions=64)
+    budget = Budget(
+        cpus=cpus, memory_mb=10**7, max_workers_per_source=w_src, max_workers_per_loader=w_actor, max_partitions=64
+    )
     p = partition(_table(len(costs), costs, ws), budget)
     assert sum(s.workers for s in p.sources) <= budget.loader_cpus + 1e-6
     assert all(s.workers <= w_src for s in p.sources)

@@ -13,8 +13,9 @@ def _run(scaler, steps, counts, start=0, step_s=0.04):
 
 
 def _scaler(**kw):
-    args = dict(costs_ms={"text": 0.03, "images": 5.0}, current={"text": 1, "images": 1}, max_workers=4,
-                interval=4, patience=2)
+    args = dict(
+        costs_ms={"text": 0.03, "images": 5.0}, current={"text": 1, "images": 1}, max_workers=4, interval=4, patience=2
+    )
     return Scaler(**{**args, **kw})
 
 

@@ -15,8 +15,13 @@ from overlord.store import EmbeddedRedis, Keys, connect
 
 @pytest.fixture
 def setup(tmp_path):
-    job = Job(name=f"m{uuid.uuid4().hex[:8]}", sources=(Source(name="x", paths=("/dev/null",)),),
-              mesh=Mesh(dp=1, tp=2), run_dir=str(tmp_path / "run"), timeout_s=5.0)
+    job = Job(
+        name=f"m{uuid.uuid4().hex[:8]}",
+        sources=(Source(name="x", paths=("/dev/null",)),),
+        mesh=Mesh(dp=1, tp=2),
+        run_dir=str(tmp_path / "run"),
+        timeout_s=5.0,
+    )
     server = EmbeddedRedis(tmp_path / "redis").start()
     rings = {rank: Ring.create(client_ring(job, rank), 1 << 16) for rank in (0, 1)}
     try:

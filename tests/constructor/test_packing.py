@@ -49,7 +49,11 @@ def test_pad_one_row_per_document():
 
 
 def test_images_are_concatenated_with_their_document():
-    img = {"input_ids": np.arange(5, 9, dtype=np.int32), "pixel_values": np.ones((6, 768), np.uint8), "image_grid": np.array([[2, 3]], np.int32)}
+    img = {
+        "input_ids": np.arange(5, 9, dtype=np.int32),
+        "pixel_values": np.ones((6, 768), np.uint8),
+        "image_grid": np.array([[2, 3]], np.int32),
+    }
     out, _ = pack([doc(3), img], 16)
     assert out["pixel_values"].shape == (6, 768)
     assert out["image_grid"].tolist() == [[2, 3]] and out["image_doc"].tolist() == [1]

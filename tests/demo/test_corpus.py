@@ -110,8 +110,14 @@ def test_generate_many_is_mostly_text_and_fast(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "bad", [{"rows_per_source": 1}, {"files_per_source": 0}, {"text_sources": -1},
-            {"text_sources": 0, "image_sources": 0}, {"max_image_side": 8}]
+    "bad",
+    [
+        {"rows_per_source": 1},
+        {"files_per_source": 0},
+        {"text_sources": -1},
+        {"text_sources": 0, "image_sources": 0},
+        {"max_image_side": 8},
+    ],
 )
 def test_bad_parameters_raise_config_error(tmp_path, bad):
     with pytest.raises(ConfigError, match="generate_corpus"):

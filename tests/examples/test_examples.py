@@ -38,11 +38,27 @@ def _free_port() -> int:
 def torchrun(script: str, out: Path, data: Path, *args: str) -> str:
     """Run an example on two ranks; returns its output. Fails on a non-zero exit or a
     shared-memory segment left behind."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(ROOT / "examples" / script), "--out", str(out), "--data", str(data), "--log-every", "1", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(ROOT / "examples" / script),
+        "--out",
+        str(out),
+        "--data",
+        str(data),
+        "--log-every",
+        "1",
+        *args,
+    ]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1")
+        )
     finally:
         job = json.loads((out / "job.json").read_text())["name"] if (out / "job.json").exists() else None
         left = list_segments(job) if job else []
@@ -56,21 +72,34 @@ def torchrun(script: str, out: Path, data: Path, *args: str) -> str:
 
 
 def records(prefix: Path) -> dict[int, list[dict]]:
-    return {r: [json.loads(line) for line in Path(f"{prefix}.rank{r}.jsonl").read_text().splitlines()]
-            for r in range(2)}
+    return {
+        r: [json.loads(line) for line in Path(f"{prefix}.rank{r}.jsonl").read_text().splitlines()] for r in range(2)
+    }
 
 
 def test_gpt_resumed_from_a_checkpoint_reads_the_batches_of_an_uninterrupted_run(tmp_path, data):
     steps = ["--steps", "8"]
-    torchrun("train_gpt.py", tmp_path / "whole", data, *steps, "--ckpt-every", "0",
-             "--record", str(tmp_path / "whole.rec"))
+    torchrun(
+        "train_gpt.py", tmp_path / "whole", data, *steps, "--ckpt-every", "0", "--record", str(tmp_path / "whole.rec")
+    )
     # preempted after step 5; the last checkpoint is at step 3, so steps 3 and 4 are done again
     out = tmp_path / "cut"
-    first = torchrun("train_gpt.py", out, data, *steps, "--ckpt-every", "3", "--stop-after", "5",
-                     "--record", str(tmp_path / "cut.rec"))
+    first = torchrun(
+        "train_gpt.py",
+        out,
+        data,
+        *steps,
+        "--ckpt-every",
+        "3",
+        "--stop-after",
+        "5",
+        "--record",
+        str(tmp_path / "cut.rec"),
+    )
     assert "stopping after step 5" in first
-    second = torchrun("train_gpt.py", out, data, *steps, "--ckpt-every", "3", "--resume",
-                      "--record", str(tmp_path / "cut.rec"))
+    second = torchrun(
+        "train_gpt.py", out, data, *steps, "--ckpt-every", "3", "--resume", "--record", str(tmp_path / "cut.rec")
+    )
     assert "steps 3..7 (resumed)" in second
 
     whole, cut = records(tmp_path / "whole.rec"), records(tmp_path / "cut.rec")

@@ -54,8 +54,9 @@ def run(cmd: list[str], out: Path, timeout_s: float = 180) -> str:
     segment left behind."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()), PYTHONUNBUFFERED="1")
     env.pop("RANK", None), env.pop("LOCAL_RANK", None), env.pop("WORLD_SIZE", None)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -77,20 +78,56 @@ def run(cmd: list[str], out: Path, timeout_s: float = 180) -> str:
 def lightning(out: Path, data: Path, record: Path, *args: str) -> str:
     """Lightning's own launcher: this process is rank 0, it starts rank 1."""
     pytest.importorskip("lightning", reason="PyTorch Lightning is a test extra: pip install -e '.[test]'")
-    return run([sys.executable, str(ROOT / "examples" / "lightning_train.py"), "--devices", "2", "--out", str(out),
-                "--data", str(data), "--record", str(record), "--steps", str(STEPS), *args], out)
+    return run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "lightning_train.py"),
+            "--devices",
+            "2",
+            "--out",
+            str(out),
+            "--data",
+            str(data),
+            "--record",
+            str(record),
+            "--steps",
+            str(STEPS),
+            *args,
+        ],
+        out,
+    )
 
 
 def accelerate(out: Path, data: Path, record: Path, *args: str) -> str:
     pytest.importorskip("accelerate", reason="Hugging Face Accelerate is a test extra: pip install -e '.[test]'")
-    return run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(_free_port()), str(ROOT / "examples" / "accelerate_train.py"), "--out", str(out),
-                "--data", str(data), "--record", str(record), "--steps", str(STEPS), *args], out)
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            str(ROOT / "examples" / "accelerate_train.py"),
+            "--out",
+            str(out),
+            "--data",
+            str(data),
+            "--record",
+            str(record),
+            "--steps",
+            str(STEPS),
+            *args,
+        ],
+        out,
+    )
 
 
 def records(prefix: Path) -> dict[int, list[dict]]:
-    return {r: [json.loads(line) for line in Path(f"{prefix}.rank{r}.jsonl").read_text().splitlines()]
-            for r in range(2)}
+    return {
+        r: [json.loads(line) for line in Path(f"{prefix}.rank{r}.jsonl").read_text().splitlines()] for r in range(2)
+    }
 
 
 def assert_resumed_exactly(whole: dict[int, list[dict]], cut: dict[int, list[dict]]) -> None:
@@ -129,8 +166,9 @@ def test_lightning_batches_keep_their_bytes_while_lightning_holds_them(lightning
         assert not changed, f"rank {r}: batches {changed} changed between the loader's yield and the end of their step"
 
 
-def test_lightning_holding_more_than_the_ring_can_lease_gets_copies_with_the_same_bytes(tmp_path, data,
-                                                                                       lightning_whole):
+def test_lightning_holding_more_than_the_ring_can_lease_gets_copies_with_the_same_bytes(
+    tmp_path, data, lightning_whole
+):
     """A 64 KiB ring holds one of these ~40 KiB batches while Lightning holds two: the
     second is copied out of the ring, never overwritten, and the job does not stall."""
     out = lightning(tmp_path / "small", data, tmp_path / "small.rec", "--ring-kib", "64")
@@ -144,7 +182,8 @@ def test_lightning_holding_more_than_the_ring_can_lease_gets_copies_with_the_sam
 
 
 def test_lightning_resumes_from_modelcheckpoint_with_the_batches_of_an_uninterrupted_run(
-        tmp_path, data, lightning_whole):
+    tmp_path, data, lightning_whole
+):
     out, rec = tmp_path / "cut", tmp_path / "cut.rec"
     lightning(out, data, rec, "--ring-kib", "256", "--ckpt-every", str(CKPT_EVERY), "--stop-after", str(STOP_AFTER))
     ckpt = torch.load(out / "checkpoints" / f"step={CKPT_EVERY}.ckpt", map_location="cpu", weights_only=False)
@@ -193,7 +232,9 @@ def test_accelerate_resumes_from_save_state_with_the_batches_of_an_uninterrupted
     assert f"stopping after step {STOP_AFTER}" in first
     # save_state wrote the registered loader's state once, from rank 0
     assert sorted(p.name for p in (out / "checkpoint").glob("custom_checkpoint_*.pkl")) == [
-        "custom_checkpoint_0.pkl", "custom_checkpoint_1.pkl"]  # the loader, the step counter
+        "custom_checkpoint_0.pkl",
+        "custom_checkpoint_1.pkl",
+    ]  # the loader, the step counter
     second = accelerate(out, data, rec, "--ckpt-every", str(CKPT_EVERY), "--resume")
     assert f"steps {CKPT_EVERY}..{STEPS - 1} (resumed)" in second
     assert_resumed_exactly(records(tmp_path / "whole.rec"), records(rec))

@@ -7,19 +7,24 @@ shared-memory segment of its job is left behind.
 from __future__ import annotations
 
 import pytest
+from harness import Cluster, make_job  # noqa: F401 - fixtures below, and tests, use them
 
 from overlord.config import Job
 from overlord.demo.corpus import generate_corpus
 from overlord.shm import list_segments, unlink_all
 
-from harness import Cluster, make_job  # noqa: F401 - fixtures below, and tests, use them
-
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> dict[str, list[str]]:
     return generate_corpus(
-        tmp_path_factory.mktemp("corpus"), seed=5, text_sources=3, image_sources=1,
-        rows_per_source=240, files_per_source=2, row_group_size=32, max_image_side=96,
+        tmp_path_factory.mktemp("corpus"),
+        seed=5,
+        text_sources=3,
+        image_sources=1,
+        rows_per_source=240,
+        files_per_source=2,
+        row_group_size=32,
+        max_image_side=96,
     )
 
 

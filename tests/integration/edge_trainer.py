@@ -20,8 +20,6 @@ import time
 from overlord.torch import DataLoader, batch_digest
 
 
-
-
 def run_phase(config: str, phase: dict) -> dict:
     rec = {"keys": [], "digests": [], "steps": [], "end": None, "len": None, "first_s": None}
     try:

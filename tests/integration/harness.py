@@ -25,15 +25,24 @@ def make_job(corpus, run_dir: Path, **overrides) -> Job:
     weights = {"web": 0.4, "code": 0.3, "books": 0.2, "images": 0.1}
     sources = tuple(
         Source(
-            name=name, paths=tuple(files), weight=weights.get(name, 0.1), shuffle_window=48,
+            name=name,
+            paths=tuple(files),
+            weight=weights.get(name, 0.1),
+            shuffle_window=48,
             transform=IMAGE_TRANSFORM if name.startswith("images") else TEXT_TRANSFORM,
         )
         for name, files in corpus.items()
     )
     args = dict(
-        name=f"t{uuid.uuid4().hex[:8]}", sources=sources, mesh=Mesh(dp=4),
+        name=f"t{uuid.uuid4().hex[:8]}",
+        sources=sources,
+        mesh=Mesh(dp=4),
         batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=4 << 20),
-        seed=11, run_dir=str(run_dir), timeout_s=20.0, sample_ring_bytes=2 << 20, buffer_samples=128,
+        seed=11,
+        run_dir=str(run_dir),
+        timeout_s=20.0,
+        sample_ring_bytes=2 << 20,
+        buffer_samples=128,
     )
     args.update(overrides)
     return Job(**args)
@@ -59,8 +68,17 @@ class Cluster:
 
     def start_sidecar(self, resume: bool = False) -> subprocess.Popen:
         self.sidecar = subprocess.Popen(
-            [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config), *(["--resume"] if resume else [])],
-            stdout=open(self.workdir / f"{self.job.name}-sidecar.log", "ab"), stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "overlord.cli",
+                "sidecar",
+                "--config",
+                str(self.config),
+                *(["--resume"] if resume else []),
+            ],
+            stdout=open(self.workdir / f"{self.job.name}-sidecar.log", "ab"),
+            stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
         while not sidecar_running(self.job):
@@ -83,7 +101,7 @@ class Cluster:
 
     def results(self, timeout: float = 120) -> dict[int, dict]:
         deadline = time.monotonic() + timeout
-        for rank, proc in self.trainers.items():
+        for _rank, proc in self.trainers.items():
             proc.wait(timeout=max(1, deadline - time.monotonic()))
         return {rank: json.loads(self.out(rank).read_text()) for rank in self.trainers}
 
@@ -95,7 +113,11 @@ class Cluster:
         return self.sidecar.wait(timeout=timeout)
 
     def log(self) -> str:
-        text = (self.workdir / f"{self.job.name}-sidecar.log").read_text() if (self.workdir / f"{self.job.name}-sidecar.log").exists() else ""
+        text = (
+            (self.workdir / f"{self.job.name}-sidecar.log").read_text()
+            if (self.workdir / f"{self.job.name}-sidecar.log").exists()
+            else ""
+        )
         for role in sorted(self.job.run_path.glob("*.log")):
             text += f"\n== {role.name}\n" + role.read_text()[-3000:]
         return text
@@ -127,9 +149,21 @@ class Nodes(Cluster):
 
     def start_sidecar(self, node: str, *args: str) -> subprocess.Popen:
         self.sidecars[node] = proc = subprocess.Popen(
-            [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(self.config), "--node", node,
-             "--flight-port", str(self.ports[node]), *args],
-            stdout=open(self.workdir / f"sidecar-{node}.log", "ab"), stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "overlord.cli",
+                "sidecar",
+                "--config",
+                str(self.config),
+                "--node",
+                node,
+                "--flight-port",
+                str(self.ports[node]),
+                *args,
+            ],
+            stdout=open(self.workdir / f"sidecar-{node}.log", "ab"),
+            stderr=subprocess.STDOUT,
             env=dict(os.environ, OVERLORD_FLIGHT_HOST="127.0.0.1"),
         )
         deadline = time.monotonic() + 30

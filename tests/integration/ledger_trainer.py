@@ -29,8 +29,9 @@ def main() -> None:
     every = int(args.get("--save-every", 0))
     record = {"keys": [], "digests": [], "steps": [], "end": None}
     try:
-        loader = DataLoader(config, spawn_sidecar=args.get("--spawn") == "1", timeout_s=timeout,
-                            remote=args.get("--remote"))
+        loader = DataLoader(
+            config, spawn_sidecar=args.get("--spawn") == "1", timeout_s=timeout, remote=args.get("--remote")
+        )
         if "--load-state" in args:
             with open(args["--load-state"]) as fh:
                 loader.load_state_dict(json.load(fh))

@@ -43,10 +43,16 @@ class Data(pl.LightningDataModule):
 def main() -> None:
     config, out, ckpt_dir, max_steps, every = sys.argv[1:6]
     resume = sys.argv[6] if len(sys.argv) > 6 else None
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=int(max_steps), logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=int(every), save_top_k=-1,
-                                                    filename="{step}")])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=int(max_steps),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=int(every), save_top_k=-1, filename="{step}")],
+    )
     trainer.fit(Tiny(out), datamodule=Data(config), ckpt_path=resume)
 
 

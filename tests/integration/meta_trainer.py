@@ -23,8 +23,10 @@ def start(cluster, rank: int, out: Path, **args) -> subprocess.Popen:
     """Start this script as rank `rank` of `cluster`'s job (a harness.Cluster); the test
     waits on it with a timeout and reads `out`. Keyword arguments become --flags."""
     extra = [str(x) for k, v in args.items() for x in (f"--{k.replace('_', '-')}", v)]
-    proc = subprocess.Popen([sys.executable, __file__, str(cluster.config), str(out), *extra],
-                            env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cluster.job.mesh.world_size)))
+    proc = subprocess.Popen(
+        [sys.executable, __file__, str(cluster.config), str(out), *extra],
+        env=dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cluster.job.mesh.world_size)),
+    )
     cluster.trainers[rank] = proc  # the cluster fixture kills it if the test fails
     return proc
 
@@ -50,8 +52,9 @@ def main() -> None:
         micro_batches = loader.job.batch.micro_batches
         for _ in loader:
             meta = loader.last_meta
-            record["batches"].append({"step": meta["step"], "mb": meta["microbatch"], "keys": meta["keys"],
-                                      "last": bool(meta.get("last"))})
+            record["batches"].append(
+                {"step": meta["step"], "mb": meta["microbatch"], "keys": meta["keys"], "last": bool(meta.get("last"))}
+            )
             if meta["step"] == report_at and meta["microbatch"] == micro_batches - 1:
                 loader.report_metrics(json.loads(args["--report"]), step=report_at)
                 record["reported"] = report_at

@@ -14,9 +14,13 @@ from overlord.store import EmbeddedRedis, Keys, connect
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # make test-slow
 
-JOB = dict(seed=4, epochs=1, mesh=Mesh(dp=2),
-           batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
-           autoscale={"cpus": 6, "memory_mb": 8000, "profile_samples": 16, "cluster_size": 1})
+JOB = dict(
+    seed=4,
+    epochs=1,
+    mesh=Mesh(dp=2),
+    batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+    autoscale={"cpus": 6, "memory_mb": 8000, "profile_samples": 16, "cluster_size": 1},
+)
 
 
 def test_costly_source_gets_more_loader_partitions_and_every_sample_arrives_once(cluster, corpus, corpus_keys):
@@ -25,8 +29,10 @@ def test_costly_source_gets_more_loader_partitions_and_every_sample_arrives_once
     from harness import make_job
 
     # books decodes slowly (50 ms a sample): 500x the other text sources
-    sources = tuple(replace(s, transform="tests.integration.strategies:slow_text") if s.name == "books" else s
-                    for s in make_job(corpus, "/tmp/unused").sources)
+    sources = tuple(
+        replace(s, transform="tests.integration.strategies:slow_text") if s.name == "books" else s
+        for s in make_job(corpus, "/tmp/unused").sources
+    )
     c = cluster(**JOB, sources=sources)
     c.start_sidecar()
     c.start_trainers()
@@ -62,8 +68,13 @@ def _check_choice(r, keys) -> None:
     assert set(profiles) == set(layout.streams) and all(p.samples > 0 for p in profiles.values())
 
 
-SHIFT = {"kind": "piecewise", "points": [[0, {"web": 0.2, "code": 0.2, "books": 1, "images": 0}],
-                                         [12, {"web": 1, "code": 1, "books": 0, "images": 0.2}]]}
+SHIFT = {
+    "kind": "piecewise",
+    "points": [
+        [0, {"web": 0.2, "code": 0.2, "books": 1, "images": 0}],
+        [12, {"web": 1, "code": 1, "books": 0, "images": 0.2}],
+    ],
+}
 
 
 def _shifting(cluster, corpus, online: bool):
@@ -72,12 +83,25 @@ def _shifting(cluster, corpus, online: bool):
     from harness import make_job
 
     # books decodes slowly (50 ms a sample) and dominates the first steps, then leaves the mix
-    sources = tuple(replace(s, transform="tests.integration.strategies:slow_text") if s.name == "books" else s
-                    for s in make_job(corpus, "/tmp/unused").sources)
-    c = cluster(seed=9, mesh=Mesh(dp=2), mixing=SHIFT, sources=sources,
-                batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512, ring_bytes=1 << 20),
-                autoscale={"cpus": 2, "memory_mb": 8000, "profile_samples": 4, "online": online,
-                           "scale_interval": 2, "max_threads": 3})
+    sources = tuple(
+        replace(s, transform="tests.integration.strategies:slow_text") if s.name == "books" else s
+        for s in make_job(corpus, "/tmp/unused").sources
+    )
+    c = cluster(
+        seed=9,
+        mesh=Mesh(dp=2),
+        mixing=SHIFT,
+        sources=sources,
+        batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+        autoscale={
+            "cpus": 2,
+            "memory_mb": 8000,
+            "profile_samples": 4,
+            "online": online,
+            "scale_interval": 2,
+            "max_threads": 3,
+        },
+    )
     c.start_sidecar()
     c.start_trainers(batches=80)
     return c

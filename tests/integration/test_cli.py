@@ -16,14 +16,19 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def overlord(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "overlord.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "overlord.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_status_reads_a_running_job_and_external_redis_url_is_used(cluster, tmp_path):
     server = EmbeddedRedis(tmp_path / "external").start()  # plays an operator-run Redis
     try:
-        c = cluster(mesh=Mesh(dp=2), batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20),
-                    redis_url=server.url)
+        c = cluster(
+            mesh=Mesh(dp=2),
+            batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20),
+            redis_url=server.url,
+        )
         c.start_sidecar()
         c.start_trainers(batches=6, timeout=30)
         assert all(r["end"] == "limit" for r in c.results().values())
@@ -77,9 +82,19 @@ def test_dataloader_spawns_a_sidecar_when_none_runs(cluster):
 
 
 def test_demo_runs_end_to_end(tmp_path):
-    out = overlord("demo", "--out", str(tmp_path / "demo"), "--ranks", "2", "--steps", "10", "--no-progress", timeout=170)
+    out = overlord(
+        "demo", "--out", str(tmp_path / "demo"), "--ranks", "2", "--steps", "10", "--no-progress", timeout=170
+    )
     assert out.returncode == 0, out.stdout + out.stderr
-    for words in ("delivered", "samples/s", "tokens/s", "requested  achieved", "PSS", "first batch", "no shared-memory segment left"):
+    for words in (
+        "delivered",
+        "samples/s",
+        "tokens/s",
+        "requested  achieved",
+        "PSS",
+        "first batch",
+        "no shared-memory segment left",
+    ):
         assert words in out.stdout, (words, out.stdout)
 
 

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from harness import make_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,8 +36,9 @@ def _entrypoint(config: Path | None, **env) -> subprocess.CompletedProcess:
     environ.update(PATH=f"{BIN}:{environ['PATH']}", OVERLORD_METRICS_PORT="0", **env)
     if config is not None:
         environ["OVERLORD_CONFIG"] = str(config)
-    return subprocess.run(["sh", str(ROOT / "tools" / "docker-entrypoint.sh")], capture_output=True, text=True,
-                          timeout=90, env=environ)
+    return subprocess.run(
+        ["sh", str(ROOT / "tools" / "docker-entrypoint.sh")], capture_output=True, text=True, timeout=90, env=environ
+    )
 
 
 def _config(tmp_path: Path, job) -> Path:
@@ -74,13 +74,21 @@ def test_entrypoint_refuses_an_unreachable_redis_and_missing_sources(corpus, tmp
     assert "s3cret" not in run.stderr and "Job.redis_url" in run.stderr
     from dataclasses import replace
 
-    gone = replace(job, redis_url=None, sources=(replace(job.sources[0], paths=(str(tmp_path / "none" / "*.parquet"),)),))
+    gone = replace(
+        job, redis_url=None, sources=(replace(job.sources[0], paths=(str(tmp_path / "none" / "*.parquet"),)),)
+    )
     run = _entrypoint(_config(tmp_path, gone))
     assert run.returncode == 2 and "source 'web'" in run.stderr and "matches no file" in run.stderr, run.stderr
     # `overlord check` says the same, check by check
-    check = subprocess.run([str(BIN / "overlord"), "check", "--config", str(_config(tmp_path, gone))],
-                           capture_output=True, text=True, timeout=60)
-    assert check.returncode == 1 and "ok   shared memory" in check.stdout and "FAIL sources" in check.stdout, check.stdout
+    check = subprocess.run(
+        [str(BIN / "overlord"), "check", "--config", str(_config(tmp_path, gone))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert check.returncode == 1 and "ok   shared memory" in check.stdout and "FAIL sources" in check.stdout, (
+        check.stdout
+    )
 
 
 def test_shm_check_counts_what_a_node_may_hold():
@@ -88,11 +96,25 @@ def test_shm_check_counts_what_a_node_may_hold():
     from overlord.sidecar.checks import MIB, ring_bytes, shm_problem
 
     src = (Source(name="web", paths=("x",)),)
-    one = Job(name="j", sources=src, mesh=Mesh(dp=4), sample_ring_bytes=8 * MIB,
-              batch=BatchSpec(global_batch=8, ring_bytes=16 * MIB))
+    one = Job(
+        name="j",
+        sources=src,
+        mesh=Mesh(dp=4),
+        sample_ring_bytes=8 * MIB,
+        batch=BatchSpec(global_batch=8, ring_bytes=16 * MIB),
+    )
     assert ring_bytes(one, loaders=2) == 2 * 4 * 8 * MIB + 4 * 16 * MIB
-    many = Job(name="j", sources=src, mesh=Mesh(dp=4), sample_ring_bytes=8 * MIB, nodes=("a", "b"), node="b",
-               redis_url="redis://h/0", flight_port=1, batch=BatchSpec(global_batch=8, ring_bytes=16 * MIB))
+    many = Job(
+        name="j",
+        sources=src,
+        mesh=Mesh(dp=4),
+        sample_ring_bytes=8 * MIB,
+        nodes=("a", "b"),
+        node="b",
+        redis_url="redis://h/0",
+        flight_port=1,
+        batch=BatchSpec(global_batch=8, ring_bytes=16 * MIB),
+    )
     assert ring_bytes(many, loaders=4) == 2 * 4 * 8 * MIB + 2 * 16 * MIB  # its 2 loaders, its 2 ranks
     error, warning = shm_problem(128 * MIB, 64 * MIB, 60 * MIB)
     assert "--shm-size=160m" in error and "only 64m" in error and warning is None

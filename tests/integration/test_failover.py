@@ -23,8 +23,15 @@ from overlord.store import Keys, connect
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # make test-slow
 
-JOB = dict(seed=3, epochs=1, mesh=Mesh(dp=4), loader_processes=2, plan_ahead=2, timeout_s=30.0,
-           batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+JOB = dict(
+    seed=3,
+    epochs=1,
+    mesh=Mesh(dp=4),
+    loader_processes=2,
+    plan_ahead=2,
+    timeout_s=30.0,
+    batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+)
 SLEEP = "0.04"  # per batch: the job runs ~3 s, long enough to hit it in the middle
 
 
@@ -90,7 +97,7 @@ def _check(c, reference, corpus_keys, results=None) -> dict:
             at = next((i for i, (a, b) in enumerate(zip(rec["digests"], reference[rank]["digests"])) if a != b), None)
             raise AssertionError(
                 f"rank {rank}: bytes differ from the run without a fault at batch {at} "
-                f"({len(rec['digests'])} vs {len(reference[rank]['digests'])} batches; steps {rec['steps'][at - 1:at + 2] if at else ''})\n{c.log()}"
+                f"({len(rec['digests'])} vs {len(reference[rank]['digests'])} batches; steps {rec['steps'][at - 1 : at + 2] if at else ''})\n{c.log()}"
             )
     for rank in range(c.job.mesh.dp):
         seen += [k for batch in out[rank]["keys"] for k in batch]
@@ -214,8 +221,14 @@ def test_trainer_rank_killed_all_resume_from_their_last_state_dict(cluster, refe
     for r in range(4):
         c.start_trainers(ranks=[r], sleep="0", spawn=1, **{"load-state": states[r]})
     second = c.results(timeout=120)
-    merged = {r: {"end": second[r]["end"], "digests": first[r]["digests"] + second[r]["digests"],
-                  "keys": first[r]["keys"] + second[r]["keys"]} for r in range(4)}
+    merged = {
+        r: {
+            "end": second[r]["end"],
+            "digests": first[r]["digests"] + second[r]["digests"],
+            "keys": first[r]["keys"] + second[r]["keys"],
+        }
+        for r in range(4)
+    }
     _check(c, reference, corpus_keys, merged)
     deadline = time.monotonic() + 60
     while sidecar_running(c.job):

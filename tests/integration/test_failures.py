@@ -9,9 +9,8 @@ import time
 import pytest
 
 from overlord import BatchSpec, Mesh
-from overlord.shm import pid_alive as alive
 from overlord.shm import list_segments
-from overlord.store import redis_server_binary
+from overlord.shm import pid_alive as alive
 from overlord.store.server import server_pids
 
 pytestmark = pytest.mark.timeout(180)
@@ -87,8 +86,12 @@ def test_missing_source_is_refused_at_start_and_a_spawning_trainer_hears_why(clu
 
     gone = Source(name="web", paths=(str(tmp_path / "no-such-dir" / "*.parquet"),))
     c = cluster(sources=(gone,), **SMALL)
-    run = subprocess.run([sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(c.config)],
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(c.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2, run.stderr
     assert "StartupError" in run.stderr and "'web'" in run.stderr and "no-such-dir" in run.stderr, run.stderr
     assert "matches no file" in run.stderr, run.stderr
@@ -110,7 +113,9 @@ def test_mesh_not_matching_world_size_is_refused(cluster):
     from overlord.torch import DataLoader
 
     c = cluster(**SMALL)
-    with pytest.raises(ConfigError, match=r"world size is 2 .* mesh of dp=1 x pp=1 x cp=1 x tp=1 = 1 ranks; set Job.mesh"):
+    with pytest.raises(
+        ConfigError, match=r"world size is 2 .* mesh of dp=1 x pp=1 x cp=1 x tp=1 = 1 ranks; set Job.mesh"
+    ):
         DataLoader(c.job, rank=0, world_size=2, spawn_sidecar=False)
 
 
@@ -128,8 +133,12 @@ def test_no_sidecar_times_out_with_a_clear_error(cluster):
 def test_a_trainer_pausing_longer_than_the_timeout_is_not_a_failure(cluster):
     """Waits time out on silence (a hung or dead role), not on back-pressure from a
     trainer that pauses, e.g. to save a checkpoint."""
-    c = cluster(mesh=Mesh(dp=2), timeout_s=2.0, sample_ring_bytes=1 << 16,
-                batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 16))
+    c = cluster(
+        mesh=Mesh(dp=2),
+        timeout_s=2.0,
+        sample_ring_bytes=1 << 16,
+        batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 16),
+    )
     c.start_sidecar()
     c.start_trainers(ranks=[0], batches=40, timeout=30)
     c.start_trainers(ranks=[1], batches=40, timeout=30, **{"pause-at": 5, "pause": 7})
@@ -146,8 +155,13 @@ def test_a_slow_pipeline_is_waited_for_not_reported_as_a_stall(cluster, corpus):
     # a step needs 16 samples x 50 ms = 0.8 s of transforms, longer than the 0.5 s timeout;
     # and 16 samples of one stream, more than its 8-sample read buffer (the Planner's
     # demand lets the loader hold more, instead of both waiting forever)
-    c = cluster(sources=(slow,), timeout_s=0.5, mesh=Mesh(dp=1),
-                batch=BatchSpec(global_batch=16, context_length=256, ring_bytes=1 << 20), buffer_samples=8)
+    c = cluster(
+        sources=(slow,),
+        timeout_s=0.5,
+        mesh=Mesh(dp=1),
+        batch=BatchSpec(global_batch=16, context_length=256, ring_bytes=1 << 20),
+        buffer_samples=8,
+    )
     c.start_sidecar()
     c.start_trainers(batches=4)
     result = c.results(timeout=90)[0]

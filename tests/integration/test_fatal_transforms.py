@@ -29,8 +29,14 @@ def _target(corpus) -> tuple[str, str]:
 
 def _run(cluster, corpus, factory: str, **source_args):
     path, text = _target(corpus)
-    src = Source(name="web", paths=tuple(corpus["web"]), transform=f"tests.integration.fatal_transforms:{factory}",
-                 transform_args={"text": text}, shuffle_window=48, **source_args)
+    src = Source(
+        name="web",
+        paths=tuple(corpus["web"]),
+        transform=f"tests.integration.fatal_transforms:{factory}",
+        transform_args={"text": text},
+        shuffle_window=48,
+        **source_args,
+    )
     c = cluster(sources=(src,), **SMALL)
     c.start_sidecar()
     started = time.monotonic()
@@ -48,9 +54,14 @@ def _names_the_row(end: str, path: str) -> None:
 def test_a_hung_transform_is_named_within_its_deadline(cluster, corpus):
     c, end, took, path = _run(cluster, corpus, "hang_on", transform_timeout_s=2.0)
     _names_the_row(end, path)
-    for words in ("SourceLoader process 0", "SourceReadError", "tests.integration.fatal_transforms:hang_on",
-                  "past the per-sample deadline Source.transform_timeout_s=2s", "fatal_transforms.py:",
-                  "raise Source.transform_timeout_s"):
+    for words in (
+        "SourceLoader process 0",
+        "SourceReadError",
+        "tests.integration.fatal_transforms:hang_on",
+        "past the per-sample deadline Source.transform_timeout_s=2s",
+        "fatal_transforms.py:",
+        "raise Source.transform_timeout_s",
+    ):
         assert words in end, (words, end)
     # the trainer starts (imports torch) and reaches the row within seconds; 2 s deadline + a few
     assert took < 2.0 + 15, took
@@ -82,8 +93,13 @@ def redis(tmp_path):
 
 def test_a_transform_killed_by_a_signal_is_restarted_once_then_named(cluster, corpus, redis):
     path, text = _target(corpus)
-    src = Source(name="web", paths=tuple(corpus["web"]), transform="tests.integration.fatal_transforms:kill_on",
-                 transform_args={"text": text}, shuffle_window=48)
+    src = Source(
+        name="web",
+        paths=tuple(corpus["web"]),
+        transform="tests.integration.fatal_transforms:kill_on",
+        transform_args={"text": text},
+        shuffle_window=48,
+    )
     c = cluster(sources=(src,), redis_url=redis.url, **SMALL)
     c.start_sidecar()
     started = time.monotonic()
@@ -104,8 +120,14 @@ def test_a_transform_killed_by_a_signal_is_restarted_once_then_named(cluster, co
 
 def test_a_shadowed_loader_that_dies_on_a_row_fails_once_its_shadow_dies_there_too(cluster, corpus):
     path, text = _target(corpus)
-    src = Source(name="web", paths=tuple(corpus["web"]), transform="tests.integration.fatal_transforms:kill_on",
-                 transform_args={"text": text}, shuffle_window=48, shadow=True)
+    src = Source(
+        name="web",
+        paths=tuple(corpus["web"]),
+        transform="tests.integration.fatal_transforms:kill_on",
+        transform_args={"text": text},
+        shuffle_window=48,
+        shadow=True,
+    )
     c = cluster(sources=(src,), **SMALL)
     c.start_sidecar()
     c.start_trainers(timeout=60)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from meta_trainer import results, start
+
 from overlord import BatchSpec, Mesh
 
 pytestmark = pytest.mark.timeout(240)
@@ -32,14 +32,19 @@ def first_all_books(batches: list[dict]) -> int | None:
 @pytest.mark.parametrize("plan_ahead", [1, 4])
 @pytest.mark.parametrize("ring_bytes", [1 << 20, 16 << 20])
 def test_a_reported_loss_shapes_the_plan_within_plan_ahead_steps(cluster, tmp_path, ring_bytes, plan_ahead):
-    c = cluster(mesh=Mesh(dp=2), plan_ahead=plan_ahead, mixing={"kind": "dynamic", "every": 1},
-                batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=ring_bytes))
+    c = cluster(
+        mesh=Mesh(dp=2),
+        plan_ahead=plan_ahead,
+        mixing={"kind": "dynamic", "every": 1},
+        batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=ring_bytes),
+    )
     c.start_sidecar()
     outs = {r: tmp_path / f"rank{r}.json" for r in range(2)}
     steps = REPORT_AT + plan_ahead + 6
     # a trainer slower than the loaders: rings (hundreds of steps at 16 MiB) would fill far ahead
-    procs = {r: start(c, r, outs[r], batches=2 * steps, sleep=0.02, report_at=REPORT_AT, report=LOSSES)
-             for r in range(2)}
+    procs = {
+        r: start(c, r, outs[r], batches=2 * steps, sleep=0.02, report_at=REPORT_AT, report=LOSSES) for r in range(2)
+    }
     got = results(procs, outs)
     for rank, rec in got.items():
         assert rec["end"] == "limit" and rec["reported"] == REPORT_AT, f"rank {rank}: {rec['end']}\n{c.log()}"
@@ -56,13 +61,29 @@ def test_a_rank_read_over_flight_is_bounded_too_and_does_not_stall_the_job(clust
     from harness import free_port
 
     port, plan_ahead = free_port(), 2
-    c = cluster(mesh=Mesh(dp=2), plan_ahead=plan_ahead, mixing={"kind": "dynamic", "every": 1}, flight_port=port,
-                batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=16 << 20))
+    c = cluster(
+        mesh=Mesh(dp=2),
+        plan_ahead=plan_ahead,
+        mixing={"kind": "dynamic", "every": 1},
+        flight_port=port,
+        batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=16 << 20),
+    )
     c.start_sidecar()
     outs = {r: tmp_path / f"rank{r}.json" for r in range(2)}
     steps = REPORT_AT + 30
-    procs = {r: start(c, r, outs[r], batches=2 * steps, sleep=0.02, report_at=REPORT_AT, report=LOSSES,
-                      **({"remote": f"grpc://127.0.0.1:{port}"} if r == 1 else {})) for r in range(2)}
+    procs = {
+        r: start(
+            c,
+            r,
+            outs[r],
+            batches=2 * steps,
+            sleep=0.02,
+            report_at=REPORT_AT,
+            report=LOSSES,
+            **({"remote": f"grpc://127.0.0.1:{port}"} if r == 1 else {}),
+        )
+        for r in range(2)
+    }
     got = results(procs, outs)
     firsts = {}
     for rank, rec in got.items():

@@ -5,9 +5,9 @@ resume from a state saved after the last batch ends at once."""
 from __future__ import annotations
 
 import pytest
-
 from harness import assert_delivered
 from meta_trainer import results, start
+
 from overlord import BatchSpec, Mesh
 
 pytestmark = pytest.mark.timeout(240)
@@ -33,8 +33,11 @@ def check_ranks(got: dict, steps: int, micro_batches: int, log) -> None:
 
 def test_a_job_of_whole_steps_ends_on_its_last_full_step(cluster, corpus_keys, tmp_path):
     # 960 samples = 30 steps of 32: the 31st, empty step of issue 16 item 7 must not exist
-    c = cluster(epochs=1, mesh=Mesh(dp=2), batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512,
-                                                           ring_bytes=1 << 20))
+    c = cluster(
+        epochs=1,
+        mesh=Mesh(dp=2),
+        batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+    )
     got = run(c, tmp_path)
     check_ranks(got, 30, 2, c.log)
     assert sum(len(b["keys"]) for rec in got.values() for b in rec["batches"] if b["step"] == 29) == 32
@@ -45,15 +48,24 @@ def test_a_job_of_whole_steps_ends_on_its_last_full_step(cluster, corpus_keys, t
 
 # 960 = 53 x 18 + 6: what happens to the 6 left over depends on drop_last and on how many
 # micro-batches (2 DP groups x micro_batches) they must fill
-@pytest.mark.parametrize("drop_last, micro_batches, steps, dropped", [
-    (False, 2, 54, 0),  # 6 samples fill 2 x 2 micro-batches: a partial last step
-    (False, 4, 53, 6),  # 6 cannot fill 2 x 4: dropped, never an empty micro-batch
-    (True, 2, 53, 6),  # drop_last: the partial step is dropped
-])
+@pytest.mark.parametrize(
+    "drop_last, micro_batches, steps, dropped",
+    [
+        (False, 2, 54, 0),  # 6 samples fill 2 x 2 micro-batches: a partial last step
+        (False, 4, 53, 6),  # 6 cannot fill 2 x 4: dropped, never an empty micro-batch
+        (True, 2, 53, 6),  # drop_last: the partial step is dropped
+    ],
+)
 def test_drop_last_both_ways_and_a_remainder_too_small_to_fill_the_micro_batches(
-        cluster, corpus_keys, tmp_path, drop_last, micro_batches, steps, dropped):
-    c = cluster(epochs=1, mesh=Mesh(dp=2), batch=BatchSpec(global_batch=18, micro_batches=micro_batches,
-                                                           context_length=512, ring_bytes=1 << 20, drop_last=drop_last))
+    cluster, corpus_keys, tmp_path, drop_last, micro_batches, steps, dropped
+):
+    c = cluster(
+        epochs=1,
+        mesh=Mesh(dp=2),
+        batch=BatchSpec(
+            global_batch=18, micro_batches=micro_batches, context_length=512, ring_bytes=1 << 20, drop_last=drop_last
+        ),
+    )
     got = run(c, tmp_path)
     check_ranks(got, steps, micro_batches, c.log)
     keys = [k for rec in got.values() for b in rec["batches"] for k in b["keys"]]
@@ -65,8 +77,12 @@ def test_drop_last_both_ways_and_a_remainder_too_small_to_fill_the_micro_batches
 
 
 def test_a_resume_after_the_last_batch_ends_at_once(cluster, tmp_path):
-    c = cluster(epochs=1, seed=3, mesh=Mesh(dp=2), batch=BatchSpec(global_batch=32, micro_batches=2,
-                                                                   context_length=512, ring_bytes=1 << 20))
+    c = cluster(
+        epochs=1,
+        seed=3,
+        mesh=Mesh(dp=2),
+        batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+    )
     first = run(c, tmp_path, "a", save_state=str(tmp_path / "end{rank}.json"))
     check_ranks(first, 30, 2, c.log)
     assert c.stop() == 0
@@ -76,19 +92,27 @@ def test_a_resume_after_the_last_batch_ends_at_once(cluster, tmp_path):
     procs = {r: start(c, r, outs[r], load_state=tmp_path / f"end{r}.json") for r in range(2)}
     again = results(procs, outs, timeout=60)  # well under the trainers' 20 s job timeout x 3
     for rank, rec in again.items():
-        assert rec["end"] == "stop" and rec["batches"] == [], f"rank {rank}: {rec['end']} {rec['batches'][:1]}\n{c.log()}"
+        assert rec["end"] == "stop" and rec["batches"] == [], (
+            f"rank {rank}: {rec['end']} {rec['batches'][:1]}\n{c.log()}"
+        )
     assert "after its last step" in c.log()
     assert c.stop() == 0
 
 
 def test_a_resume_where_one_rank_is_at_the_end_and_one_a_step_before(cluster, tmp_path):
-    c = cluster(epochs=1, seed=3, mesh=Mesh(dp=2), batch=BatchSpec(global_batch=32, micro_batches=2,
-                                                                   context_length=512, ring_bytes=1 << 20))
+    c = cluster(
+        epochs=1,
+        seed=3,
+        mesh=Mesh(dp=2),
+        batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+    )
     c.start_sidecar()
     outs = {r: tmp_path / f"a{r}.json" for r in range(2)}
     states = {r: tmp_path / f"s{r}.json" for r in range(2)}
-    procs = {0: start(c, 0, outs[0], save_state=states[0]),
-             1: start(c, 1, outs[1], save_state=states[1], batches=58)}  # rank 1 stops before step 29
+    procs = {
+        0: start(c, 0, outs[0], save_state=states[0]),
+        1: start(c, 1, outs[1], save_state=states[1], batches=58),
+    }  # rank 1 stops before step 29
     first = results(procs, outs)
     assert first[0]["end"] == "stop" and first[1]["end"] == "limit"
     assert c.stop() == 0

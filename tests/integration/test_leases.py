@@ -5,7 +5,6 @@ lease gets copies. A real sidecar, embedded Redis and ring; small rings so they 
 
 from __future__ import annotations
 
-
 import pytest
 
 from overlord import BatchSpec, Mesh
@@ -14,8 +13,6 @@ from overlord.torch import DataLoader, batch_digest
 pytestmark = pytest.mark.timeout(180)
 
 STEPS = 80
-
-
 
 
 def run(job, hold: int, keep_first: bool = False):
@@ -45,8 +42,11 @@ def run(job, hold: int, keep_first: bool = False):
 
 @pytest.mark.parametrize("ring_kib", [256, 1024])
 def test_held_batches_keep_their_bytes(cluster, ring_kib):
-    spec = dict(seed=3, mesh=Mesh(dp=1), batch=BatchSpec(global_batch=16, micro_batches=2, context_length=1024,
-                                                         ring_bytes=ring_kib << 10))
+    spec = dict(
+        seed=3,
+        mesh=Mesh(dp=1),
+        batch=BatchSpec(global_batch=16, micro_batches=2, context_length=1024, ring_bytes=ring_kib << 10),
+    )
     c = cluster(**spec)
     c.start_sidecar()
     reference, _, _ = run(c.job, hold=0)

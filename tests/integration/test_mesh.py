@@ -21,8 +21,11 @@ BATCHES = 6  # micro-batches each rank records
 
 def test_2x2x2_mesh_gets_cp_slices_tp_markers_and_balanced_steps(cluster, tmp_path):
     mesh = Mesh(dp=2, cp=2, tp=2)
-    c = cluster(mesh=mesh, batch=BatchSpec(global_batch=32, micro_batches=2, context_length=1024, ring_bytes=2 << 20),
-                strategy="tests.integration.strategies:balanced_broadcast_tp")
+    c = cluster(
+        mesh=mesh,
+        batch=BatchSpec(global_batch=32, micro_batches=2, context_length=1024, ring_bytes=2 << 20),
+        strategy="tests.integration.strategies:balanced_broadcast_tp",
+    )
     c.start_sidecar()
     metas, arrays = _run_trainers(c, tmp_path / "arrays")
 
@@ -47,7 +50,7 @@ def test_2x2x2_mesh_gets_cp_slices_tp_markers_and_balanced_steps(cluster, tmp_pa
             for doc in originals:  # a document: tokens then its padding to a multiple of 2*cp
                 real = doc[doc != 0]
                 assert real[0] == 1 and real[-1] == 2  # bos ... eos, nothing lost or reordered
-                assert np.all(doc[len(real):] == 0) and len(doc) % 4 == 0
+                assert np.all(doc[len(real) :] == 0) and len(doc) % 4 == 0
 
     # balanced: per step, the two DP groups carry nearly the same attention cost
     imbalance = []
@@ -68,8 +71,10 @@ def _run_trainers(c, out: Path) -> tuple[dict, dict]:
     out.mkdir()
     world = c.job.mesh.world_size
     procs = [
-        subprocess.Popen([sys.executable, str(Path(__file__).parent / "array_trainer.py"), str(c.config), str(out), str(BATCHES)],
-                         env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world)))
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "array_trainer.py"), str(c.config), str(out), str(BATCHES)],
+            env=dict(os.environ, RANK=str(r), WORLD_SIZE=str(world)),
+        )
         for r in range(world)
     ]
     assert [p.wait(timeout=180) for p in procs] == [0] * world, c.log()
@@ -89,8 +94,12 @@ def test_vlm_encoder_world_delivers_each_image_to_one_encoder_rank(cluster, corp
     mesh = Mesh(dp=2, tp=2)
     base = cluster()
     sources = tuple(replace(s, weight=1.0 if s.name == "images" else 0.2) for s in base.job.sources)
-    c = cluster(mesh=mesh, sources=sources, strategy="overlord.planner.strategies:vlm_encoder_world",
-                batch=BatchSpec(global_batch=16, micro_batches=2, context_length=1024, ring_bytes=4 << 20))
+    c = cluster(
+        mesh=mesh,
+        sources=sources,
+        strategy="overlord.planner.strategies:vlm_encoder_world",
+        batch=BatchSpec(global_batch=16, micro_batches=2, context_length=1024, ring_bytes=4 << 20),
+    )
     c.start_sidecar()
     metas, arrays = _run_trainers(c, tmp_path / "vlm")
     for first in range(0, BATCHES, 2):  # micro-batch 0 of each step carries the step's encoder work
@@ -105,9 +114,16 @@ def test_vlm_encoder_world_delivers_each_image_to_one_encoder_rank(cluster, corp
                 key = metas[owner][first + int(mb)]["keys"][int(doc)]
                 backbone = arrays[(owner, first + int(mb))]
                 assert key.startswith("images:")
-                assert list(backbone["image_grid"][list(backbone["image_doc"]).index(int(doc)) + int(image)]) == list(row)
+                assert list(backbone["image_grid"][list(backbone["image_doc"]).index(int(doc)) + int(image)]) == list(
+                    row
+                )
                 encoded.append(key)
-        in_step = {k for dp in range(2) for i in (first, first + 1)
-                   for k in metas[mesh.ranks_of_dp(dp)[0]][i]["keys"] if k.startswith("images:")}
+        in_step = {
+            k
+            for dp in range(2)
+            for i in (first, first + 1)
+            for k in metas[mesh.ranks_of_dp(dp)[0]][i]["keys"]
+            if k.startswith("images:")
+        }
         assert sorted(encoded) == sorted(in_step), "every image of the step is encoded exactly once"
     assert c.stop() == 0

@@ -18,19 +18,27 @@ import time
 
 import pyarrow.flight as flight
 import pytest
+from harness import Nodes, assert_delivered, make_job
 
 from overlord import BatchSpec, Mesh
 from overlord.remote.flight import RemoteReader, job_token
 from overlord.shm import list_segments, unlink_all
 from overlord.store import EmbeddedRedis, Keys, connect
 
-from harness import Nodes, assert_delivered, make_job
-
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # make test-slow
 
 NODES = ("n0", "n1", "n2")
-JOB = dict(seed=5, epochs=1, mesh=Mesh(dp=3), loader_processes=3, plan_ahead=2, timeout_s=30.0, nodes=NODES,
-           flight_port=1, batch=BatchSpec(global_batch=30, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+JOB = dict(
+    seed=5,
+    epochs=1,
+    mesh=Mesh(dp=3),
+    loader_processes=3,
+    plan_ahead=2,
+    timeout_s=30.0,
+    nodes=NODES,
+    flight_port=1,
+    batch=BatchSpec(global_batch=30, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+)
 SLEEP = "0.03"
 
 
@@ -95,15 +103,26 @@ def test_three_nodes_deliver_every_sample_exactly_once(reference, corpus_keys):
     assert_delivered(out, corpus_keys, log=n.log)
     r, keys = connect(n.job.redis_url), Keys(n.job.name)
     placement = {k.decode(): v.decode() for k, v in r.hgetall(keys.placement).items()}
-    assert placement == {"loader0": "n0", "loader1": "n1", "loader2": "n2",
-                         "constructor0": "n0", "constructor1": "n1", "constructor2": "n2"}
+    assert placement == {
+        "loader0": "n0",
+        "loader1": "n1",
+        "loader2": "n2",
+        "constructor0": "n0",
+        "constructor1": "n1",
+        "constructor2": "n2",
+    }
     members = {k.decode(): json.loads(v) for k, v in r.hgetall(keys.nodes).items()}
     assert {m: members[m]["ranks"] for m in members} == {"n0": [0], "n1": [1], "n2": [2]}
     # each constructor pulled the samples of the two loaders on the other nodes
-    served = [line for node in NODES for line in (n.job.on_node(node).run_path / "flight.log").read_text().splitlines()
-              if "served over Flight" in line]
+    served = [
+        line
+        for node in NODES
+        for line in (n.job.on_node(node).run_path / "flight.log").read_text().splitlines()
+        if "served over Flight" in line
+    ]
     assert {line.split("ring ")[1].split()[0].rsplit(".", 1)[1] for line in served} == {
-        f"l{k}-c{dp}" for k in range(3) for dp in range(3) if k != dp}, served
+        f"l{k}-c{dp}" for k in range(3) for dp in range(3) if k != dp
+    }, served
 
 
 def test_a_wrong_token_or_job_is_refused_by_every_stream(nodes):
@@ -117,8 +136,12 @@ def test_a_wrong_token_or_job_is_refused_by_every_stream(nodes):
         next(iter(RemoteReader(n.job, location, token="not-the-token", samples=(0, 0), timeout_s=5)))
     with pytest.raises(flight.FlightUnauthenticatedError, match="wrong token"):
         next(iter(RemoteReader(n.job, location, 0, token="not-the-token", timeout_s=5)))
-    other = make_job({"web": list(n.job.sources[0].paths)}, n.workdir / "other", redis_url=n.job.redis_url,
-                     **{**JOB, "name": "someotherjob"})
+    other = make_job(
+        {"web": list(n.job.sources[0].paths)},
+        n.workdir / "other",
+        redis_url=n.job.redis_url,
+        **{**JOB, "name": "someotherjob"},
+    )
     with pytest.raises(flight.FlightUnauthenticatedError, match="serves job"):
         next(iter(RemoteReader(other, location, token=token, samples=(0, 0), timeout_s=5)))
 
@@ -155,7 +178,8 @@ def test_killed_node_moves_its_trainer_to_flight_and_back(nodes, reference, corp
         assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{n.log()}"
         assert rec["digests"] == ref[rank]["digests"], (
             f"rank {rank}: bytes differ from the run without a fault ({len(rec['digests'])} vs {len(ref[rank]['digests'])} "
-            f"batches, steps {rec['steps'][:3]}..{rec['steps'][-3:]}, switches {rec['switches']}, dropped {rec['dropped']})\n{n.log()}")
+            f"batches, steps {rec['steps'][:3]}..{rec['steps'][-3:]}, switches {rec['switches']}, dropped {rec['dropped']})\n{n.log()}"
+        )
     assert out[1]["switches"] >= 2, out[1]  # to another node over Flight, and back
     assert_delivered(out, corpus_keys, log=n.log)
     moves = [(e[b"unit"].decode(), e[b"from"].decode(), e[b"to"].decode()) for _, e in r.xrange(keys.placements)]
@@ -179,17 +203,23 @@ def test_a_node_over_its_cpu_budget_hands_its_costly_loader_to_a_node_with_room(
     from harness import make_job
 
     # books costs 5 ms a sample; n0 gives the sidecar 0.4 CPUs (0.05 for loaders), n1 and n2 four
-    sources = tuple(replace(s, transform="tests.integration.strategies:busy_text") if s.name == "books" else s
-                    for s in make_job(corpus, "/tmp/unused").sources)
-    scaled = dict(sources=sources, epochs=2, autoscale={"cpus": 4, "memory_mb": 8000, "profile_samples": 8,
-                                                        "scale_interval": 2, "cluster_size": 1})
+    sources = tuple(
+        replace(s, transform="tests.integration.strategies:busy_text") if s.name == "books" else s
+        for s in make_job(corpus, "/tmp/unused").sources
+    )
+    scaled = dict(
+        sources=sources,
+        epochs=2,
+        autoscale={"cpus": 4, "memory_mb": 8000, "profile_samples": 8, "scale_interval": 2, "cluster_size": 1},
+    )
     tight = nodes(**scaled)
     out = _run(tight, {"n0": "0.4", "n1": "4", "n2": "4"})
     r, keys = connect(tight.job.redis_url), Keys(tight.job.name)
     moves = [{k.decode(): v.decode() for k, v in e.items()} for _, e in r.xrange(keys.placements)]
     relief = [m for m in moves if "over budget" in m["reason"]]
-    assert relief and all(m["from"] == "n0" and m["to"] in ("n1", "n2") and m["unit"].startswith("loader")
-                          for m in relief), (moves, tight.log())
+    assert relief and all(
+        m["from"] == "n0" and m["to"] in ("n1", "n2") and m["unit"].startswith("loader") for m in relief
+    ), (moves, tight.log())
     pressure = json.loads(r.hget(keys.planner, "node_pressure"))
     for unit in {m["unit"] for m in relief}:  # n0 stays over budget with it: it does not swing back
         assert [m["to"] for m in moves if m["unit"] == unit] == [m["to"] for m in relief if m["unit"] == unit], moves
@@ -204,4 +234,3 @@ def test_a_node_over_its_cpu_budget_hands_its_costly_loader_to_a_node_with_room(
         assert rec["digests"] == ref[rank]["digests"], f"rank {rank}: bytes differ from the run with no move"
     assert_delivered(out, corpus_keys, times=2, log=tight.log)
     assert_delivered(ref, corpus_keys, times=2, log=roomy.log)
-

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 import pyarrow.parquet as pq
 import pytest
-
 from harness import assert_delivered
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,8 +32,12 @@ def s3_endpoint():
 def test_sources_on_s3_as_parquet_and_jsonl_arrive_exactly_once(cluster, corpus, corpus_keys, s3_endpoint, monkeypatch):
     import boto3
 
-    for name, value in dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                            AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true").items():
+    for name, value in dict(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    ).items():
         monkeypatch.setenv(name, value)  # the sidecar and its loader processes inherit them
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     client = boto3.client("s3", endpoint_url=f"http://{s3_endpoint}")

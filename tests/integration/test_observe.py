@@ -17,8 +17,12 @@ from overlord.metrics import metrics_host
 
 pytestmark = pytest.mark.timeout(180)
 
-JOB = dict(seed=3, epochs=1, mesh=Mesh(dp=2),
-           batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+JOB = dict(
+    seed=3,
+    epochs=1,
+    mesh=Mesh(dp=2),
+    batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+)
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -72,15 +76,23 @@ def test_metrics_endpoint_top_and_json_logs_describe_a_running_job(cluster, monk
     assert _metric(samples, "overlord_trainer_wait_seconds_total", rank="0")[0] >= 0
 
     # `overlord top`: one view, rates between two snapshots
-    top = subprocess.run([sys.executable, "-m", "overlord.cli", "top", "--config", str(c.config), "--json",
-                          "--interval", "1"], capture_output=True, text=True, timeout=60)
+    top = subprocess.run(
+        [sys.executable, "-m", "overlord.cli", "top", "--config", str(c.config), "--json", "--interval", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert top.returncode == 0, top.stderr
     view = json.loads(top.stdout)
     assert {"planner0", "constructor0"} <= set(view["roles"]), view["roles"]
     assert any(s["source"] == "web" for s in view["streams"].values()), view["streams"]
     assert set(view["ranks"]) == {"0", "1"} and all(0 <= t["stall_pct"] <= 100 for t in view["ranks"].values())
-    page = subprocess.run([sys.executable, "-m", "overlord.cli", "top", "--config", str(c.config), "--once",
-                           "--interval", "0.5"], capture_output=True, text=True, timeout=60)
+    page = subprocess.run(
+        [sys.executable, "-m", "overlord.cli", "top", "--config", str(c.config), "--once", "--interval", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert page.returncode == 0 and "SAMPLES/S" in page.stdout and "STALL %" in page.stdout, page.stderr
 
     out = c.results()
@@ -89,7 +101,9 @@ def test_metrics_endpoint_top_and_json_logs_describe_a_running_job(cluster, monk
     # every log line of the sidecar and its roles is one JSON object naming the job
     logs = [c.workdir / f"{job}-sidecar.log", *(p for p in c.job.run_path.glob("*.log") if "redis" not in p.name)]
     lines = [line for path in logs for line in path.read_text().splitlines() if line.strip()]
-    assert not [line for line in lines if not line.startswith("{")], [l for l in lines if not l.startswith("{")][:5]
+    assert not [line for line in lines if not line.startswith("{")], [
+        line for line in lines if not line.startswith("{")
+    ][:5]
     records = [json.loads(line) for line in lines]
     assert {r["role"] for r in records} >= {"sidecar", "planner0", "loader0", "metrics"}, logs
     assert all(r["job"] == job and r["node"] == c.job.node for r in records if r["role"] != "sidecar"), records
@@ -163,5 +177,16 @@ def test_metrics_host_is_loopback_on_one_node_and_every_interface_on_several(cor
     several = make_job(corpus, tmp_path / "two", nodes=("n0", "n1"), redis_url="redis://127.0.0.1:1/0", flight_port=1)
     assert metrics_host(one) == "127.0.0.1"
     assert metrics_host(several) == "0.0.0.0"
-    assert metrics_host(make_job(corpus, tmp_path / "three", nodes=("n0", "n1"), redis_url="redis://127.0.0.1:1/0",
-                                 flight_port=1, metrics_host="10.0.0.5")) == "10.0.0.5"
+    assert (
+        metrics_host(
+            make_job(
+                corpus,
+                tmp_path / "three",
+                nodes=("n0", "n1"),
+                redis_url="redis://127.0.0.1:1/0",
+                flight_port=1,
+                metrics_host="10.0.0.5",
+            )
+        )
+        == "10.0.0.5"
+    )

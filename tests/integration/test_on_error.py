@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from harness import assert_delivered
+
 from overlord import BatchSpec, Mesh, Source
 from overlord.demo.corpus import TEXT_TRANSFORM
 from overlord.loader.skips import per_file
@@ -25,8 +25,9 @@ from overlord.store import Keys, connect
 
 pytestmark = pytest.mark.timeout(180)
 
-SMALL = dict(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20),
-             sample_ring_bytes=1 << 16)
+SMALL = dict(
+    mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20), sample_ring_bytes=1 << 16
+)
 
 
 def garble_row_group(path, group: int) -> int:
@@ -58,8 +59,9 @@ def damaged_source(corpus, d, **kw) -> tuple[Source, set[str], dict[str, dict]]:
     pq.write_table(pa.table({"id": [1, 2, 3]}), d / "4-nocolumn.parquet")
     pq.write_table(pa.table({"text": ["word " * 40_000]}), d / "5-oversize.parquet")  # ~160 KB of int32 tokens
     rows = [pq.ParquetFile(p).metadata.num_rows for p in (a, b)]
-    readable = {f"damaged:0:{r}" for r in range(rows[0])} | \
-               {f"damaged:1:{r}" for r in range(rows[1]) if not first <= r < first + garbled}
+    readable = {f"damaged:0:{r}" for r in range(rows[0])} | {
+        f"damaged:1:{r}" for r in range(rows[1]) if not first <= r < first + garbled
+    }
     expected = {
         "1-code.parquet": {"whole": 0, "groups": 1, "rows": garbled},
         "2-random.parquet": {"whole": 1, "groups": 0, "rows": 0},
@@ -67,8 +69,14 @@ def damaged_source(corpus, d, **kw) -> tuple[Source, set[str], dict[str, dict]]:
         "4-nocolumn.parquet": {"whole": 1, "groups": 0, "rows": 0},
         "5-oversize.parquet": {"whole": 0, "groups": 0, "rows": 1},
     }
-    src = Source(name="damaged", paths=(str(d / "*.parquet"),), transform=TEXT_TRANSFORM, columns=("text",),
-                 shuffle_window=48, **kw)
+    src = Source(
+        name="damaged",
+        paths=(str(d / "*.parquet"),),
+        transform=TEXT_TRANSFORM,
+        columns=("text",),
+        shuffle_window=48,
+        **kw,
+    )
     return src, readable, expected
 
 
@@ -94,8 +102,12 @@ def test_skip_delivers_every_readable_row_once_and_counts_per_file(cluster, corp
         got = {uri.rsplit("/", 1)[1]: n for (source, uri), n in per_file(counters).items() if source == "damaged"}
     assert counters["skipped:damaged.0"] == expected["1-code.parquet"]["rows"] + 1
     assert not any(k.startswith("skipped") and "web" in k for k in counters), counters
-    status = subprocess.run([sys.executable, "-m", "overlord.cli", "status", "--config", str(c.config)],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [sys.executable, "-m", "overlord.cli", "status", "--config", str(c.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.returncode == 0, status.stderr
     lines = [line for line in status.stdout.splitlines() if line.startswith("skipped (on_error: skip)")]
     assert len(lines) == len(expected), status.stdout
@@ -110,9 +122,12 @@ def test_skip_delivers_every_readable_row_once_and_counts_per_file(cluster, corp
     assert time.monotonic() - started < 90, "the job stalled"
     assert_delivered(results, web_keys | readable, log=c.log)  # each readable row once, nothing else
     log = c.log()
-    for words in ("2-random.parquet' skipped whole", "1-code.parquet' row group 1 skipped",
-                  "4-nocolumn.parquet' skipped whole (on_error: skip): no column(s) ['text']",
-                  "5-oversize.parquet' row 0 skipped (on_error: skip): the sample is"):
+    for words in (
+        "2-random.parquet' skipped whole",
+        "1-code.parquet' row group 1 skipped",
+        "4-nocolumn.parquet' skipped whole (on_error: skip): no column(s) ['text']",
+        "5-oversize.parquet' row 0 skipped (on_error: skip): the sample is",
+    ):
         assert words in log, words
     assert c.stop() == 0
 
@@ -130,8 +145,13 @@ def test_raise_names_the_garbled_row_group_to_the_trainer(cluster, corpus, tmp_p
     c.start_trainers(timeout=30)
     end = c.results(timeout=90)[0]["end"]
     assert end.startswith("RemoteRoleError") and "SourceReadError" in end, end
-    for words in ("source 'damaged' file", "code.parquet' row group 1 (rows", f"rows {first} to",
-                  "cannot be read", "on_error: skip"):
+    for words in (
+        "source 'damaged' file",
+        "code.parquet' row group 1 (rows",
+        f"rows {first} to",
+        "cannot be read",
+        "on_error: skip",
+    ):
         assert words in end, (words, end)
     c.stop()
 
@@ -154,14 +174,20 @@ def test_a_source_whose_every_row_is_skipped_ends_with_its_counts(cluster, corpu
     end = c.results(timeout=90)[0]["end"]
     assert time.monotonic() - started < 45, "stalled before the error"
     assert end.startswith("RemoteRoleError") and "SourceReadError" in end, end
-    for words in ("source 'bad' partition 0 of 1: every row of epoch 0 was skipped", f"{rows} row(s) skipped",
-                  "a.parquet' skipped whole", f"b.parquet': {rows} row(s) skipped in {groups} unreadable row group(s)"):
+    for words in (
+        "source 'bad' partition 0 of 1: every row of epoch 0 was skipped",
+        f"{rows} row(s) skipped",
+        "a.parquet' skipped whole",
+        f"b.parquet': {rows} row(s) skipped in {groups} unreadable row group(s)",
+    ):
         assert words in end, (words, end)
     assert "no Source Loader reported" not in end
     r = connect(redis_url_of(c.job))
     counters = {k.decode(): int(v) for k, v in r.hgetall(Keys(c.job.name).counters).items()}
     assert counters["skipped:bad.0"] == rows, counters  # published though the loader stopped
     files = {uri.rsplit("/", 1)[1]: n for (_, uri), n in per_file(counters).items()}
-    assert files == {"a.parquet": {"whole": 1, "groups": 0, "rows": 0},
-                     "b.parquet": {"whole": 0, "groups": groups, "rows": rows}}
+    assert files == {
+        "a.parquet": {"whole": 1, "groups": 0, "rows": 0},
+        "b.parquet": {"whole": 0, "groups": groups, "rows": rows},
+    }
     c.stop()

@@ -15,8 +15,12 @@ from overlord.remote.flight import RemoteReader, job_token
 
 pytestmark = pytest.mark.timeout(180)
 
-JOB = dict(seed=12, epochs=1, mesh=Mesh(dp=2),
-           batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+JOB = dict(
+    seed=12,
+    epochs=1,
+    mesh=Mesh(dp=2),
+    batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+)
 
 
 def _free_port() -> int:
@@ -76,9 +80,29 @@ def _self_signed(tmp_path):
     import subprocess
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return str(cert), str(key)
 
 
@@ -138,8 +162,7 @@ def test_malformed_tickets_are_answered_with_a_message_and_the_endpoint_keeps_se
         client.close()
     # a well-formed ticket of the wrong job is refused by authentication, not by shape
     with pytest.raises(flight.FlightUnauthenticatedError, match="serves job"):
-        next(iter(RemoteReader(replace(c.job, name="otherjob"), f"grpc://127.0.0.1:{port}", 0,
-                               token=job_token(c.job))))
+        next(iter(RemoteReader(replace(c.job, name="otherjob"), f"grpc://127.0.0.1:{port}", 0, token=job_token(c.job))))
     # and the endpoint still serves a good client its whole stream
     c.start_trainers(ranks=[0])
     c.start_trainers(ranks=[1], remote=f"grpc://127.0.0.1:{port}")

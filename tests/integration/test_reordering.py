@@ -13,8 +13,12 @@ from overlord.store import EmbeddedRedis, Keys, connect
 
 pytestmark = pytest.mark.timeout(180)
 
-JOB = dict(seed=8, epochs=1, mesh=Mesh(dp=2),
-           batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+JOB = dict(
+    seed=8,
+    epochs=1,
+    mesh=Mesh(dp=2),
+    batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+)
 
 
 def _run(cluster, sources=None):
@@ -37,7 +41,8 @@ def test_deferred_decode_gives_the_same_batches_with_compressed_bytes_in_the_rin
     expected, pixel_bytes = _run(cluster)
     sources = tuple(
         replace(s, transform="overlord.transforms:image_text_deferred", decode="overlord.transforms:decode_image")
-        if s.name == "images" else s
+        if s.name == "images"
+        else s
         for s in make_job(corpus, "/tmp/unused").sources
     )
     got, compressed_bytes = _run(cluster, sources)

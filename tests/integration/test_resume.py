@@ -13,7 +13,9 @@ from overlord import BatchSpec, Mesh
 
 pytestmark = pytest.mark.timeout(240)
 
-JOB = dict(seed=21, mesh=Mesh(dp=2), batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+JOB = dict(
+    seed=21, mesh=Mesh(dp=2), batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20)
+)
 
 
 @pytest.mark.parametrize("how", ["stop", "kill -9"])
@@ -53,8 +55,12 @@ def test_resume_after_a_restart_gives_identical_bytes(cluster, tmp_path, how):
 def test_resume_on_a_different_dp_size_continues_exactly_once(cluster, corpus_keys, tmp_path):
     from dataclasses import replace
 
-    c = cluster(seed=5, epochs=1, mesh=Mesh(dp=2),
-                batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+    c = cluster(
+        seed=5,
+        epochs=1,
+        mesh=Mesh(dp=2),
+        batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+    )
     c.start_sidecar()
     states = {r: tmp_path / f"dp2-rank{r}.json" for r in range(2)}
     for r in range(2):
@@ -80,6 +86,14 @@ def test_a_mid_step_state_of_another_mesh_is_refused(cluster):
 
     c = cluster(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, micro_batches=2))
     loader = DataLoader(c.job, rank=0, world_size=1, spawn_sidecar=False)
-    state = {"job": c.job.name, "rank": 1, "batches": 3, "step": 1, "microbatch": 0, "mesh": [2, 1, 1, 1], "micro_batches": 2}
+    state = {
+        "job": c.job.name,
+        "rank": 1,
+        "batches": 3,
+        "step": 1,
+        "microbatch": 0,
+        "mesh": [2, 1, 1, 1],
+        "micro_batches": 2,
+    }
     with pytest.raises(ConfigError, match="needs a state taken at a step boundary"):
         loader.load_state_dict(state)

@@ -7,7 +7,6 @@ import collections
 import math
 
 import pytest
-
 from harness import assert_delivered
 
 pytestmark = pytest.mark.timeout(180)
@@ -59,7 +58,11 @@ def test_same_seed_same_bytes_and_weights_respected(cluster, corpus):
 def test_another_seed_other_batches(cluster):
     digests = []
     for seed in (1, 2):
-        c = cluster(seed=seed, mesh=__import__("overlord").Mesh(dp=1), batch=__import__("overlord").BatchSpec(global_batch=8, context_length=256))
+        c = cluster(
+            seed=seed,
+            mesh=__import__("overlord").Mesh(dp=1),
+            batch=__import__("overlord").BatchSpec(global_batch=8, context_length=256),
+        )
         c.start_sidecar()
         c.start_trainers(batches=5)
         digests.append(c.results()[0]["digests"])
@@ -82,8 +85,12 @@ def test_dynamic_mixing_follows_losses_the_trainer_reports(cluster):
     from overlord import BatchSpec, Mesh
     from overlord.torch import DataLoader
 
-    c = cluster(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=16, context_length=512, ring_bytes=1 << 20),
-                mixing={"kind": "dynamic", "every": 4}, plan_ahead=1)
+    c = cluster(
+        mesh=Mesh(dp=1),
+        batch=BatchSpec(global_batch=16, context_length=512, ring_bytes=1 << 20),
+        mixing={"kind": "dynamic", "every": 4},
+        plan_ahead=1,
+    )
     c.start_sidecar()
     loader = DataLoader(c.config, rank=0, world_size=1, timeout_s=30)
     early, late = collections.Counter(), collections.Counter()

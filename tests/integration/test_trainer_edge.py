@@ -21,17 +21,24 @@ pytestmark = pytest.mark.timeout(300)
 
 TRAINER = Path(__file__).parent / "edge_trainer.py"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
-JOB = dict(seed=21, mesh=Mesh(dp=2), batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512,
-                                                    ring_bytes=1 << 20))
-FINITE = dict(epochs=1, seed=3, mesh=Mesh(dp=2),
-              batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=1 << 20))
+JOB = dict(
+    seed=21, mesh=Mesh(dp=2), batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20)
+)
+FINITE = dict(
+    epochs=1,
+    seed=3,
+    mesh=Mesh(dp=2),
+    batch=BatchSpec(global_batch=32, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+)
 
 
 def start(c, name: str, phases: list[dict], **env: int) -> tuple[subprocess.Popen, Path]:
     out = c.workdir / f"{name}.json"
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    proc = subprocess.Popen([sys.executable, str(TRAINER), str(c.config), str(out), json.dumps(phases)],
-                            env={**base, **{k: str(v) for k, v in env.items()}})
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAINER), str(c.config), str(out), json.dumps(phases)],
+        env={**base, **{k: str(v) for k, v in env.items()}},
+    )
     return proc, out
 
 
@@ -85,8 +92,9 @@ def test_two_processes_claiming_one_rank_get_an_error_naming_both_pids(cluster, 
     c = cluster(**JOB)
     c.start_sidecar()
     held = tmp_path / "held.json"
-    first = start(c, "first", [{"batches": 2, "spawn": False, "hold_s": 8, "save_at": {"1": str(held)}}],
-                  RANK=0, WORLD_SIZE=2)
+    first = start(
+        c, "first", [{"batches": 2, "spawn": False, "hold_s": 8, "save_at": {"1": str(held)}}], RANK=0, WORLD_SIZE=2
+    )
     wait_for(held.exists, f"rank 0's first trainer got no batch\n{c.log()}")
     second = start(c, "second", [{"batches": 2, "spawn": False}], NODE_RANK=0, LOCAL_RANK=0, WORLD_SIZE=2)
     got = finish(c, {"first": first, "second": second})
@@ -106,19 +114,33 @@ def test_rank_zeros_state_resumes_every_rank_in_any_call_order(cluster, tmp_path
     c = cluster(**JOB)
     c.start_sidecar()
     s0, s1, early = (tmp_path / f"{n}.json" for n in ("s0", "s1", "early"))
-    runs = {0: start(c, "a0", [{"batches": 11, "spawn": False, "save_at": {"4": str(early), "11": str(s0)}}],
-                     RANK=0, WORLD_SIZE=2),
-            1: start(c, "a1", [{"batches": 11, "spawn": False, "save_at": {"11": str(s1)}}], RANK=1, WORLD_SIZE=2)}
+    runs = {
+        0: start(
+            c,
+            "a0",
+            [{"batches": 11, "spawn": False, "save_at": {"4": str(early), "11": str(s0)}}],
+            RANK=0,
+            WORLD_SIZE=2,
+        ),
+        1: start(c, "a1", [{"batches": 11, "spawn": False, "save_at": {"11": str(s1)}}], RANK=1, WORLD_SIZE=2),
+    }
     first = {r: p[0] for r, p in finish(c, runs).items()}
     assert c.stop() == 0
     state = json.loads(s0.read_text())
     assert (state["rank"], state["batches"], state["world_size"]) == (0, 11, 2)
 
     c.start_sidecar(resume=True)
-    runs = {0: start(c, "b0", [{"load": [str(s0)], "batches": 19, "spawn": False}], RANK=0, WORLD_SIZE=2),
-            # Lightning's order: iter() first; then a load, and another: the last wins
-            1: start(c, "b1", [{"iter_first": True, "load": [str(early), str(s0)], "batches": 19, "spawn": False}],
-                     RANK=1, WORLD_SIZE=2)}
+    runs = {
+        0: start(c, "b0", [{"load": [str(s0)], "batches": 19, "spawn": False}], RANK=0, WORLD_SIZE=2),
+        # Lightning's order: iter() first; then a load, and another: the last wins
+        1: start(
+            c,
+            "b1",
+            [{"iter_first": True, "load": [str(early), str(s0)], "batches": 19, "spawn": False}],
+            RANK=1,
+            WORLD_SIZE=2,
+        ),
+    }
     second = {r: p[0] for r, p in finish(c, runs).items()}
     for r in range(2):
         assert second[r]["end"] == "limit", f"rank {r}: {second[r]['end']}\n{c.log()}"
@@ -130,14 +152,25 @@ def test_rank_zeros_state_resumes_every_rank_in_any_call_order(cluster, tmp_path
 def test_a_new_loader_in_the_same_process_goes_back_to_an_earlier_state(cluster, tmp_path):
     """Before, a second DataLoader that loaded an earlier state, its spawned sidecar still
     running, silently got the batches after the first loader's (here: batch 20 on)."""
-    c = cluster(seed=8, mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512,
-                                                        ring_bytes=1 << 20))
+    c = cluster(
+        seed=8,
+        mesh=Mesh(dp=1),
+        batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+    )
     s6, s15 = tmp_path / "s6.json", tmp_path / "s15.json"
-    runs = {0: start(c, "p", [
-        {"batches": 20, "save_at": {"6": str(s6), "15": str(s15)}},
-        {"iter_first": True, "load": [str(s15), str(s6)], "batches": 14},  # back to batch 6: the last load wins
-        {"load": [str(s15)], "batches": 5},  # and again, to batch 15
-    ], RANK=0, WORLD_SIZE=1)}
+    runs = {
+        0: start(
+            c,
+            "p",
+            [
+                {"batches": 20, "save_at": {"6": str(s6), "15": str(s15)}},
+                {"iter_first": True, "load": [str(s15), str(s6)], "batches": 14},  # back to batch 6: the last load wins
+                {"load": [str(s15)], "batches": 5},  # and again, to batch 15
+            ],
+            RANK=0,
+            WORLD_SIZE=1,
+        )
+    }
     one, two, three = finish(c, runs)[0]
     assert [p["end"] for p in (one, two, three)] == ["limit"] * 3, [p["end"] for p in (one, two, three)]
     assert two["digests"] == one["digests"][6:20] and two["keys"] == one["keys"][6:20]
@@ -153,8 +186,16 @@ def test_every_rank_going_back_in_its_own_process_restarts_the_spawned_sidecar_o
     and both ranks get the batches after the state again, byte-identical."""
     c = cluster(**JOB)
     s4 = tmp_path / "s4.json"
-    runs = {r: start(c, f"p{r}", [{"batches": 10, "save_at": {"4": str(s4)} if r == 0 else {}},
-                                  {"load": [str(s4)], "batches": 6}], RANK=r, WORLD_SIZE=2) for r in range(2)}
+    runs = {
+        r: start(
+            c,
+            f"p{r}",
+            [{"batches": 10, "save_at": {"4": str(s4)} if r == 0 else {}}, {"load": [str(s4)], "batches": 6}],
+            RANK=r,
+            WORLD_SIZE=2,
+        )
+        for r in range(2)
+    }
     got = finish(c, runs)
     for r in range(2):
         one, two = got[r]
@@ -171,9 +212,16 @@ def test_going_back_while_another_rank_still_reads_is_refused_in_bounded_time(cl
     expected = reference(cluster, 10, **JOB)
     c = cluster(**JOB)
     s2 = tmp_path / "s2.json"
-    runs = {0: start(c, "p0", [{"batches": 6, "save_at": {"2": str(s2)}},
-                               {"load": [str(s2)], "batches": 4, "timeout": 4}], RANK=0, WORLD_SIZE=2),
-            1: start(c, "p1", [{"batches": 10, "hold_s": 15}], RANK=1, WORLD_SIZE=2)}
+    runs = {
+        0: start(
+            c,
+            "p0",
+            [{"batches": 6, "save_at": {"2": str(s2)}}, {"load": [str(s2)], "batches": 4, "timeout": 4}],
+            RANK=0,
+            WORLD_SIZE=2,
+        ),
+        1: start(c, "p1", [{"batches": 10, "hold_s": 15}], RANK=1, WORLD_SIZE=2),
+    }
     got = finish(c, runs)
     end = got[0][1]["end"]
     assert end.startswith("ConfigError: rank 0 of job") and "within 4s" in end, end
@@ -184,12 +232,25 @@ def test_going_back_while_another_rank_still_reads_is_refused_in_bounded_time(cl
 
 
 def test_going_back_on_a_sidecar_no_loader_spawned_is_refused_with_what_to_do(cluster, tmp_path):
-    c = cluster(seed=8, mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512,
-                                                        ring_bytes=1 << 20))
+    c = cluster(
+        seed=8,
+        mesh=Mesh(dp=1),
+        batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+    )
     c.start_sidecar()
     s3 = tmp_path / "s3.json"
-    runs = {0: start(c, "p", [{"batches": 8, "spawn": False, "save_at": {"3": str(s3)}},
-                              {"load": [str(s3)], "batches": 4, "spawn": False}], RANK=0, WORLD_SIZE=1)}
+    runs = {
+        0: start(
+            c,
+            "p",
+            [
+                {"batches": 8, "spawn": False, "save_at": {"3": str(s3)}},
+                {"load": [str(s3)], "batches": 4, "spawn": False},
+            ],
+            RANK=0,
+            WORLD_SIZE=1,
+        )
+    }
     one, two = finish(c, runs)[0]
     assert one["end"] == "limit"
     assert two["digests"] == [], "batches other than those after the state were delivered"
@@ -217,8 +278,9 @@ def test_len_and_a_resume_at_the_end_of_a_finite_job(cluster, tmp_path):
 
     # rank 0's mid-job state on both ranks (a spawned --resume sidecar), then, in the same
     # processes, the end state: nothing left, at once
-    runs = {r: start(c, f"b{r}", [{"load": [str(mid[0])]}, {"load": [str(end[0])]}], RANK=r, WORLD_SIZE=2)
-            for r in range(2)}
+    runs = {
+        r: start(c, f"b{r}", [{"load": [str(mid[0])]}, {"load": [str(end[0])]}], RANK=r, WORLD_SIZE=2) for r in range(2)
+    }
     second = finish(c, runs)
     for r in range(2):
         resumed, ended = second[r]
@@ -243,15 +305,24 @@ def test_lightning_checkpoints_with_the_loader_resume_exactly(cluster, tmp_path)
     from fit_loop's combined_loader) resumes at exactly the next batch, within Lightning's
     same epoch. Lightning calls iter() before load_state_dict() (its iterable check)."""
     script = Path(__file__).parent / "lightning_edge.py"
-    c = cluster(epochs=1, seed=4, mesh=Mesh(dp=1), batch=BatchSpec(global_batch=64, micro_batches=2,
-                                                                  context_length=512, ring_bytes=1 << 20))
+    c = cluster(
+        epochs=1,
+        seed=4,
+        mesh=Mesh(dp=1),
+        batch=BatchSpec(global_batch=64, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+    )
 
     def fit(name: str, max_steps: int, every: int, resume: Path | None = None) -> list[dict]:
         out = tmp_path / f"{name}.jsonl"
         args = [str(c.config), str(out), str(tmp_path / f"ckpt-{name}"), str(max_steps), str(every)]
         base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-        proc = subprocess.run([sys.executable, str(script), *args, *([str(resume)] if resume else [])],
-                              env=base, capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(
+            [sys.executable, str(script), *args, *([str(resume)] if resume else [])],
+            env=base,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:] + c.log()
         spawned_sidecar_gone(c)
         return [json.loads(line) for line in out.read_text().splitlines()]

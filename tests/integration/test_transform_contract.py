@@ -10,9 +10,9 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
-
 from bad_transforms import is_bad
 from harness import assert_delivered
+
 from overlord import BatchSpec, Mesh, Source
 from overlord.store import Keys, connect
 from overlord.store.server import EmbeddedRedis
@@ -24,8 +24,11 @@ SMALL = dict(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, context_length=256
 
 def _rows(files: list[str]) -> dict[str, str]:
     """key -> text of every row of a source's files (keys as the Source Loader makes them)."""
-    return {f"web:{f}:{row}": t for f, path in enumerate(sorted(files))
-            for row, t in enumerate(pq.read_table(path, columns=["text"]).column("text").to_pylist())}
+    return {
+        f"web:{f}:{row}": t
+        for f, path in enumerate(sorted(files))
+        for row, t in enumerate(pq.read_table(path, columns=["text"]).column("text").to_pylist())
+    }
 
 
 def test_a_violation_reaches_the_trainer_naming_source_file_row_and_field(cluster, corpus):
@@ -35,10 +38,16 @@ def test_a_violation_reaches_the_trainer_naming_source_file_row_and_field(cluste
     c.start_trainers(timeout=30)
     end = c.results(timeout=60)[0]["end"]
     assert end.startswith("RemoteRoleError"), end
-    for words in ("SourceLoader process 0", "SourceReadError", "source 'web' file '", ".parquet' row ",
-                  "transform tests.integration.bad_transforms:fractional_ids breaks the contract",
-                  "field 'input_ids' (dtype float64) holds the fraction", "return an integer array",
-                  "on_error: skip"):
+    for words in (
+        "SourceLoader process 0",
+        "SourceReadError",
+        "source 'web' file '",
+        ".parquet' row ",
+        "transform tests.integration.bad_transforms:fractional_ids breaks the contract",
+        "field 'input_ids' (dtype float64) holds the fraction",
+        "return an integer array",
+        "on_error: skip",
+    ):
         assert words in end, (words, end)
     assert c.stop() == 1
 
@@ -56,8 +65,13 @@ def test_under_skip_bad_rows_are_counted_and_every_other_row_arrives_once(cluste
     rows = _rows(corpus["web"])
     bad_keys = {k for k, t in rows.items() if is_bad(t)}
     assert 10 < len(bad_keys) < len(rows) // 3
-    src = Source(name="web", paths=tuple(corpus["web"]), transform="tests.integration.bad_transforms:nan_ids",
-                 on_error="skip", shuffle_window=48)
+    src = Source(
+        name="web",
+        paths=tuple(corpus["web"]),
+        transform="tests.integration.bad_transforms:nan_ids",
+        on_error="skip",
+        shuffle_window=48,
+    )
     c = cluster(sources=(src,), epochs=1, redis_url=redis.url, **SMALL)
     c.start_sidecar()
     c.start_trainers(timeout=30)
@@ -67,8 +81,12 @@ def test_under_skip_bad_rows_are_counted_and_every_other_row_arrives_once(cluste
     # the count reaches the job's counters hash in Redis (what `overlord status` and the metrics show)
     counters = connect(redis.url).hgetall(Keys(c.job.name).counters)
     assert int(counters[b"skipped:web.0"]) == len(bad_keys), counters
-    status = subprocess.run([sys.executable, "-m", "overlord.cli", "status", "--config", str(c.config)],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [sys.executable, "-m", "overlord.cli", "status", "--config", str(c.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.returncode == 0, status.stderr
     assert f"counter skipped:web.0 = {len(bad_keys)}" in status.stdout, status.stdout
     for f, path in enumerate(sorted(corpus["web"])):  # and per file

@@ -16,7 +16,6 @@ from overlord.errors import SourceReadError
 from overlord.loader.contract import ContractError, check_sample
 from overlord.loader.source_loader import SourceLoader
 from overlord.transforms import text
-
 from tests.integration.bad_transforms import is_bad
 
 # -- the pure checks ----------------------------------------------------------------------
@@ -37,15 +36,21 @@ def test_integral_floats_are_cast_to_int64():
 
 
 def test_fractions_are_refused_never_truncated():
-    with pytest.raises(ContractError, match=r"field 'input_ids' \(dtype float64\) holds the fraction 5\.5 at index 1 "
-                                            r"\(1 of 3 values not integral\).*return an integer array"):
+    with pytest.raises(
+        ContractError,
+        match=r"field 'input_ids' \(dtype float64\) holds the fraction 5\.5 at index 1 "
+        r"\(1 of 3 values not integral\).*return an integer array",
+    ):
         check_sample({"input_ids": np.array([1.0, 5.5, 2.0])})
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_nan_and_inf_are_refused_never_cast(bad):
-    with pytest.raises(ContractError, match=r"field 'labels' \(dtype float32\) holds (nan|inf|-inf) at index 2 "
-                                            r"\(1 non-finite of 3\).*never yields NaN or inf"):
+    with pytest.raises(
+        ContractError,
+        match=r"field 'labels' \(dtype float32\) holds (nan|inf|-inf) at index 2 "
+        r"\(1 non-finite of 3\).*never yields NaN or inf",
+    ):
         check_sample({"labels": np.array([1, 2, bad], dtype=np.float32)})
 
 
@@ -56,11 +61,22 @@ def test_token_ids_are_1d():
         check_sample({"labels": np.array(3, np.int64)})
 
 
-@pytest.mark.parametrize("arr", [np.array(["a", "b"]), np.array([b"a"]), np.array([{"a": 1}], dtype=object),
-                                 np.array([1 + 2j]), np.array(["2020-01-01"], dtype="datetime64[D]")])
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.array(["a", "b"]),
+        np.array([b"a"]),
+        np.array([{"a": 1}], dtype=object),
+        np.array([1 + 2j]),
+        np.array(["2020-01-01"], dtype="datetime64[D]"),
+    ],
+)
 def test_dtypes_the_batch_format_cannot_carry_are_refused(arr):
-    with pytest.raises(ContractError, match=rf"field 'meta' has dtype {re.escape(str(arr.dtype))}, which a batch cannot carry "
-                                            r"\(one of: bool, int8\.\.int64"):
+    with pytest.raises(
+        ContractError,
+        match=rf"field 'meta' has dtype {re.escape(str(arr.dtype))}, which a batch cannot carry "
+        r"\(one of: bool, int8\.\.int64",
+    ):
         check_sample({"input_ids": np.array([1, 2], np.int32), "meta": arr})
 
 
@@ -76,10 +92,15 @@ def test_bool_token_ids_are_refused():
 
 def test_token_ids_within_the_vocabulary():
     check_sample({"input_ids": np.array([0, 999], np.int32)}, vocab_size=1000)
-    with pytest.raises(ContractError, match=r"field 'input_ids' holds token id 1000 at index 1 \(2 of 3 outside "
-                                            r"\[0, 1000\)\).*BatchSpec\.vocab_size"):
+    with pytest.raises(
+        ContractError,
+        match=r"field 'input_ids' holds token id 1000 at index 1 \(2 of 3 outside "
+        r"\[0, 1000\)\).*BatchSpec\.vocab_size",
+    ):
         check_sample({"input_ids": np.array([5, 1000, 4000], np.int64)}, vocab_size=1000)
-    with pytest.raises(ContractError, match=r"field 'input_ids' holds token id -3 at index 0 .*\[0, 9223372036854775807\]"):
+    with pytest.raises(
+        ContractError, match=r"field 'input_ids' holds token id -3 at index 0 .*\[0, 9223372036854775807\]"
+    ):
         check_sample({"input_ids": np.array([-3, 4], np.int32)})
     with pytest.raises(ContractError, match=r"field 'input_ids' holds token id 18446744073709551615 at index 1"):
         check_sample({"input_ids": np.array([3, 2**64 - 1], np.uint64)})  # would wrap to -1 in the packing's int64
@@ -125,8 +146,9 @@ def parquet(tmp_path):
 
 def loader(path, transform, **kw):
     vocab = kw.pop("vocab_size", None)
-    source = Source(name="web", paths=(path,), shuffle_window=4, transform=f"tests.integration.bad_transforms:{transform}",
-                    **kw)
+    source = Source(
+        name="web", paths=(path,), shuffle_window=4, transform=f"tests.integration.bad_transforms:{transform}", **kw
+    )
     return SourceLoader(source, 0, seed=1, epochs=1, vocab_size=vocab)
 
 
@@ -141,13 +163,16 @@ def test_the_corpus_has_bad_and_good_rows():
     assert 0 < len(BAD_ROWS) < len(TEXTS) // 2, BAD_ROWS
 
 
-@pytest.mark.parametrize("transform, field, what", [
-    ("fractional_ids", "input_ids", r"holds the fraction \d+\.5 at index 0"),  # was truncated to int64
-    ("nan_ids", "input_ids", r"holds nan at index \d+"),  # was -9223372036854775808
-    ("ids_2d", "input_ids", r"has shape \(\d+, 1\); token ids are 1-D"),  # was flattened
-    ("string_field", "source_text", r"has dtype <U\d+, which a batch cannot carry"),  # was a TypeError, no origin
-    ("object_field", "meta", r"has dtype object, which a batch cannot carry"),  # the same
-])
+@pytest.mark.parametrize(
+    "transform, field, what",
+    [
+        ("fractional_ids", "input_ids", r"holds the fraction \d+\.5 at index 0"),  # was truncated to int64
+        ("nan_ids", "input_ids", r"holds nan at index \d+"),  # was -9223372036854775808
+        ("ids_2d", "input_ids", r"has shape \(\d+, 1\); token ids are 1-D"),  # was flattened
+        ("string_field", "source_text", r"has dtype <U\d+, which a batch cannot carry"),  # was a TypeError, no origin
+        ("object_field", "meta", r"has dtype object, which a batch cannot carry"),  # the same
+    ],
+)
 def test_a_violation_is_a_source_read_error_naming_source_file_row_field(parquet, transform, field, what):
     ld = loader(parquet, transform)
     with pytest.raises(SourceReadError) as info:
@@ -155,8 +180,10 @@ def test_a_violation_is_a_source_read_error_naming_source_file_row_field(parquet
     msg = str(info.value)
     row = int(msg.split(" row ", 1)[1].split(":", 1)[0])
     assert row in BAD_ROWS, msg
-    assert msg.startswith(f"source 'web' file '{parquet}' row {row}: the output of transform "
-                          f"tests.integration.bad_transforms:{transform} breaks the contract: field '{field}' "), msg
+    assert msg.startswith(
+        f"source 'web' file '{parquet}' row {row}: the output of transform "
+        f"tests.integration.bad_transforms:{transform} breaks the contract: field '{field}' "
+    ), msg
     assert re.search(what, msg), msg
     assert msg.endswith("Fix the data or the transform, or set on_error: skip on the source"), msg
 
@@ -175,7 +202,10 @@ def test_under_skip_the_bad_rows_are_counted_and_the_others_delivered_right(parq
 
 
 def test_the_job_vocabulary_bounds_token_ids(parquet):
-    with pytest.raises(SourceReadError, match=r"source 'web' file .* row \d+: .* field 'input_ids' holds token id "
-                                              r"\d+ at index 1 .*outside \[0, 100\)"):
+    with pytest.raises(
+        SourceReadError,
+        match=r"source 'web' file .* row \d+: .* field 'input_ids' holds token id "
+        r"\d+ at index 1 .*outside \[0, 100\)",
+    ):
         drain(SourceLoader(Source(name="web", paths=(parquet,)), 0, seed=1, epochs=1, vocab_size=100))
     assert len(drain(SourceLoader(Source(name="web", paths=(parquet,)), 0, seed=1, epochs=1, vocab_size=32000))) == 40

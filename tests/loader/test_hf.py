@@ -88,7 +88,10 @@ def test_file_order_is_state_json_not_names(tmp_path):
     state = json.loads(open(state_file).read())
     state["_data_files"].reverse()  # the dataset's row order, whatever the file names say
     open(state_file, "w").write(json.dumps(state))
-    assert [os.path.basename(p) for p in loader([path]).paths] == ["data-00001-of-00002.arrow", "data-00000-of-00002.arrow"]
+    assert [os.path.basename(p) for p in loader([path]).paths] == [
+        "data-00001-of-00002.arrow",
+        "data-00000-of-00002.arrow",
+    ]
 
 
 def test_a_state_json_that_needs_datasets_to_read_is_refused(tmp_path):
@@ -138,15 +141,20 @@ def test_resume_from_a_cursor_reads_the_rest_of_the_order(tmp_path):
 
 
 def test_dataset_dict_split_and_the_dict_itself(tmp_path):
-    dd = datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict(records(12, "train")),
-        "test": datasets.Dataset.from_dict(records(5, "test")),
-    })
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict(records(12, "train")),
+            "test": datasets.Dataset.from_dict(records(5, "test")),
+        }
+    )
     dd.save_to_disk(str(tmp_path / "dd"))
     got = drain(loader([str(tmp_path / "dd" / "test")]))
     assert sorted(k for *_, k, _ in got) == [f"web:0:{r}" for r in range(5)]
-    with pytest.raises(SourceReadError, match=r"'.*dd' is a DatasetDict with splits \['train', 'test'\]; point "
-                                              r"Source.paths at one split, e.g. '.*dd/train'"):
+    with pytest.raises(
+        SourceReadError,
+        match=r"'.*dd' is a DatasetDict with splits \['train', 'test'\]; point "
+        r"Source.paths at one split, e.g. '.*dd/train'",
+    ):
         loader([str(tmp_path / "dd")])
 
 
@@ -156,19 +164,26 @@ def cached(tmp_path, n=30):
     data = records(n, "cached")
     lines = tmp_path / "src.jsonl"
     lines.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(data["id"], data["text"])))
-    ds = datasets.load_dataset("json", data_files={"train": str(lines)}, cache_dir=str(tmp_path / "cache"), split="train")
+    ds = datasets.load_dataset(
+        "json", data_files={"train": str(lines)}, cache_dir=str(tmp_path / "cache"), split="train"
+    )
     (arrow,) = [f["filename"] for f in ds.cache_files]
     return data, os.path.dirname(arrow), arrow
 
 
 def test_hf_cache_split_and_cache_files(tmp_path):
     data, directory, arrow = cached(tmp_path)
-    assert os.path.basename(arrow) == "json-train.arrow" and os.path.isfile(os.path.join(directory, "dataset_info.json"))
+    assert os.path.basename(arrow) == "json-train.arrow" and os.path.isfile(
+        os.path.join(directory, "dataset_info.json")
+    )
     by_split = drain(loader([os.path.join(directory, "train")]))
     assert loader([os.path.join(directory, "train")]).paths == [arrow]
     assert by_split == drain(loader([arrow]))  # ds.cache_files, as given
     assert sorted(k for *_, k, _ in by_split) == sorted(f"web:0:{r}" for r in range(30))
-    with pytest.raises(SourceReadError, match=r"is a cached dataset with splits \['train'\]; point Source.paths at one split, e\.g\. '.*/train'"):
+    with pytest.raises(
+        SourceReadError,
+        match=r"is a cached dataset with splits \['train'\]; point Source.paths at one split, e\.g\. '.*/train'",
+    ):
         loader([directory])
     with pytest.raises(SourceReadError, match=r"has no split 'validation'; its splits are \['train'\]"):
         loader([os.path.join(directory, "validation")])
@@ -218,9 +233,15 @@ def test_index_outlives_the_open_file_lru(tmp_path, monkeypatch):
 def test_columns_are_checked_and_selected(tmp_path):
     path = saved(tmp_path / "ds", n=8)
     seen = []
-    drain(loader([path], columns=("text",), transform=lambda row: seen.append(row) or {"input_ids": np.zeros(1, np.int32)}))
+    drain(
+        loader(
+            [path], columns=("text",), transform=lambda row: seen.append(row) or {"input_ids": np.zeros(1, np.int32)}
+        )
+    )
     assert {tuple(r) for r in seen} == {("text",)} and len(seen) == 8
-    with pytest.raises(SchemaError, match=r"data-00000-of-00003\.arrow' has no column\(s\) \['caption'\]; it has \['id', 'text'\]"):
+    with pytest.raises(
+        SchemaError, match=r"data-00000-of-00003\.arrow' has no column\(s\) \['caption'\]; it has \['id', 'text'\]"
+    ):
         loader([path], columns=("text", "caption"))
 
 
@@ -248,13 +269,19 @@ def test_files_that_are_not_a_dataset_s_arrow_stream(tmp_path):
     feather.write_feather(pa.table({"text": ["a"]}), tmp_path / "table.arrow")
     pq.write_table(pa.table({"text": ["a"]}), tmp_path / "table.parquet")
     cases = {
-        str(text): r"is not a readable Hugging Face datasets \(Arrow stream\) file \(it is not the Arrow stream datasets writes",
-        str(tmp_path / "table.arrow"): r"\(it is an Arrow IPC file \(Feather v2\), not the Arrow stream datasets writes",
+        str(
+            text
+        ): r"is not a readable Hugging Face datasets \(Arrow stream\) file \(it is not the Arrow stream datasets writes",
+        str(
+            tmp_path / "table.arrow"
+        ): r"\(it is an Arrow IPC file \(Feather v2\), not the Arrow stream datasets writes",
         str(tmp_path / "table.parquet"): r"\(it is a Parquet file: give it to a source with format: parquet\)",
         os.path.join(good, "state.json"): r"\(it is JSON text: for a save_to_disk directory give the directory",
     }
     for path, message in cases.items():
-        with pytest.raises(SourceReadError, match=rf"source 'web' file '{path}' {message}" if message.startswith("is") else message):
+        with pytest.raises(
+            SourceReadError, match=rf"source 'web' file '{path}' {message}" if message.startswith("is") else message
+        ):
             loader([good, path])
 
 
@@ -264,15 +291,23 @@ def test_paths_that_name_no_dataset(tmp_path):
         loader([str(tmp_path / "empty")])
     with pytest.raises(SourceReadError, match=r"path '.*nothing' matches no file; give a directory save_to_disk wrote"):
         loader([str(tmp_path / "nothing")])
-    with pytest.raises(SourceReadError, match=r"is a URI, and format 'hf' memory-maps local files; .* \(ds.to_parquet\)"):
+    with pytest.raises(
+        SourceReadError, match=r"is a URI, and format 'hf' memory-maps local files; .* \(ds.to_parquet\)"
+    ):
         loader(["s3://bucket/ds/data-00000-of-00001.arrow"])
 
 
 def test_a_dataset_given_to_another_format_says_set_format_hf(tmp_path):
     path = saved(tmp_path / "ds", n=4, shards=1)
-    with pytest.raises(SourceReadError, match=r"'.*ds' is a Hugging Face datasets directory, and the source's format is 'parquet'; set format: hf"):
+    with pytest.raises(
+        SourceReadError,
+        match=r"'.*ds' is a Hugging Face datasets directory, and the source's format is 'parquet'; set format: hf",
+    ):
         loader([path], format="parquet")
-    with pytest.raises(SourceReadError, match=r"is a Hugging Face datasets Arrow file, and the source's format is 'jsonl'; set format: hf"):
+    with pytest.raises(
+        SourceReadError,
+        match=r"is a Hugging Face datasets Arrow file, and the source's format is 'jsonl'; set format: hf",
+    ):
         loader([os.path.join(path, "*.arrow")], format="jsonl")
     assert Source(name="web", paths=(path,), format="hf").files() == [os.path.join(path, "data-00000-of-00001.arrow")]
 
@@ -281,10 +316,16 @@ def test_a_dataset_object_as_paths_says_how_to_give_its_files(tmp_path):
     path = saved(tmp_path / "ds", n=4, shards=1)
     ds = datasets.load_from_disk(path)
     for given in (ds, [ds]):
-        with pytest.raises(ConfigError, match=r"source 'web': Source.paths is a datasets.Dataset object; .* "
-                                              r"ds.save_to_disk\('/data/x'\) with Source\(format='hf', .*ds.cache_files \(\['.*data-00000-of-00001.arrow'\]"):
+        with pytest.raises(
+            ConfigError,
+            match=r"source 'web': Source.paths is a datasets.Dataset object; .* "
+            r"ds.save_to_disk\('/data/x'\) with Source\(format='hf', .*ds.cache_files \(\['.*data-00000-of-00001.arrow'\]",
+        ):
             Source(name="web", paths=given, format="hf")
     with pytest.raises(ConfigError, match=r"in memory: it has no files yet"):
         Source(name="web", paths=datasets.Dataset.from_dict(records(3)), format="hf")
-    with pytest.raises(ConfigError, match=r"a datasets.DatasetDict object; .* give one split: Source\(format='hf', paths=\('/data/x/train',\)\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"a datasets.DatasetDict object; .* give one split: Source\(format='hf', paths=\('/data/x/train',\)\)",
+    ):
         Source(name="web", paths=datasets.DatasetDict({"train": ds}), format="hf")

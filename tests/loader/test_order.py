@@ -1,6 +1,5 @@
 """The source order is a pure, complete permutation with a bounded shuffle window."""
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

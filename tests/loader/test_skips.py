@@ -96,8 +96,9 @@ def test_the_order_of_readable_rows_is_that_of_the_undamaged_source(damaged, tmp
     clean.mkdir()
     write(clean / "0-good.parquet", 30, lang=["en"] * 30)
     for name in ("1-random", "2-truncated", "3-nolang"):  # files with no row group
-        pq.ParquetWriter(clean / f"{name}.parquet", pa.schema({"id": pa.int64(), "text": pa.string(),
-                                                               "lang": pa.string()})).close()
+        pq.ParquetWriter(
+            clean / f"{name}.parquet", pa.schema({"id": pa.int64(), "text": pa.string(), "lang": pa.string()})
+        ).close()
     write(clean / "4-garbled.parquet", 40, lang=["en"] * 40)
     undamaged = [k for k in keys(drain(loader([str(clean / "*.parquet")], epochs=2))) if k in READABLE]
     damaged_order = keys(drain(loader([damaged], epochs=2, on_error="skip", columns=("id", "text", "lang"))))
@@ -114,17 +115,22 @@ def test_a_resumed_or_shadow_loader_skips_the_same_rows(damaged):
     assert tail == [(s.seq, s.key) for s in through if s.seq >= 26]
     # deferred samples re-read out of order are the same bytes
     again = resumed.prepare_at(0, [s.seq for s in through[:5]])
-    assert [(s.key, s.arrays["input_ids"].tobytes()) for s in again] == \
-           [(s.key, s.arrays["input_ids"].tobytes()) for s in through[:5]]
+    assert [(s.key, s.arrays["input_ids"].tobytes()) for s in again] == [
+        (s.key, s.arrays["input_ids"].tobytes()) for s in through[:5]
+    ]
     # a seq of the garbled row group is skipped by prepare_at too
-    bad = next(q for q in range(first.epoch_length) if first._make_order(0).locate(q).file == 4
-               and 10 <= first._make_order(0).locate(q).row_in_file < 20)
+    bad = next(
+        q
+        for q in range(first.epoch_length)
+        if first._make_order(0).locate(q).file == 4 and 10 <= first._make_order(0).locate(q).row_in_file < 20
+    )
     assert resumed.prepare_at(0, [bad]) == []
 
 
 def test_partitions_share_the_work_and_count_their_own_row_groups(damaged):
-    parts = [loader([damaged], partition=p, partitions=2, on_error="skip", columns=("id", "text", "lang"))
-             for p in (0, 1)]
+    parts = [
+        loader([damaged], partition=p, partitions=2, on_error="skip", columns=("id", "text", "lang")) for p in (0, 1)
+    ]
     got = [k for ld in parts for k in keys(drain(ld))]
     assert sorted(got) == sorted(READABLE)
     assert sum(ld.skipped for ld in parts) == 10
@@ -138,11 +144,14 @@ def test_partitions_share_the_work_and_count_their_own_row_groups(damaged):
     }
 
 
-@pytest.mark.parametrize("name, error, match", [
-    ("1-random", SourceReadError, r"1-random\.parquet' is not a readable Parquet file \(.*magic bytes"),
-    ("2-truncated", SourceReadError, r"2-truncated\.parquet' is not a readable Parquet file"),
-    ("3-nolang", SchemaError, r"3-nolang\.parquet' has no column\(s\) \['lang'\]"),
-])
+@pytest.mark.parametrize(
+    "name, error, match",
+    [
+        ("1-random", SourceReadError, r"1-random\.parquet' is not a readable Parquet file \(.*magic bytes"),
+        ("2-truncated", SourceReadError, r"2-truncated\.parquet' is not a readable Parquet file"),
+        ("3-nolang", SchemaError, r"3-nolang\.parquet' has no column\(s\) \['lang'\]"),
+    ],
+)
 def test_raise_names_the_unreadable_file_and_the_fix(damaged, name, error, match):
     path = damaged.replace("*", name)
     with pytest.raises(error, match=rf"source 'web' file '.*{match}") as info:
@@ -152,8 +161,11 @@ def test_raise_names_the_unreadable_file_and_the_fix(damaged, name, error, match
 
 def test_raise_names_the_garbled_row_group_and_its_rows(damaged):
     ld = loader([damaged.replace("*", "4-garbled")], columns=("id", "text", "lang"))
-    with pytest.raises(SourceReadError, match=r"4-garbled\.parquet' row group 1 \(rows 10 to 19\) cannot be read "
-                                              r"\(.*\); replace the file.*on_error: skip"):
+    with pytest.raises(
+        SourceReadError,
+        match=r"4-garbled\.parquet' row group 1 \(rows 10 to 19\) cannot be read "
+        r"\(.*\); replace the file.*on_error: skip",
+    ):
         drain(ld)
 
 
@@ -180,10 +192,14 @@ def test_an_oversize_sample_is_skipped_or_named_with_the_setting(tmp_path):
     ld = SourceLoader(src, 0, seed=1, epochs=1, max_sample_bytes=limit)
     assert sorted(keys(drain(ld))) == sorted(f"web:0:{r}" for r in range(12) if r != 5)
     assert ld.skipped == 1 and ld.skips.fields()[f"skipped_rows:web.0:{path}"] == 1
-    ld = SourceLoader(Source(name="web", paths=(str(path),), shuffle_window=4), 0, seed=1, epochs=1,
-                      max_sample_bytes=limit)
-    with pytest.raises(SourceReadError, match=r"a\.parquet' row 5: the sample is \d+ B as a ring record .*"
-                                              r"\(65528 B\); raise Job.sample_ring_bytes"):
+    ld = SourceLoader(
+        Source(name="web", paths=(str(path),), shuffle_window=4), 0, seed=1, epochs=1, max_sample_bytes=limit
+    )
+    with pytest.raises(
+        SourceReadError,
+        match=r"a\.parquet' row 5: the sample is \d+ B as a ring record .*"
+        r"\(65528 B\); raise Job.sample_ring_bytes",
+    ):
         drain(ld)
 
 
@@ -199,14 +215,20 @@ def test_a_source_whose_every_row_is_skipped_ends_with_the_counts(tmp_path, epoc
     with pytest.raises(SourceReadError) as info:
         drain(ld)
     message = str(info.value)
-    for words in ("source 'web' partition 0 of 1: every row of epoch 0 was skipped", "20 row(s) skipped",
-                  "a.parquet' skipped whole (not a readable Parquet file", "b.parquet': 20 row(s) skipped in 2 "
-                  "unreadable row group(s) [0, 1]"):
+    for words in (
+        "source 'web' partition 0 of 1: every row of epoch 0 was skipped",
+        "20 row(s) skipped",
+        "a.parquet' skipped whole (not a readable Parquet file",
+        "b.parquet': 20 row(s) skipped in 2 unreadable row group(s) [0, 1]",
+    ):
         assert words in message, (words, message)
     # only whole files skipped: the same, at once (no endless loop over empty epochs)
     only = loader([str(d / "a.parquet")], epochs=epochs, on_error="skip")
-    with pytest.raises(SourceReadError, match=r"every row of epoch 0 was skipped .* 0 row\(s\) skipped; .*a\.parquet' "
-                                              r"skipped whole"):
+    with pytest.raises(
+        SourceReadError,
+        match=r"every row of epoch 0 was skipped .* 0 row\(s\) skipped; .*a\.parquet' "
+        r"skipped whole",
+    ):
         only.prepare(9)
 
 

@@ -64,7 +64,10 @@ def test_transform_error_names_source_file_and_row(tmp_path):
     texts = ["fine"] * 10
     texts[6] = None  # row 6 of the file has no text
     path = write(tmp_path / "a.parquet", texts)
-    with pytest.raises(SourceReadError, match=r"source 'web' file '.*a\.parquet' row 6: transform overlord.transforms:text raised TypeError"):
+    with pytest.raises(
+        SourceReadError,
+        match=r"source 'web' file '.*a\.parquet' row 6: transform overlord.transforms:text raised TypeError",
+    ):
         drain(loader([path]))
 
 
@@ -97,8 +100,11 @@ def test_curriculum_reads_row_groups_easy_to_hard(tmp_path):
     levels = rng.permutation(10)
     path = str(tmp_path / "c.parquet")
     pq.write_table(
-        pa.table({"text": [f"t{i}" for i in range(40)], "difficulty": [float(l) for l in np.repeat(levels, 4)]}),
-        path, row_group_size=4,
+        pa.table(
+            {"text": [f"t{i}" for i in range(40)], "difficulty": [float(level) for level in np.repeat(levels, 4)]}
+        ),
+        path,
+        row_group_size=4,
     )
     ld = SourceLoader(Source(name="web", paths=(path,), shuffle_window=4, difficulty="difficulty"), 0, seed=1, epochs=1)
     rows = [int(s.key.rsplit(":", 1)[1]) for s in drain(ld)]
@@ -122,7 +128,9 @@ def test_start_at_and_prepare_at_give_the_same_samples_as_reading_through(tmp_pa
     resumed = loader([a], epochs=2)
     resumed.start_at(0, 17)
     again = drain(resumed)
-    assert [(s.epoch, s.seq, s.key) for s in again] == [(s.epoch, s.seq, s.key) for s in through if (s.epoch, s.seq) >= (0, 17)]
+    assert [(s.epoch, s.seq, s.key) for s in again] == [
+        (s.epoch, s.seq, s.key) for s in through if (s.epoch, s.seq) >= (0, 17)
+    ]
     for s in resumed.prepare_at(0, [3, 9]):
         ref = by_pos[(0, s.seq)]
         assert s.key == ref.key and np.array_equal(s.arrays["input_ids"], ref.arrays["input_ids"])
@@ -131,7 +139,10 @@ def test_start_at_and_prepare_at_give_the_same_samples_as_reading_through(tmp_pa
 def test_worker_threads_change_neither_samples_nor_order_even_when_resized(tmp_path):
     texts = [f"t{i}" * (i % 7 + 1) if i % 9 else None for i in range(60)]
     path = write(tmp_path / "a.parquet", texts)
-    reference = [(s.epoch, s.seq, s.key, s.arrays["input_ids"].tobytes()) for s in drain(loader([path], epochs=2, on_error="skip"))]
+    reference = [
+        (s.epoch, s.seq, s.key, s.arrays["input_ids"].tobytes())
+        for s in drain(loader([path], epochs=2, on_error="skip"))
+    ]
     ld = loader([path], epochs=2, on_error="skip")
     threads, transform = set(), ld.transform
 

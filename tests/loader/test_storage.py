@@ -89,8 +89,13 @@ def s3(tmp_path_factory):
     root = tmp_path_factory.mktemp("s3-data")
     hf_shards(root)
     jsonl_shards(root)
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     client.create_bucket(Bucket=BUCKET)
     for path in sorted(root.rglob("*.*")):
         client.upload_file(str(path), BUCKET, str(path.relative_to(root)))
@@ -101,8 +106,12 @@ def s3(tmp_path_factory):
 @pytest.fixture
 def aws_env(monkeypatch):
     """Credentials from the standard environment; no endpoint (each test chooses how)."""
-    for name, value in dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                            AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true").items():
+    for name, value in dict(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    ).items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
@@ -132,9 +141,15 @@ def test_s3_jsonl_with_the_endpoint_from_the_environment(s3, aws_env, monkeypatc
 def test_s3_missing_object_bucket_and_vanished_file_say_what_to_change(s3, aws_env, monkeypatch):
     endpoint, _ = s3
     host = endpoint.removeprefix("http://")
-    with pytest.raises(SourceReadError, match=rf"source 'web': URI 's3://{BUCKET}/data/nope\.parquet\?endpoint_override=.*' matches no file; fix Source\.paths or upload"):
+    with pytest.raises(
+        SourceReadError,
+        match=rf"source 'web': URI 's3://{BUCKET}/data/nope\.parquet\?endpoint_override=.*' matches no file; fix Source\.paths or upload",
+    ):
         loader(f"s3://{BUCKET}/data/nope.parquet?endpoint_override={host}&scheme=http")
-    with pytest.raises(SourceReadError, match=r"source 'web': cannot list 's3://testing:\*\*\*@no-such-bucket/data/\*\.parquet.*NO_SUCH_BUCKET.*check the bucket and key, the credentials") as err:
+    with pytest.raises(
+        SourceReadError,
+        match=r"source 'web': cannot list 's3://testing:\*\*\*@no-such-bucket/data/\*\.parquet.*NO_SUCH_BUCKET.*check the bucket and key, the credentials",
+    ) as err:
         loader(f"s3://testing:sekrit@no-such-bucket/data/*.parquet?endpoint_override={host}&scheme=http")
     assert "sekrit" not in str(err.value)
     # an object deleted after the loader listed it

@@ -183,8 +183,14 @@ def test_swap_refine_never_worse_and_keeps_counts(costs, k, equal_count):
 
 
 @FAST
-@given(costs_st, st.integers(1, 5), st.integers(1, 4), st.sampled_from(["two_level", "interleaved"]),
-       st.sampled_from(["greedy", "karmarkar_karp"]), st.booleans())
+@given(
+    costs_st,
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.sampled_from(["two_level", "interleaved"]),
+    st.sampled_from(["greedy", "karmarkar_karp"]),
+    st.booleans(),
+)
 def test_assign_modes_place_and_limit(costs, buckets, bins, mode, inter, with_capacity):
     c = np.asarray(costs, float)
     sizes = (np.arange(len(c)) * 7) % 13 if with_capacity else None
@@ -200,8 +206,10 @@ def test_assign_modes_place_and_limit(costs, buckets, bins, mode, inter, with_ca
         assert on.all()
         counts = np.bincount(bucket, minlength=buckets)
         assert np.ptp(counts) <= (1 if mode == "two_level" else bins)
-    assert all(np.array_equal(x, y) for x, y in zip((bucket, mbin), assign(
-        c, buckets, bins, inter=inter, sizes=sizes, bin_capacity=cap, mode=mode)))
+    assert all(
+        np.array_equal(x, y)
+        for x, y in zip((bucket, mbin), assign(c, buckets, bins, inter=inter, sizes=sizes, bin_capacity=cap, mode=mode))
+    )
 
 
 def test_interleaved_gives_each_bucket_its_bins():
@@ -277,16 +285,19 @@ def test_registry():
         BALANCERS.pop("test_all_in_one")
 
 
-@pytest.mark.parametrize("call, error", [
-    (lambda: greedy([1.0, float("nan")], 2), PlanError),
-    (lambda: karmarkar_karp([-1.0], 2), PlanError),
-    (lambda: greedy([1.0], 0), ConfigError),
-    (lambda: greedy([1.0], 2, capacity=3), ConfigError),
-    (lambda: greedy([1.0], 2, sizes=[1, 2]), PlanError),
-    (lambda: assign([1.0], 2, 2, mode="zigzag"), ConfigError),
-    (lambda: assign([1.0], 2, 2, mode="interleaved", keep_order=True), ConfigError),
-    (lambda: assign([1.0], 2, 2, inter="nope"), ConfigError),
-])
+@pytest.mark.parametrize(
+    "call, error",
+    [
+        (lambda: greedy([1.0, float("nan")], 2), PlanError),
+        (lambda: karmarkar_karp([-1.0], 2), PlanError),
+        (lambda: greedy([1.0], 0), ConfigError),
+        (lambda: greedy([1.0], 2, capacity=3), ConfigError),
+        (lambda: greedy([1.0], 2, sizes=[1, 2]), PlanError),
+        (lambda: assign([1.0], 2, 2, mode="zigzag"), ConfigError),
+        (lambda: assign([1.0], 2, 2, mode="interleaved", keep_order=True), ConfigError),
+        (lambda: assign([1.0], 2, 2, inter="nope"), ConfigError),
+    ],
+)
 def test_bad_arguments_raise_clear_errors(call, error):
     with pytest.raises(error):
         call()

@@ -4,10 +4,10 @@ them (fed everything again, as re-reporting loaders do) plans what the original 
 from __future__ import annotations
 
 import numpy as np
+from test_core import make
 
 from overlord.planner.checkpoint import apply
 from overlord.planner.meta import MetaChunk
-from test_core import make
 
 
 def _capped(data, tree):  # capacity makes the state carry deferred samples

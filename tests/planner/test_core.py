@@ -6,8 +6,8 @@ import pytest
 from overlord.config import Mesh
 from overlord.planner.core import PlannerCore
 from overlord.planner.dgraph import Plan
-from overlord.planner.tree import ClientPlaceTree
 from overlord.planner.meta import MetaChunk, decode, encode
+from overlord.planner.tree import ClientPlaceTree
 
 
 def chunk(epoch, seqs, final=False, ended=()):
@@ -115,8 +115,7 @@ def test_state_names_cursors():
 
 
 def test_balanced_strategy_is_deterministic_complete_and_balances():
-    from overlord.planner.cost import transformer_cost
-    from overlord.planner.strategies import balanced, vanilla
+    from overlord.planner.strategies import balanced
 
     def run(strategy):
         core = make(weights=(1.0, 1.0), finite=True, global_batch=64, dp=4, micro_batches=2, strategy=strategy)
@@ -186,16 +185,32 @@ def test_a_sample_larger_than_capacity_is_sized_as_delivered_or_refused_with_its
     tokens = np.full(16, 10)
     tokens[5] = 200  # one long document among short ones
     # cut at context_length 64, it takes 64 tokens of a micro-batch: it fits, and is delivered
-    core = make(weights=(1.0,), partitions=(1,), strategy=capped, finite=True, global_batch=8, dp=2,
-                micro_batches=2, context_length=64)
+    core = make(
+        weights=(1.0,),
+        partitions=(1,),
+        strategy=capped,
+        finite=True,
+        global_batch=8,
+        dp=2,
+        micro_batches=2,
+        context_length=64,
+    )
     core.add(0, MetaChunk(0, np.arange(16), tokens, np.zeros(16, int), tokens, [(0, 16)], True))
     seen = []
     while (p := core.plan_step()) is not None:
         seen += [x for bucket in p.buckets for mb in bucket for x in mb]
     assert sorted(seen) == [(0, 0, q) for q in range(16)]
     # at context_length 4096 no micro-batch of 100 tokens could take it: said at once, not deferred forever
-    core = make(weights=(1.0,), partitions=(1,), strategy=capped, finite=True, global_batch=8, dp=2,
-                micro_batches=2, context_length=4096)
+    core = make(
+        weights=(1.0,),
+        partitions=(1,),
+        strategy=capped,
+        finite=True,
+        global_batch=8,
+        dp=2,
+        micro_batches=2,
+        context_length=4096,
+    )
     core.add(0, MetaChunk(0, np.arange(16), tokens, np.zeros(16, int), tokens, [(0, 16)], True))
     with pytest.raises(PlanError, match=r"sample 5 of stream 's0.0' .* 200 tokens .*capacity=100"):
         core.plan_step()
@@ -221,7 +236,14 @@ def test_keep_order_keeps_the_round_robin_composition():
     from overlord.planner.strategies import vanilla
 
     def kept(data, tree):
-        return DGraph(data, tree).mix().distribute("DP").cost("attention").balance("greedy", level="both", keep_order=True).plan()
+        return (
+            DGraph(data, tree)
+            .mix()
+            .distribute("DP")
+            .cost("attention")
+            .balance("greedy", level="both", keep_order=True)
+            .plan()
+        )
 
     a, b = make(strategy=kept), make(strategy=vanilla)
     feed(a, [100, 100])
@@ -234,7 +256,9 @@ def test_group_size_balances_inside_groups_of_buckets():
     from overlord.planner.dgraph import DGraph
 
     def grouped(data, tree):
-        return DGraph(data, tree).mix().distribute("DP", group_size=2).cost("attention").balance("karmarkar_karp").plan()
+        return (
+            DGraph(data, tree).mix().distribute("DP", group_size=2).cost("attention").balance("karmarkar_karp").plan()
+        )
 
     core = make(strategy=grouped, global_batch=32, dp=4)
     feed(core, [500, 500])
@@ -293,8 +317,15 @@ def test_substep_mixing_gives_each_micro_batch_its_own_mixture():
             frac = t - int(t)
             return np.array([1.0 - frac, frac])
 
-    core = make(weights=None, schedule=WithinStep(), mixing_unit="substep", strategy=balanced,
-                global_batch=32, dp=2, micro_batches=4)
+    core = make(
+        weights=None,
+        schedule=WithinStep(),
+        mixing_unit="substep",
+        strategy=balanced,
+        global_batch=32,
+        dp=2,
+        micro_batches=4,
+    )
     feed(core, [5000, 5000])
     share_b = np.zeros(4)
     for _ in range(40):
@@ -307,7 +338,9 @@ def test_substep_mixing_gives_each_micro_batch_its_own_mixture():
 def test_epoch_mixing_switches_when_the_job_reaches_an_epoch():
     from overlord.planner.schedule import from_config
 
-    schedule = from_config({"kind": "piecewise", "unit": "epoch", "points": [[0, {"a": 1.0}], [1, {"b": 1.0}]]}, ["a", "b"], [1, 1])
+    schedule = from_config(
+        {"kind": "piecewise", "unit": "epoch", "points": [[0, {"a": 1.0}], [1, {"b": 1.0}]]}, ["a", "b"], [1, 1]
+    )
     core = make(weights=None, schedule=schedule, mixing_unit="epoch", global_batch=8)
     core.add(0, chunk(0, range(24), ended=[(0, 24)]))
     core.add(0, chunk(1, range(24)))

@@ -18,20 +18,33 @@ from overlord.planner.tree import ClientPlaceTree
 def make(sizes, *, final=True, dp=2, micro_batches=2, global_batch=8, **kw):
     """A finite core over one stream per source, fed `sizes` samples (random tokens)."""
     n = len(sizes)
-    core = PlannerCore(streams=[f"s{i}.0" for i in range(n)], stream_source=list(range(n)),
-                       tree=ClientPlaceTree(Mesh(dp=dp)), seed=5, global_batch=global_batch,
-                       micro_batches=micro_batches, finite=True, weights=kw.pop("weights", [1.0] * n), **kw)
+    core = PlannerCore(
+        streams=[f"s{i}.0" for i in range(n)],
+        stream_source=list(range(n)),
+        tree=ClientPlaceTree(Mesh(dp=dp)),
+        seed=5,
+        global_batch=global_batch,
+        micro_batches=micro_batches,
+        finite=True,
+        weights=kw.pop("weights", [1.0] * n),
+        **kw,
+    )
     rng = np.random.default_rng(1)
     for i, size in enumerate(sizes):
         feed(core, i, 0, size, final, rng)
     return core
 
 
-def feed(core, stream, start, stop, final, rng=np.random.default_rng(2)):
+_RNG = np.random.default_rng(2)  # one stream across calls, as before
+
+
+def feed(core, stream, start, stop, final, rng=_RNG):
     n = stop - start
     tokens = rng.integers(10, 400, n)
-    core.add(stream, MetaChunk(0, np.arange(start, stop), tokens, np.zeros(n, int), tokens,
-                               [(0, stop)] if final else [], final))
+    core.add(
+        stream,
+        MetaChunk(0, np.arange(start, stop), tokens, np.zeros(n, int), tokens, [(0, stop)] if final else [], final),
+    )
 
 
 def run(core):
@@ -112,8 +125,17 @@ def test_deferred_samples_at_the_end_are_delivered_in_a_step_of_their_own_or_cou
         g = DGraph(data, tree, view="tokens").mix().distribute("DP")
         return g.cost("tokens").balance("greedy", level="both", capacity=100).plan()
 
-    core = PlannerCore(streams=["s0.0"], stream_source=[0], tree=ClientPlaceTree(Mesh(dp=2)), seed=5,
-                       global_batch=8, micro_batches=2, finite=True, weights=[1.0], strategy=capped)
+    core = PlannerCore(
+        streams=["s0.0"],
+        stream_source=[0],
+        tree=ClientPlaceTree(Mesh(dp=2)),
+        seed=5,
+        global_batch=8,
+        micro_batches=2,
+        finite=True,
+        weights=[1.0],
+        strategy=capped,
+    )
     tokens = np.full(40, 60)  # two never fit one micro-batch of 100 tokens: half of each step is deferred
     core.add(0, MetaChunk(0, np.arange(40), tokens, np.zeros(40, int), tokens, [(0, 40)], True))
     plans = run(core)
@@ -127,8 +149,16 @@ def test_substep_mixing_ends_without_an_empty_micro_batch():
         def weights(self, t):
             return np.array([1.0, t - int(t) + 0.01])
 
-    core = make([11, 10], weights=None, schedule=Drift(), mixing_unit="substep", strategy=balanced, micro_batches=4,
-                global_batch=16, dp=1)
+    core = make(
+        [11, 10],
+        weights=None,
+        schedule=Drift(),
+        mixing_unit="substep",
+        strategy=balanced,
+        micro_batches=4,
+        global_batch=16,
+        dp=1,
+    )
     plans = run(core)
     assert [p.samples() for p in plans] == [16, 5] and plans[-1].last
     assert all(min(cells(p)) >= 1 for p in plans)

@@ -59,16 +59,27 @@ def test_a_standby_waits_until_the_lease_is_free(r):
 def test_checkpoints_rebuild_any_kept_step_from_snapshots_and_deltas(r):
     keys = Keys("j")
     ckpts = Checkpoints(keys, every=4, keep=8)
-    state = {"step": 0, "cursors": {"a.0": [0, -1], "b.0": [0, -1]}, "round_robin": [0, 0],
-             "deferred": [], "schedule": None, "done": False}
+    state = {
+        "step": 0,
+        "cursors": {"a.0": [0, -1], "b.0": [0, -1]},
+        "round_robin": [0, 0],
+        "deferred": [],
+        "schedule": None,
+        "done": False,
+    }
     states = [state]
     pipe = r.pipeline()
     ckpts.write(pipe, 0, None, lambda: state)
     for step in range(1, 30):
-        delta = {"step": step, "cursors": {"a.0": [0, step]} if step % 2 else {"b.0": [0, step]},
-                 "round_robin": {"0": step}, "deferred": [], "schedule": None, "done": False}
-        state = {**state, "step": step, "cursors": {**state["cursors"], **delta["cursors"]},
-                 "round_robin": [step, 0]}
+        delta = {
+            "step": step,
+            "cursors": {"a.0": [0, step]} if step % 2 else {"b.0": [0, step]},
+            "round_robin": {"0": step},
+            "deferred": [],
+            "schedule": None,
+            "done": False,
+        }
+        state = {**state, "step": step, "cursors": {**state["cursors"], **delta["cursors"]}, "round_robin": [step, 0]}
         states.append(state)
         ckpts.write(pipe, step, delta, lambda s=state: s)
     pipe.execute()

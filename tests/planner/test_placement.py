@@ -6,9 +6,17 @@ from overlord.sidecar.layout import Layout
 
 
 def _job(**kw) -> Job:
-    args = dict(name="p", sources=(Source(name="a", paths=("x",), partitions=2), Source(name="b", paths=("y",))),
-                mesh=Mesh(dp=6), batch=BatchSpec(global_batch=12), nodes=("n0", "n1", "n2"), node="n1",
-                redis_url="redis://h:6379/0", flight_port=8815, loader_processes=3)
+    args = dict(
+        name="p",
+        sources=(Source(name="a", paths=("x",), partitions=2), Source(name="b", paths=("y",))),
+        mesh=Mesh(dp=6),
+        batch=BatchSpec(global_batch=12),
+        nodes=("n0", "n1", "n2"),
+        node="n1",
+        redis_url="redis://h:6379/0",
+        flight_port=8815,
+        loader_processes=3,
+    )
     return Job(**{**args, **kw})
 
 
@@ -16,8 +24,14 @@ def test_constructors_live_with_their_dp_groups_and_loaders_are_spread():
     job = _job()
     layout = Layout.plan(job)
     assert layout.constructor_of == [0, 0, 1, 1, 2, 2]  # ranks 0-1 on n0, 2-3 on n1, 4-5 on n2
-    assert homes(job, layout) == {"loader0": "n0", "loader1": "n1", "loader2": "n2",
-                                  "constructor0": "n0", "constructor1": "n1", "constructor2": "n2"}
+    assert homes(job, layout) == {
+        "loader0": "n0",
+        "loader1": "n1",
+        "loader2": "n2",
+        "constructor0": "n0",
+        "constructor1": "n1",
+        "constructor2": "n2",
+    }
     assert job.ranks_of_node("n2") == [4, 5] and job.node_of_rank(3) == "n1"
 
 

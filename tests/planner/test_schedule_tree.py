@@ -17,7 +17,9 @@ def test_default_is_the_constant_source_weights():
 
 
 def test_piecewise_switches_at_its_steps():
-    s = from_config({"kind": "piecewise", "points": [[0, {"web": 1}], [100, {"web": 1, "images": 1}]]}, SOURCES, [1, 1, 1])
+    s = from_config(
+        {"kind": "piecewise", "points": [[0, {"web": 1}], [100, {"web": 1, "images": 1}]]}, SOURCES, [1, 1, 1]
+    )
     assert list(s.weights(99)) == [1, 0, 0] and list(s.weights(100)) == [1, 0, 1]
 
 

@@ -29,8 +29,12 @@ def _namespaces_work() -> str | None:
     if shutil.which("unshare") is None:
         return "needs util-linux unshare"
     try:
-        probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                               capture_output=True, text=True, timeout=10)
+        probe = subprocess.run(
+            ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unshare -m failed: {exc}"
     return None if probe.returncode == 0 else f"cannot mount a tmpfs in a mount namespace (needs root): {probe.stderr}"
@@ -45,16 +49,26 @@ def _in_small_shm(size: str, script: str, fill_kib: int = 0, timeout: float = 40
     it taken by another file first. The namespace (and its tmpfs) goes with the child."""
     fill = f"dd if=/dev/zero of=/dev/shm/filler bs=1024 count={fill_kib} status=none && " if fill_kib else ""
     return subprocess.run(
-        ["unshare", "-m", "sh", "-c",
-         f'mount -t tmpfs -o size={size} tmpfs /dev/shm && {fill}exec "$0" -c "$1" && true', sys.executable,
-         textwrap.dedent(script)],
-        capture_output=True, text=True, timeout=timeout,
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o size={size} tmpfs /dev/shm && {fill}exec "$0" -c "$1" && true',
+            sys.executable,
+            textwrap.dedent(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
 @needs_namespace
 def test_a_ring_larger_than_the_free_shared_memory_is_refused_at_creation_naming_the_fix(job):
-    done = _in_small_shm("1m", f"""
+    done = _in_small_shm(
+        "1m",
+        f"""
         import os
         from overlord.errors import RingError
         from overlord.shm import Ring, segment_name
@@ -69,7 +83,8 @@ def test_a_ring_larger_than_the_free_shared_memory_is_refused_at_creation_naming
         print("SMALL", os.stat("/dev/shm/" + small.name.lstrip("/")).st_blocks * 512)
         small.close()
         small.unlink()
-    """)
+    """,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     error = next(line for line in done.stdout.splitlines() if line.startswith("ERROR"))
     assert "cannot reserve its 4198400 B (4.0 MiB) segment in /dev/shm (No space left on device)" in error, error
@@ -83,15 +98,30 @@ def test_a_ring_larger_than_the_free_shared_memory_is_refused_at_creation_naming
 
 @needs_namespace
 def test_overlord_check_refuses_rings_larger_than_the_free_shared_memory(tmp_path):
-    corpus = generate_corpus(tmp_path / "corpus", seed=1, text_sources=1, image_sources=0, rows_per_source=32,
-                             files_per_source=1, row_group_size=16)
-    (source, files), = corpus.items()
-    job = Job(name=f"shm{os.getpid() % 10000}", sources=(Source(name=source, paths=tuple(files), transform=TEXT_TRANSFORM),),
-              mesh=Mesh(dp=1), batch=BatchSpec(global_batch=4, micro_batches=1, context_length=128, ring_bytes=1 << 20),
-              sample_ring_bytes=3 << 19, loader_processes=1, run_dir=str(tmp_path / "run"))
+    corpus = generate_corpus(
+        tmp_path / "corpus",
+        seed=1,
+        text_sources=1,
+        image_sources=0,
+        rows_per_source=32,
+        files_per_source=1,
+        row_group_size=16,
+    )
+    ((source, files),) = corpus.items()
+    job = Job(
+        name=f"shm{os.getpid() % 10000}",
+        sources=(Source(name=source, paths=tuple(files), transform=TEXT_TRANSFORM),),
+        mesh=Mesh(dp=1),
+        batch=BatchSpec(global_batch=4, micro_batches=1, context_length=128, ring_bytes=1 << 20),
+        sample_ring_bytes=3 << 19,
+        loader_processes=1,
+        run_dir=str(tmp_path / "run"),
+    )
     config = tmp_path / "job.json"
     config.write_text(job.to_json())
-    check = "import sys; from overlord.cli import main; sys.argv = ['overlord', 'check', '--config', %r]; sys.exit(main())"
+    check = (
+        "import sys; from overlord.cli import main; sys.argv = ['overlord', 'check', '--config', %r]; sys.exit(main())"
+    )
     # 4 MiB of /dev/shm holds what the rings reserve (2 MiB + 1 MiB and a header page each)...
     fits = _in_small_shm("4m", check % str(config))
     assert fits.returncode == 0, fits.stdout + fits.stderr

@@ -123,6 +123,7 @@ def test_any_sizes_and_holding_pattern_delivers_every_byte(job, plan):
     consumer = Ring.attach(name, timeout=1)
     reader = LeasedReader(consumer)
     try:
+
         def produce():
             for i, (n, _) in enumerate(plan):
                 producer.write(pattern(i, n), timeout=10)
@@ -131,7 +132,7 @@ def test_any_sizes_and_holding_pattern_delivers_every_byte(job, plan):
         t = threading.Thread(target=produce)
         t.start()
         held: list[tuple[int, int, np.ndarray]] = []
-        for i, (n, hold) in enumerate(plan):
+        for i, (_n, hold) in enumerate(plan):
             held.append((i + hold, i, reader.read(timeout=10)))
             for entry in [e for e in held if e[0] <= i]:
                 assert bytes(entry[2]) == pattern(entry[1], plan[entry[1]][0])

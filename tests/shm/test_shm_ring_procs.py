@@ -28,7 +28,9 @@ def pattern(seed, i, n):
     return np.random.default_rng([seed, i]).integers(0, 256, n, dtype=np.uint8).tobytes()
 """
 
-PRODUCER = PRELUDE + """
+PRODUCER = (
+    PRELUDE
+    + """
 name, seed, sizes = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 r = Ring.attach(name, timeout=10)
 r.claim_producer()
@@ -37,8 +39,11 @@ for i, n in enumerate(sizes):
     r.write(pattern(seed, i, n), timeout=20)
 r.close_writer()
 """
+)
 
-CONSUMER = PRELUDE + """
+CONSUMER = (
+    PRELUDE
+    + """
 name, seed, sizes = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 r = Ring.attach(name, timeout=10)
 r.claim_consumer()
@@ -49,8 +54,11 @@ for i, n in enumerate(sizes):
         sys.exit(f"record {i}: {len(got)} B differ from the expected {n} B")
 print("ok", len(sizes), flush=True)
 """
+)
 
-SERVER = PRELUDE + """
+SERVER = (
+    PRELUDE
+    + """
 from overlord.errors import RingClosed
 ctl = Ring.attach(sys.argv[1], timeout=10)
 ctl.claim_consumer()
@@ -66,6 +74,7 @@ while True:
             r.write(pattern(cmd["seed"], i, n), timeout=20)
         r.close_writer()
 """
+)
 
 IDLE = """
 import sys, time
@@ -147,7 +156,9 @@ def test_producer_blocks_until_consumer_frees_space(job, spawn):
 @pytest.mark.timeout(60)
 def test_batches_cross_processes(job, spawn):
     name = segment_name(job, "n0", "batch")
-    script = PRELUDE + """
+    script = (
+        PRELUDE
+        + """
 r = Ring.attach(sys.argv[1], timeout=10)
 r.claim_producer()
 print("ready", flush=True)
@@ -156,6 +167,7 @@ for step in range(20):
     write_batch(r, {"x": x, "ids": np.full(3, step, np.int64)}, {"step": step}, timeout=20)
 r.close_writer()
 """
+    )
     with Ring.create(name, 1 << 20) as r:
         child = spawn(script, name)
         child.ready()

@@ -15,38 +15,62 @@ import pytest
 
 from overlord.config import BatchSpec, Job, Mesh, Source
 from overlord.errors import StartupError
-from overlord.sidecar.checks import check_sources, check_transforms, run_checks, source_rows, yield_problem
 from overlord.shm import list_segments
+from overlord.sidecar.checks import check_sources, check_transforms, run_checks, source_rows, yield_problem
 
 BROKEN = {
-    "nomodule": ("tests.integration.no_such_module:text", None,
-                 r"module 'tests.integration.no_such_module' cannot be imported"),
-    "raising": ("tests.integration.raising_transform:text", None,
-                r"importing 'tests.integration.raising_transform' failed: RuntimeError\('this transform module is "
-                r"broken at import'\); fix that module"),
-    "noattr": ("tests.integration.bad_transforms:no_such_transform", None,
-               r"'tests.integration.bad_transforms' has no attribute 'no_such_transform'"),
-    "factory": ("tests.integration.bad_transforms:failing_factory", {"tokenizer": "/nowhere/tok.json"},
-                r"with Source.transform_args \{'tokenizer': '/nowhere/tok.json'\} failed to build its transform: "
-                r"FileNotFoundError: tokenizer file '/nowhere/tok.json' does not exist"),
+    "nomodule": (
+        "tests.integration.no_such_module:text",
+        None,
+        r"module 'tests.integration.no_such_module' cannot be imported",
+    ),
+    "raising": (
+        "tests.integration.raising_transform:text",
+        None,
+        r"importing 'tests.integration.raising_transform' failed: RuntimeError\('this transform module is "
+        r"broken at import'\); fix that module",
+    ),
+    "noattr": (
+        "tests.integration.bad_transforms:no_such_transform",
+        None,
+        r"'tests.integration.bad_transforms' has no attribute 'no_such_transform'",
+    ),
+    "factory": (
+        "tests.integration.bad_transforms:failing_factory",
+        {"tokenizer": "/nowhere/tok.json"},
+        r"with Source.transform_args \{'tokenizer': '/nowhere/tok.json'\} failed to build its transform: "
+        r"FileNotFoundError: tokenizer file '/nowhere/tok.json' does not exist",
+    ),
 }
 
 
 def parquet(path, rows: int) -> str:
-    pq.write_table(pa.table({"text": [f"row {i}" for i in range(rows)]}, schema=pa.schema([("text", pa.string())])), path)
+    pq.write_table(
+        pa.table({"text": [f"row {i}" for i in range(rows)]}, schema=pa.schema([("text", pa.string())])), path
+    )
     return str(path)
 
 
 def job(tmp_path, sources, **kw) -> Job:
-    return Job(name=f"t{uuid.uuid4().hex[:8]}", sources=tuple(sources), mesh=Mesh(dp=1), run_dir=str(tmp_path / "run"),
-               batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20), **kw)
+    return Job(
+        name=f"t{uuid.uuid4().hex[:8]}",
+        sources=tuple(sources),
+        mesh=Mesh(dp=1),
+        run_dir=str(tmp_path / "run"),
+        batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20),
+        **kw,
+    )
 
 
 def run_cli(tmp_path, j: Job, command: str) -> subprocess.CompletedProcess:
     config = tmp_path / f"{j.name}.json"
     config.write_text(j.to_json())
-    done = subprocess.run([sys.executable, "-m", "overlord.cli", command, "--config", str(config)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "overlord.cli", command, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert not list_segments(j.name), "a refused sidecar creates no shared memory"
     return done
 
@@ -58,19 +82,28 @@ def good(tmp_path):
 
 def test_each_broken_transform_is_named_with_its_source(tmp_path, good):
     for name, (spec, args, message) in BROKEN.items():
-        j = job(tmp_path, [Source(name="good", paths=(good,)), Source(name=name, paths=(good,), transform=spec,
-                                                                        transform_args=args)])
+        j = job(
+            tmp_path,
+            [Source(name="good", paths=(good,)), Source(name=name, paths=(good,), transform=spec, transform_args=args)],
+        )
         with pytest.raises(StartupError, match=rf"^source '{name}': transform spec '{spec}'.*{message}"):
             check_transforms(j)
     check_transforms(job(tmp_path, [Source(name="good", paths=(good,))]))  # a good one passes
-    with pytest.raises(StartupError, match=r"^source 'deferred': transform spec 'tests.integration.bad_transforms:nope'"
-                                           r".*has no attribute 'nope'"):
-        check_transforms(job(tmp_path, [Source(name="deferred", paths=(good,), decode="tests.integration.bad_transforms:nope")]))
+    with pytest.raises(
+        StartupError,
+        match=r"^source 'deferred': transform spec 'tests.integration.bad_transforms:nope'"
+        r".*has no attribute 'nope'",
+    ):
+        check_transforms(
+            job(tmp_path, [Source(name="deferred", paths=(good,), decode="tests.integration.bad_transforms:nope")])
+        )
 
 
 def test_check_and_sidecar_name_every_broken_transform_and_its_source(tmp_path, good):
-    sources = [Source(name=name, paths=(good,), transform=spec, transform_args=args)
-               for name, (spec, args, _) in BROKEN.items()]
+    sources = [
+        Source(name=name, paths=(good,), transform=spec, transform_args=args)
+        for name, (spec, args, _) in BROKEN.items()
+    ]
     j = job(tmp_path, [Source(name="good", paths=(good,)), *sources])
     check = run_cli(tmp_path, j, "check")
     assert check.returncode == 1, check.stdout + check.stderr
@@ -90,7 +123,10 @@ def test_source_rows_stops_at_the_first_file_with_rows(tmp_path):
     (tmp_path / "c.jsonl").write_text("\n  \n")
     assert source_rows(Source(name="s", paths=(empty, full))) == (5, [empty, full], [])
     assert source_rows(Source(name="s", paths=(str(tmp_path / "c.jsonl"),), format="jsonl")) == (
-        0, [str(tmp_path / "c.jsonl")], [])
+        0,
+        [str(tmp_path / "c.jsonl")],
+        [],
+    )
 
 
 def test_yield_problem_refuses_what_can_never_yield(tmp_path, good):
@@ -98,11 +134,19 @@ def test_yield_problem_refuses_what_can_never_yield(tmp_path, good):
     sources = [Source(name="web", paths=(good,)), Source(name="books", paths=(empty,))]
     files = {"books": ([empty], [])}
     error, warning = yield_problem(job(tmp_path, sources), files)
-    assert warning is None and error.startswith("job ") and (
-        f"source 'books' has 0 rows in its file(s) '{empty}'; with epochs: null it can never yield a sample" in error)
+    assert (
+        warning is None
+        and error.startswith("job ")
+        and (
+            f"source 'books' has 0 rows in its file(s) '{empty}'; with epochs: null it can never yield a sample"
+            in error
+        )
+    )
     assert "remove it from Job.sources" in error
     error, warning = yield_problem(job(tmp_path, sources, epochs=2), files)
-    assert error is None and "source 'books' has 0 rows" in warning and "yields nothing in the job's 2 epoch(s)" in warning
+    assert (
+        error is None and "source 'books' has 0 rows" in warning and "yields nothing in the job's 2 epoch(s)" in warning
+    )
     error, _ = yield_problem(job(tmp_path, sources[1:], epochs=1), files)
     assert "has no data at all: source 'books' has 0 rows" in error and "could never yield a batch" in error
     (tmp_path / "random.parquet").write_bytes(b"PAR1 not parquet PAR1")
@@ -110,7 +154,9 @@ def test_yield_problem_refuses_what_can_never_yield(tmp_path, good):
     rows, seen, unreadable = source_rows(source)
     assert (rows, seen) == (0, [empty, str(tmp_path / "random.parquet")]) and len(unreadable) == 1
     error, _ = yield_problem(job(tmp_path, [source], epochs=1), {"books": (seen, unreadable)})
-    assert re.search(r"source 'books' has 0 rows in its file\(s\) .* \(unreadable: '.*random.parquet': .*\)", error), error
+    assert re.search(r"source 'books' has 0 rows in its file\(s\) .* \(unreadable: '.*random.parquet': .*\)", error), (
+        error
+    )
     assert yield_problem(job(tmp_path, sources), {}) == (None, None)
 
 
@@ -120,14 +166,25 @@ def test_a_job_that_can_never_yield_is_refused_by_check_and_sidecar(tmp_path, go
     jsonl.write_text("")
     empty = parquet(tmp_path / "empty.parquet", 0)
     sources, epochs, words = {
-        "empty jsonl alone": ([Source(name="web", paths=(str(jsonl),), format="jsonl")], 1,
-                              [f"has no data at all: source 'web' has 0 rows in its file(s) '{jsonl}'"]),
-        "no data at all": ([Source(name="web", paths=(empty,)), Source(name="code", paths=(str(jsonl),), format="jsonl")],
-                           None, ["has no data at all", f"source 'web' has 0 rows in its file(s) '{empty}'",
-                                  f"source 'code' has 0 rows in its file(s) '{jsonl}'"]),
+        "empty jsonl alone": (
+            [Source(name="web", paths=(str(jsonl),), format="jsonl")],
+            1,
+            [f"has no data at all: source 'web' has 0 rows in its file(s) '{jsonl}'"],
+        ),
+        "no data at all": (
+            [Source(name="web", paths=(empty,)), Source(name="code", paths=(str(jsonl),), format="jsonl")],
+            None,
+            [
+                "has no data at all",
+                f"source 'web' has 0 rows in its file(s) '{empty}'",
+                f"source 'code' has 0 rows in its file(s) '{jsonl}'",
+            ],
+        ),
         "empty next to a good source, epochs null": (
-            [Source(name="web", paths=(good,)), Source(name="books", paths=(empty,))], None,
-            [f"source 'books' has 0 rows in its file(s) '{empty}'; with epochs: null it can never yield"]),
+            [Source(name="web", paths=(good,)), Source(name="books", paths=(empty,))],
+            None,
+            [f"source 'books' has 0 rows in its file(s) '{empty}'; with epochs: null it can never yield"],
+        ),
     }[case]
     j = job(tmp_path, sources, epochs=epochs)
     with pytest.raises(StartupError) as info:

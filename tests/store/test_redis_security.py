@@ -20,6 +20,7 @@ import urllib.request
 
 import pytest
 import redis
+from tls_proxy import TlsProxy, issue_certs
 
 from overlord.config import BatchSpec, Job, Mesh, Source, split_redis_password
 from overlord.demo.corpus import TEXT_TRANSFORM, generate_corpus
@@ -29,7 +30,6 @@ from overlord.shm import list_segments, unlink_all
 from overlord.sidecar.sidecar import sidecar_running
 from overlord.store import EmbeddedRedis, Keys, connect
 from overlord.store.client import CA_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV, env_password, redact
-from tls_proxy import TlsProxy, issue_certs
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -61,8 +61,9 @@ def secured(tmp_path_factory):
         setup.execute_command("ACL", "SETUSER", USER, "on", f">{PASSWORD}", "~overlord:*", "+@all", "-@dangerous")
         setup.execute_command("ACL", "SETUSER", "default", "off")
         setup.close()
-        admin = redis.Redis(unix_socket_path=str(server.socket), username=ADMIN, password=ADMIN_PASSWORD,
-                            socket_timeout=5)
+        admin = redis.Redis(
+            unix_socket_path=str(server.socket), username=ADMIN, password=ADMIN_PASSWORD, socket_timeout=5
+        )
         with TlsProxy(certs, server.socket) as proxy:
             yield SecuredRedis(proxy.port, str(certs.ca), admin, proxy)
         admin.close()
@@ -114,7 +115,8 @@ def _overlord_operations(r: redis.Redis, other: redis.Redis, keys: Keys) -> None
 
     found = set(r.scan_iter(match=f"{keys.base}:*", count=2))
     assert {keys.layout, keys.nodes, keys.plans, keys.counters, keys.progress, keys.leader}.issubset(
-        {k.decode() for k in found})
+        {k.decode() for k in found}
+    )
 
 
 def test_acl_user_over_tls_with_ca_from_env_runs_overlord_commands(secured, ca_env):
@@ -246,14 +248,30 @@ def _run_job(secured, tmp_path, monkeypatch, config_for, *, own_sidecar: bool) -
     """Run one epoch of a job on `secured`: `overlord sidecar` started first (with
     /metrics), or a trainer that spawns its sidecar (DataLoader's spawn path). Returns
     the job and everything the processes printed."""
-    corpus = generate_corpus(tmp_path / "corpus", seed=3, text_sources=1, image_sources=0, rows_per_source=96,
-                             files_per_source=1, row_group_size=32)
-    (name, files), = corpus.items()
+    corpus = generate_corpus(
+        tmp_path / "corpus",
+        seed=3,
+        text_sources=1,
+        image_sources=0,
+        rows_per_source=96,
+        files_per_source=1,
+        row_group_size=32,
+    )
+    ((name, files),) = corpus.items()
     port = _free_port() if own_sidecar else None
-    job = Job(name=f"pw{os.getpid() % 10000}", sources=(Source(name=name, paths=tuple(files), transform=TEXT_TRANSFORM),),
-              mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, micro_batches=2, context_length=256, ring_bytes=1 << 20),
-              epochs=1, redis_url=secured.url(), run_dir=str(tmp_path / "run"), timeout_s=20.0,
-              sample_ring_bytes=1 << 20, buffer_samples=64, metrics_port=port)
+    job = Job(
+        name=f"pw{os.getpid() % 10000}",
+        sources=(Source(name=name, paths=tuple(files), transform=TEXT_TRANSFORM),),
+        mesh=Mesh(dp=1),
+        batch=BatchSpec(global_batch=8, micro_batches=2, context_length=256, ring_bytes=1 << 20),
+        epochs=1,
+        redis_url=secured.url(),
+        run_dir=str(tmp_path / "run"),
+        timeout_s=20.0,
+        sample_ring_bytes=1 << 20,
+        buffer_samples=64,
+        metrics_port=port,
+    )
     config = tmp_path / "job.json"
     config.write_text(json.dumps(config_for(job)))
     config.chmod(0o600)  # the user's own config file
@@ -263,11 +281,19 @@ def _run_job(secured, tmp_path, monkeypatch, config_for, *, own_sidecar: bool) -
     try:
         if own_sidecar:
             with open(said, "wb") as out:
-                sidecar = subprocess.Popen([sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config),
-                                            "--exit-when-idle"], stdout=out, stderr=subprocess.STDOUT)
+                sidecar = subprocess.Popen(
+                    [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config), "--exit-when-idle"],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
             _scrape_up(port, sidecar)
-        done = subprocess.run([sys.executable, "-c", _TRAINER, str(config)], capture_output=True, text=True,
-                              timeout=120, env=dict(os.environ, RANK="0", WORLD_SIZE="1"))
+        done = subprocess.run(
+            [sys.executable, "-c", _TRAINER, str(config)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ, RANK="0", WORLD_SIZE="1"),
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         assert int(done.stdout.split()[-1]) == 96, done.stdout  # one epoch, every sample once
         if sidecar is not None:
@@ -305,17 +331,20 @@ def test_a_password_in_the_config_file_reaches_every_role_but_nothing_stored(sec
     metrics process log in with it (from their environment), and nothing stores it."""
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
     monkeypatch.delenv(PASSWORD_FILE_ENV, raising=False)
-    job, output = _run_job(secured, tmp_path, monkeypatch, lambda job: {**job.to_dict(), "redis_url": job.redis_url},
-                           own_sidecar=True)
+    job, output = _run_job(
+        secured, tmp_path, monkeypatch, lambda job: {**job.to_dict(), "redis_url": job.redis_url}, own_sidecar=True
+    )
     _assert_password_nowhere(secured, job, output, {"job.json", "loader0.log", "planner0.log", "metrics.log"})
 
 
-def test_a_spawned_sidecar_gets_the_configs_password_in_its_environment_not_a_file(secured, ca_env, tmp_path,
-                                                                                   monkeypatch):
+def test_a_spawned_sidecar_gets_the_configs_password_in_its_environment_not_a_file(
+    secured, ca_env, tmp_path, monkeypatch
+):
     monkeypatch.delenv(PASSWORD_ENV, raising=False)
     monkeypatch.delenv(PASSWORD_FILE_ENV, raising=False)
-    job, output = _run_job(secured, tmp_path, monkeypatch, lambda job: {**job.to_dict(), "redis_url": job.redis_url},
-                           own_sidecar=False)
+    job, output = _run_job(
+        secured, tmp_path, monkeypatch, lambda job: {**job.to_dict(), "redis_url": job.redis_url}, own_sidecar=False
+    )
     _assert_password_nowhere(secured, job, output, {"job.json", "spawned-job.json", "sidecar.log", "loader0.log"})
 
 
@@ -346,15 +375,18 @@ def test_a_password_file_others_may_read_is_refused(secured, ca_env, tmp_path, m
         r.close()
 
 
-@pytest.mark.parametrize("url, stored, password", [
-    ("rediss://overlord:s3cret@h:6380/0", "rediss://overlord@h:6380/0", "s3cret"),
-    ("redis://:Pw-only-1@h/1", "redis://@h/1", "Pw-only-1"),
-    ("redis://u:p%40ss@w@rd@h/0", "redis://u@h/0", "p@ss@w@rd"),  # the last @ ends the userinfo
-    ("redis://h:6379/0?password=Qu3ry-pw&db=2", "redis://h:6379/0?db=2", "Qu3ry-pw"),
-    ("unix://u:Sock-pw@/run/redis.sock?db=0", "unix://u@/run/redis.sock?db=0", "Sock-pw"),
-    ("redis://u@h/0", "redis://u@h/0", None),
-    ("unix:///run/overlord/redis.sock", "unix:///run/overlord/redis.sock", None),
-])
+@pytest.mark.parametrize(
+    "url, stored, password",
+    [
+        ("rediss://overlord:s3cret@h:6380/0", "rediss://overlord@h:6380/0", "s3cret"),
+        ("redis://:Pw-only-1@h/1", "redis://@h/1", "Pw-only-1"),
+        ("redis://u:p%40ss@w@rd@h/0", "redis://u@h/0", "p@ss@w@rd"),  # the last @ ends the userinfo
+        ("redis://h:6379/0?password=Qu3ry-pw&db=2", "redis://h:6379/0?db=2", "Qu3ry-pw"),
+        ("unix://u:Sock-pw@/run/redis.sock?db=0", "unix://u@/run/redis.sock?db=0", "Sock-pw"),
+        ("redis://u@h/0", "redis://u@h/0", None),
+        ("unix:///run/overlord/redis.sock", "unix:///run/overlord/redis.sock", None),
+    ],
+)
 def test_the_stored_url_has_no_password(url, stored, password):
     assert split_redis_password(url) == (stored, password)
     job = Job(name="urls", sources=(Source(name="s", paths=("x",)),), redis_url=url)

@@ -10,8 +10,19 @@ from overlord.store import EmbeddedRedis, Keys, connect, redact
 
 def test_keys_share_the_job_hash_tag():
     k = Keys("j1")
-    every = [k.planner, k.plan(3), k.plans, k.meta("web.0"), k.progress, k.heartbeat("loader", "0"),
-             k.nodes, k.layout, k.errors, k.counters, k.job_config]
+    every = [
+        k.planner,
+        k.plan(3),
+        k.plans,
+        k.meta("web.0"),
+        k.progress,
+        k.heartbeat("loader", "0"),
+        k.nodes,
+        k.layout,
+        k.errors,
+        k.counters,
+        k.job_config,
+    ]
     assert all(key.startswith("overlord:{j1}:") for key in every)
     assert len(set(every)) == len(every)
 

@@ -50,11 +50,26 @@ def issue_certs(directory: Path) -> Certs:
     def run(*args: str) -> None:
         subprocess.run([openssl, *args], cwd=d, check=True, capture_output=True, timeout=_OPENSSL_TIMEOUT_S)
 
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-        "-subj", "/CN=Overlord test CA", "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-        "-subj", "/CN=localhost")
+    run(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=Overlord test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    )
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost")
     (d / "server.ext").write_text(
         "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
         "basicConstraints=critical,CA:FALSE\n"
@@ -62,8 +77,23 @@ def issue_certs(directory: Path) -> Certs:
         "extendedKeyUsage=serverAuth\n"
         "authorityKeyIdentifier=keyid\n"
     )
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.pem", "-days", "2", "-extfile", "server.ext")
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "server.ext",
+    )
     return Certs(ca=d / "ca.pem", cert=d / "server.pem", key=d / "server.key")
 
 
@@ -87,11 +117,11 @@ class TlsProxy:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
-    def start(self) -> "TlsProxy":
+    def start(self) -> TlsProxy:
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.context,
-                                 ssl_handshake_timeout=self.timeout_s), self._loop
+            asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.context, ssl_handshake_timeout=self.timeout_s),
+            self._loop,
         ).result(self.timeout_s)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
@@ -106,7 +136,7 @@ class TlsProxy:
             raise TimeoutError(f"TLS proxy thread did not stop within {self.timeout_s}s")
         self._loop.close()
 
-    def __enter__(self) -> "TlsProxy":
+    def __enter__(self) -> TlsProxy:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -128,7 +158,7 @@ class TlsProxy:
         self._writers.add(client_w)
         try:
             redis_r, redis_w = await asyncio.wait_for(asyncio.open_unix_connection(self.upstream), self.timeout_s)
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             client_w.close()
             self._writers.discard(client_w)
             return

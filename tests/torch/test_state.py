@@ -26,8 +26,14 @@ def files(tmp_path):
 
 
 def job_of(files, tmp_path, **kw):
-    args = dict(name="st", sources=tuple(Source(name=n, paths=(p,)) for n, p in files.items()), mesh=Mesh(dp=2),
-                batch=BatchSpec(global_batch=16, micro_batches=2), run_dir=str(tmp_path / "run"), epochs=1)
+    args = dict(
+        name="st",
+        sources=tuple(Source(name=n, paths=(p,)) for n, p in files.items()),
+        mesh=Mesh(dp=2),
+        batch=BatchSpec(global_batch=16, micro_batches=2),
+        run_dir=str(tmp_path / "run"),
+        epochs=1,
+    )
     args.update(kw)
     return Job(**args)
 
@@ -55,8 +61,9 @@ def test_per_rank_states_of_the_first_format_still_load(files, tmp_path):
 
 def test_merge_keeps_ranks_at_other_positions_exact(files, tmp_path):
     job = job_of(files, tmp_path)
-    merged = states.merge([states.make(job, 0, states.Position(5, 0, 11)),
-                           states.make(job, 1, states.Position(5, 1, 12))])
+    merged = states.merge(
+        [states.make(job, 0, states.Position(5, 0, 11)), states.make(job, 1, states.Position(5, 1, 12))]
+    )
     assert states.load(job, 0, merged).last == (5, 0)
     assert states.load(job, 1, merged).last == (5, 1)
 
@@ -65,19 +72,29 @@ def test_other_job_or_a_mid_step_state_of_another_mesh_is_refused(files, tmp_pat
     job = job_of(files, tmp_path)
     with pytest.raises(ConfigError, match="the state is of job 'other', not 'st'"):
         states.load(job, 0, {"job": "other", "step": 1, "microbatch": 0, "batches": 3})
-    narrow = {"job": "st", "rank": 1, "batches": 3, "step": 1, "microbatch": 0, "mesh": [4, 1, 1, 1],
-              "micro_batches": 2}
+    narrow = {
+        "job": "st",
+        "rank": 1,
+        "batches": 3,
+        "step": 1,
+        "microbatch": 0,
+        "mesh": [4, 1, 1, 1],
+        "micro_batches": 2,
+    }
     with pytest.raises(ConfigError, match="needs a state taken at a step boundary"):
         states.load(job, 0, narrow)
     assert states.load(job, 0, {**narrow, "microbatch": 1}).next(2) == (2, 0)
 
 
-@pytest.mark.parametrize("drop_last, epochs, steps", [
-    (False, 1, 10),  # 161 samples = 10 x 16 + 1; 1 < dp x micro_batches = 4: dropped
-    (True, 1, 10),
-    (False, 5, 51),  # 805 = 50 x 16 + 5: a partial step that gives each of the 4 micro-batches one
-    (True, 5, 50),
-])
+@pytest.mark.parametrize(
+    "drop_last, epochs, steps",
+    [
+        (False, 1, 10),  # 161 samples = 10 x 16 + 1; 1 < dp x micro_batches = 4: dropped
+        (True, 1, 10),
+        (False, 5, 51),  # 805 = 50 x 16 + 5: a partial step that gives each of the 4 micro-batches one
+        (True, 5, 50),
+    ],
+)
 def test_length_counts_the_steps_of_a_finite_job(files, tmp_path, drop_last, epochs, steps):
     job = job_of(files, tmp_path, epochs=epochs, batch=BatchSpec(global_batch=16, micro_batches=2, drop_last=drop_last))
     assert states.length(job) == steps * 2
