@@ -298,7 +298,9 @@ class Sidecar(NodeMember):
         if removed:
             log.info("removed %d shared-memory segment(s) left by dead owners: %s", len(removed), removed)
         url = self._start_store()
-        self.r = connect(url, ride_through_s=1.0)  # short: the sidecar itself restarts a dead Redis
+        # short: the watch loop goes on without Redis (restarting an embedded one that died);
+        # its roles and trainers are the ones that wait up to Job.redis_outage_s
+        self.r = connect(url, ride_through_s=1.0, setting="the sidecar's retry before its loop goes on")
         if self.job.multi_node:
             layout, placement = self._boot()
         else:

@@ -54,9 +54,9 @@ class OutageRetry(Retry):
     server has been gone for less than `budget_s` (a frozen server costs a socket timeout
     per try, so a count says nothing about how long it waited)."""
 
-    def __init__(self, url: str, budget_s: float) -> None:
+    def __init__(self, url: str, budget_s: float, setting: str = "Job.redis_outage_s") -> None:
         super().__init__(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.005), -1, supported_errors=RETRIED)
-        self.url, self.budget_s = redact(url), budget_s
+        self.url, self.budget_s, self.setting = redact(url), budget_s, setting
         self.unreachable_since: float | None = None  # monotonic, while the server is gone
         self.last_outage_end: float | None = None  # monotonic, when it last came back
 
@@ -76,19 +76,20 @@ class OutageRetry(Retry):
             if self.unreachable_since is None:
                 self.unreachable_since = now
                 log.warning(
-                    "Redis at %s unreachable (%s: %s); waiting for it up to %gs (Job.redis_outage_s)",
+                    "Redis at %s unreachable (%s: %s); waiting for it up to %gs (%s)",
                     self.url,
                     type(error).__name__,
                     error,
                     self.budget_s,
+                    self.setting,
                 )
             if now - self.unreachable_since >= self.budget_s:
                 if getattr(error, "outage_named", False):  # from a reconnect nested in this command
                     raise error
                 named = type(error)(
                     f"Redis at {self.url} unreachable for {now - self.unreachable_since:.0f}s, past "
-                    f"Job.redis_outage_s={self.budget_s:g} ({error}); bring it back or fail it "
-                    "over, or raise Job.redis_outage_s"
+                    f"{self.setting}={self.budget_s:g} ({error}); bring it back or fail it "
+                    f"over, or raise {self.setting}"
                 )
                 setattr(named, "outage_named", True)  # noqa: B010 - an attribute redis-py's errors lack
                 raise named from error
@@ -113,7 +114,13 @@ def outage_within(r: redis.Redis, seconds: float) -> bool:
     return retry.last_outage_end is not None and time.monotonic() - retry.last_outage_end < seconds
 
 
-def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S, ride_through_s: float = RIDE_THROUGH_S) -> redis.Redis:
+def connect(
+    url: str,
+    *,
+    timeout_s: float = SOCKET_TIMEOUT_S,
+    ride_through_s: float = RIDE_THROUGH_S,
+    setting: str = "Job.redis_outage_s",
+) -> redis.Redis:
     """Open a Redis client for `url` (redis://, rediss://, unix://; ACL user and password in
     the URL: `rediss://user:password@host:port/0`).
 
@@ -127,6 +134,7 @@ def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S, ride_through_s: fl
         url: the server.
         timeout_s: socket timeout of one command.
         ride_through_s: how long a command keeps retrying while the server is gone.
+        setting: what sets `ride_through_s`, named in the log line and the error.
 
     Raises:
         StoreError: the server does not answer a PING (unreachable, TLS or login refused).
@@ -150,7 +158,7 @@ def connect(url: str, *, timeout_s: float = SOCKET_TIMEOUT_S, ride_through_s: fl
     except redis.RedisError as exc:
         raise StoreError(f"Redis at {redact(url)} is unreachable: {exc}; check Job.redis_url") from None
     if ride_through_s > 0:
-        client.set_retry(OutageRetry(url, ride_through_s))
+        client.set_retry(OutageRetry(url, ride_through_s, setting))
     else:
         client.set_retry(Retry(ExponentialBackoff(), 0, supported_errors=RETRIED))
     return client

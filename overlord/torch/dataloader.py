@@ -149,6 +149,7 @@ class DataLoader(NodeReader):
         self._stats = None  # StatsPublisher, from the first batch on
         self._redis_gone: float | None = None  # monotonic: when this rank found the job's Redis unreachable
         self._probe_redis = None  # see _probe
+        self._outage_grace = False  # whether the roles had their extra timeout_s after the last outage
         m = self.job.mesh
         self._mesh = [m.dp, m.pp, m.cp, m.tp]
         self._done = False
@@ -464,6 +465,7 @@ class DataLoader(NodeReader):
         except (OverlordError, redis.RedisError) as exc:
             self._probe_redis = None  # a fresh client, and a fresh ping, next time
             return self._redis_away(origin, exc)
+        was_away = self._redis_gone is not None or self._missed_redis_lately()
         self._redis_gone = None
         if not job_known:
             raise RemoteRoleError(
@@ -473,12 +475,31 @@ class DataLoader(NodeReader):
                 "from their state_dict), and give Redis an append-only file (appendonly yes) or a replica"
             ) from None
         if turning:
+            self._outage_grace = False
             warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung", stacklevel=2)
+            return time.monotonic() + self.timeout_s
+        if was_away and not self._outage_grace:
+            # Redis just came back: the roles could not beat while it was away, so their
+            # heartbeats are as old as the outage. One more timeout_s for them to turn
+            # their loops (once per outage: a role that stays silent is then an error).
+            self._outage_grace = True
+            warnings.warn(
+                f"{origin}: no batch for {self.timeout_s:g}s: the job's Redis at {self._redis_url()} answers "
+                f"again after an outage; waiting up to {self.timeout_s:g}s more for constructor{self._host} "
+                "to turn its loop",
+                stacklevel=2,
+            )
             return time.monotonic() + self.timeout_s
         raise RemoteRoleError(
             f"{origin}: no batch within {self.timeout_s:g}s ({serving}) and its Data Constructor host "
             f"(constructor{self._host}) has not turned its loop for as long: run `overlord status` and {look}"
         ) from None
+
+    def _missed_redis_lately(self) -> bool:
+        """Whether this trainer's stats thread failed to reach Redis within the last
+        timeout_s (an outage this rank's probes did not see: it was reading batches)."""
+        missed = self._stats.missed if self._stats is not None else None
+        return missed is not None and time.monotonic() - missed < 2 * self.timeout_s
 
     def _redis_url(self) -> str:
         from overlord.status import redis_url_of  # deferred as in _control

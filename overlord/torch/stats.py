@@ -25,6 +25,7 @@ class StatsPublisher:
         self.job, self.rank, self.totals = job, rank, totals
         self._stop = threading.Event()
         self.reached: float | None = None  # monotonic: the last write Redis took
+        self.missed: float | None = None  # monotonic: the last write Redis did not take
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"overlord-stats-{rank}")
         self._thread.start()
 
@@ -51,6 +52,7 @@ class StatsPublisher:
                 self.reached = time.monotonic()
             except Exception:  # noqa: BLE001 - figures for operators must never fail training
                 r = None
+                self.missed = time.monotonic()
             if stopping:
                 return
             stopping = self._stop.wait(PUBLISH_S)
