@@ -1,10 +1,14 @@
 """The docs stay true to the code.
 
 docs/config.md is exactly what tools/config_reference.py renders from the config
-dataclasses' docstrings (and that tool refuses an undocumented field). Every job in
-docs/cookbook.md loads with `Job.from_dict`, and its strategy, shipped or defined in the
-cookbook's Python blocks, plans steps on synthetic metadata through the real Planner
-core, which checks that each selected sample is planned exactly once.
+dataclasses' docstrings (and that tool refuses an undocumented field);
+docs/reference/metrics.md and docs/reference/cli.md are what tools/metrics_reference.py
+and tools/cli_reference.py render from the metrics collector and the CLI's parser. Every
+job in docs/cookbook.md loads with `Job.from_dict`, and its strategy, shipped or defined
+in the cookbook's Python blocks, plans steps on synthetic metadata through the real
+Planner core, which checks that each selected sample is planned exactly once. The README
+fits on a screen, its job (Python and YAML) builds, and every relative link in README.md
+and docs/ reaches a file (and a heading, where it names one).
 """
 
 from __future__ import annotations
@@ -40,12 +44,20 @@ def _fenced(lang: str) -> list[str]:
 YAML_BLOCKS = _fenced("yaml")
 
 
-@pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "tools" / "config_reference.py")
+README = ROOT / "README.md"
+README_MAX_LINES = 260
+
+
+def _load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def tool():
+    return _load_tool("config_reference")
 
 
 # -- the config reference ----------------------------------------------------------------
@@ -122,6 +134,95 @@ def test_an_undocumented_field_fails_loudly(tool, monkeypatch, capsys):
 
     with pytest.raises(tool.DocError, match="'gone'"):
         tool.attributes(Stale)
+
+
+# -- the metrics and CLI references ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["metrics_reference", "cli_reference"])
+def test_generated_reference_is_current(name, capsys):
+    rc = _load_tool(name).main(["--check"])
+    assert rc == 0, capsys.readouterr().err  # stale: run python tools/<name>.py
+
+
+def test_metrics_reference_lists_every_family_the_collector_yields():
+    metrics = _load_tool("metrics_reference")
+    names = [name for name, *_ in metrics.families()]
+    assert len(names) == len(set(names)) >= 20
+    text = (ROOT / "docs" / "reference" / "metrics.md").read_text()
+    assert re.findall(r"^\| `(overlord_\w+)` \|", text, flags=re.M) == names
+    assert "overlord_source_samples_total" in names and "overlord_up" in names  # counters keep _total
+
+
+def test_cli_reference_has_every_subcommand_and_option():
+    cli = _load_tool("cli_reference")
+    text = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    subs = cli._subcommands(cli.parser())
+    assert [name for name, _, _ in subs][:2] == ["sidecar", "check"]
+    for name, _, sub in subs:
+        section = text.split(f"## overlord {name}\n", 1)[1].split("\n## ", 1)[0]
+        for action in sub._actions:
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help"):
+                    assert f"`{flag}" in section, (name, flag)
+
+
+# -- the README and the links between the docs ----------------------------------------------
+
+
+def _fenced_in(path: Path, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", path.read_text(), flags=re.M | re.S)
+
+
+def test_readme_fits_on_a_screen():
+    lines = README.read_text().count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move depth to docs/"
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_the_first_job_builds_the_same_in_python_and_yaml(page, monkeypatch):
+    monkeypatch.delenv("OVERLORD_NODE", raising=False)
+    script = _fenced_in(ROOT / page, "python")[0]
+    setup = script.split("\nloader = ", 1)[0]  # the imports and the job, before anything runs
+    scope: dict = {}
+    exec(compile(setup, page, "exec"), scope)  # noqa: S102 - the page's own snippet
+    from_yaml = Job.from_dict(yaml.safe_load(_fenced_in(ROOT / page, "yaml")[0]))
+    assert scope["job"] == from_yaml  # "the same job as YAML" is the same job
+
+
+def _doc_files() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    return {_slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_every_relative_link_in_readme_and_docs_resolves():
+    broken = []
+    for doc in _doc_files():
+        text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:, ...
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            where = f"{doc.relative_to(ROOT)} -> {target}"
+            if not dest.exists():
+                broken.append(f"{where}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                broken.append(f"{where}: no heading with that anchor")
+    assert not broken, "\n".join(broken)
+
+
+def test_docs_pages_are_linked_from_the_readme_or_another_page():
+    linked = set()
+    for doc in _doc_files():
+        for target in re.findall(r"\]\(([^)#\s]+)", doc.read_text()):
+            linked.add((doc.parent / target).resolve())
+    orphans = [str(p.relative_to(ROOT)) for p in _doc_files()[1:] if p.resolve() not in linked]
+    assert not orphans, orphans
 
 
 # -- the cookbook --------------------------------------------------------------------------
