@@ -97,6 +97,12 @@ class DataConstructor:
             step = int(done) + 1 if done is not None else first
             self.r.hset(self.keys.progress, f"r{self.dp}", f"{os.getpid()}.{time.time():.6f}:{step}")
             log.warning("DataConstructor dp=%d restarted at step %d; asked the loaders for a replay", self.dp, step)
+            # every step before `step` was built (into a ring this process may never see: on
+            # another node, its sidecar dead); an empty ring of ours then counts as read up
+            # to there (marks.py), so the Planner's bound on the trainers cannot wait on a
+            # mark nobody is left to publish
+            for rank in self.outputs:
+                self.written.setdefault(rank, step - 1)
             return step
         # on a resume, micro-batches of the first steps a rank had already consumed
         raw = self.r.hgetall(self.keys.resume) if point else {}

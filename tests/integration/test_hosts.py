@@ -1,0 +1,155 @@
+"""A job on two nodes that are hosts of their own (hosts.py): each node in its own
+network, IPC, mount (private /dev/shm) and PID namespaces on a private bridge, Redis on
+a third host reached over TCP, Flight between the nodes' own addresses.
+
+With no fault, every sample reaches the trainers exactly once, each host's /dev/shm
+holds only its own node's segments, and none is left once the job ends. With a node's
+sidecar and roles killed while its trainer lives, the trainer reads over Flight from the
+other host and back once its sidecar is started again, with the bytes of the run
+without a fault; the dead roles' segments are gone from its host once the new sidecar
+runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from harness import assert_delivered, make_job
+from hosted import FLIGHT_PORT, HostedJob
+from hosts import Fabric, unavailable
+
+from overlord import BatchSpec, Mesh
+from overlord.store import Keys, connect
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.slow,  # make test-slow
+    pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
+]
+
+NODES = ("n0", "n1")
+JOB = dict(
+    seed=5,
+    epochs=1,
+    mesh=Mesh(dp=2),
+    loader_processes=2,
+    plan_ahead=2,
+    timeout_s=30.0,
+    nodes=NODES,
+    flight_port=FLIGHT_PORT,
+    batch=BatchSpec(global_batch=20, micro_batches=2, context_length=512, ring_bytes=128 << 10),
+)
+
+
+@pytest.fixture
+def hosted(corpus, tmp_path):
+    """A factory of jobs on hosts, each job on a fabric of its own."""
+    made: list[tuple[Fabric, HostedJob]] = []
+
+    def factory(**overrides) -> HostedJob:
+        fabric = Fabric()
+        # HostedJob points redis_url at the Redis host it starts
+        job = make_job(corpus, tmp_path / f"run{len(made)}", redis_url="redis://unset", **{**JOB, **overrides})
+        workdir = tmp_path / f"work{len(made)}"
+        workdir.mkdir()
+        try:
+            made.append((fabric, HostedJob(fabric, job, workdir)))
+        except BaseException:
+            fabric.close()
+            raise
+        return made[-1][1]
+
+    yield factory
+    for fabric, h in made:
+        try:
+            h.stop()
+        except Exception:  # noqa: BLE001 - closing the fabric kills what is left
+            pass
+        h.kill_all()
+        fabric.close()
+
+
+def _segments(h: HostedJob, node: str) -> list[str]:
+    return sorted(p.name for p in h.hosts[node].shm.iterdir() if h.job.name in p.name)
+
+
+def _until(condition, h: HostedJob, timeout: float = 90, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{h.log()}"
+        time.sleep(0.05)
+
+
+def _run_clean(h: HostedJob) -> dict[int, dict]:
+    for node in NODES:
+        h.start_sidecar(node)
+    h.start_trainers(sleep="0.05")
+    _until(lambda: all(_segments(h, n) for n in NODES), h, what="each node's rings")
+    mine = {n: _segments(h, n) for n in NODES}
+    out = h.results(timeout=180)
+    assert all(rec["end"] == "stop" for rec in out.values()), ({r: rec["end"] for r, rec in out.items()}, h.log())
+    assert h.stop() == {n: 0 for n in NODES}, h.log()
+    # each host saw only its own node's segments (the other's live in its own /dev/shm)
+    assert not set(mine["n0"]) & set(mine["n1"]), mine
+    assert {n: _segments(h, n) for n in NODES} == {"n0": [], "n1": []}
+    return out
+
+
+def test_two_hosts_deliver_every_sample_once_over_their_own_addresses(hosted, corpus_keys):
+    h = hosted()
+    out = _run_clean(h)
+    assert_delivered(out, corpus_keys, log=h.log)
+    served = [
+        line
+        for node in NODES
+        for line in (h.job.on_node(node).run_path / "flight.log").read_text().splitlines()
+        if "served over Flight" in line
+    ]
+    assert served, f"no constructor pulled samples from the other host over Flight\n{h.log()}"
+    addresses = {h.hosts[n].address for n in NODES}
+    r = connect(h.job.redis_url, ride_through_s=0)
+    endpoints = {v.decode() for v in r.hgetall(Keys(h.job.name).nodes).values()}
+    assert all(any(a in e for e in endpoints) for a in addresses), (addresses, endpoints)
+
+
+def test_a_nodes_roles_killed_while_its_trainer_lives_reads_over_flight_and_back(hosted, corpus_keys):
+    ref = _run_clean(hosted())
+    h = hosted()
+    for node in NODES:
+        h.start_sidecar(node)
+    h.start_trainers(sleep="0.2")
+    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
+
+    def step(dp: int) -> int:
+        return int(r.hget(keys.progress, f"c{dp}") or -1)
+
+    def placed() -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in r.hgetall(keys.placement).items()}
+
+    _until(lambda: min(step(d) for d in range(2)) >= 4, h, what="step 4")
+    # the sidecar and every role of n1 die at once; its trainer lives on
+    trainer = h.trainers[1].pid
+    for pid in h.hosts["n1"].pids()[1:]:  # all but the host's init
+        if pid != trainer:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    h.sidecars["n1"].wait(timeout=10)
+    killed_at = step(1)
+    _until(lambda: placed()["constructor1"] != "n1", h, what="n1's roles to move to n0")
+    _until(lambda: step(1) >= killed_at + 3, h, what="dp1 to be built on n0")
+    assert _segments(h, "n1"), "the dead roles' rings stay in n1's /dev/shm until a process of the job runs there"
+    h.start_sidecar("n1")  # as systemd would (Restart=always)
+    _until(lambda: placed()["constructor1"] == "n1", h, what="n1's roles to come home")
+    out = h.results(timeout=180)
+    for rank, rec in out.items():
+        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
+        assert rec["digests"] == ref[rank]["digests"], f"rank {rank}: bytes differ from the run without a fault"
+    assert out[1]["switches"] >= 2, out[1]  # to n0 over Flight, and back
+    assert_delivered(out, corpus_keys, log=h.log)
+    assert h.stop() == {n: 0 for n in NODES}, h.log()
+    assert {n: _segments(h, n) for n in NODES} == {"n0": [], "n1": []}, "segments left on a host"
