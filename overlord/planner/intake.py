@@ -1,0 +1,102 @@
+"""Intake: the Source Loaders' buffer metadata, into the Planner.
+
+Per turn one XREAD over every loader's metadata stream (`meta:<stream>`). What the
+Planner has read lives in its memory (and its checkpoint), so it trims the streams
+behind what it read. Chunks of an older generation (reported before this Planner took
+over) are dropped: every loader reports its read buffer again with the new one (see
+leadership.py). When a step needs more samples of a stream than it holds, the Planner
+tells the loaders (`demand` hash): a full read buffer may be smaller than what one
+step takes from a stream.
+
+No new samples for `Job.timeout_s` is a stall only if the loaders of the starving
+streams have not turned their loops for as long either (else it is back-pressure).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+from overlord.errors import PlanError
+from overlord.planner import meta
+from overlord.planner.meta import MetaChunk
+from overlord.sidecar.flow import alive_within
+from overlord.sidecar.layout import Layout
+from overlord.store import Keys
+
+WAIT_MS = 20  # longest block on the metadata streams
+
+
+class Intake:
+    """Reads the loaders' reports of one generation, asks for what a step lacks, and
+    tells a stall from back-pressure."""
+
+    def __init__(
+        self, r: redis.Redis, keys: Keys, layout: Layout, generation: int, *, timeout_s: float, run_dir: Path | str
+    ) -> None:
+        self.r, self.keys, self.layout, self.generation = r, keys, layout, generation
+        self.timeout_s, self.run_dir = timeout_s, run_dir
+        self.index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
+        self.last_ids = {keys.meta(name): "0-0" for name in layout.streams}
+        self.asked: dict[int, int] = {}  # what the loaders were last asked to hold, per stream
+        self.waiting_since = time.monotonic()
+
+    def progressed(self) -> None:
+        """The job moved (a step was planned, or trainers are what it waits on): the
+        wait for samples starts again."""
+        self.waiting_since = time.monotonic()
+
+    def read(self, wanted: dict[int, int], block_ms: int = WAIT_MS) -> list[tuple[int, MetaChunk]]:
+        """Ask for `wanted` (stream -> samples a step needs) where more than asked before,
+        then wait at most `block_ms` for reports.
+
+        Returns:
+            (stream index, chunk) of this generation, in the order reported.
+        """
+        keys = self.keys
+        demand = {self.layout.streams[i]: n for i, n in wanted.items() if n > self.asked.get(i, 0)}
+        if demand:
+            self.r.hset(keys.demand, mapping=demand)
+            self.asked.update(wanted)
+        reply = self.r.xread(self.last_ids, block=block_ms, count=64)
+        if not reply:
+            return []
+        out = []
+        trim = self.r.pipeline(transaction=False)
+        for stream_key, entries in reply:
+            for entry_id, fields in entries:
+                chunk = meta.decode(fields)
+                if chunk.token == self.generation:  # older ones are reported again with this one
+                    out.append((self.index[stream_key], chunk))
+                self.last_ids[stream_key.decode()] = entry_id
+            # what the Planner has read lives in its memory (and its checkpoint): drop it
+            trim.xtrim(stream_key, minid=entries[-1][0], approximate=False)
+        trim.execute()
+        self.progressed()
+        return out
+
+    def check_stalled(self, step: int, streams: Sequence) -> None:
+        """Args:
+            step: the step that waits.
+            streams: the core's stream buffers (`count`, `final`, `name`), read only.
+
+        Raises:
+            PlanError: no report for `timeout_s` while the loaders of the streams with
+                nothing buffered have not turned their loops for as long (hung or dead).
+        """
+        if time.monotonic() - self.waiting_since <= self.timeout_s:
+            return
+        starving = [i for i, s in enumerate(streams) if s.count == 0 and not s.final]
+        owners = sorted({self.layout.loader_of[i] for i in starving})
+        if all(alive_within(self.r, self.keys, "loader", k, self.timeout_s) for k in owners):
+            self.progressed()  # the loaders turn their loops: back-pressure, not a hang
+            return
+        raise PlanError(
+            f"step {step}: no Source Loader reported new samples for {self.timeout_s:g}s and loader "
+            f"process(es) {owners} have not turned their loops for as long (hung or dead); streams with none "
+            f"buffered: {[streams[i].name for i in starving]}. Check the loader logs in {self.run_dir}, "
+            "or raise Job.timeout_s for slow transforms"
+        )

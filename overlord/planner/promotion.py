@@ -1,0 +1,109 @@
+"""Promotion: a Shadow Loader takes over when its active loader's heartbeat is gone.
+
+A loader process with a shadow (a source with `shadow: true`) has a second process on
+standby that follows the same plans without delivering. When the active one's
+heartbeat lapses and the shadow beats, the Planner records the shadow's pid in the
+`active` hash (fenced under its lease) and a `promotions` entry; the shadow sees it
+and starts delivering. A loader this Planner never saw beat is starting, not lapsed
+(its shadow, forked after it, may beat first on a loaded machine): it is promoted only
+after a grace. A promoted shadow is given a few heartbeats to beat as the loader
+before the same loader can be promoted again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import redis
+
+from overlord.planner.lease import Lease, WriteUncertain
+from overlord.sidecar.flow import HEARTBEAT_S
+from overlord.store import Keys
+
+log = logging.getLogger("overlord.planner")
+
+CHECK_S = 0.01  # between two looks at the heartbeats
+UNSEEN_GRACE_S = 10 * HEARTBEAT_S  # how long a loader may take to beat first before its shadow takes over
+
+
+class Promoter:
+    """Watches the shadowed loader processes' heartbeats and promotes shadows."""
+
+    def __init__(
+        self, r: redis.Redis, keys: Keys, lease: Lease, shadowed: list[int], *, grace_s: float = UNSEEN_GRACE_S
+    ) -> None:
+        self.r, self.keys, self.lease, self.grace_s = r, keys, lease, grace_s
+        self.shadowed = list(shadowed)
+        self.next_check = 0.0
+        self.promoted: dict[int, tuple[int, float]] = {}  # loader -> (pid promoted, when), until it beats as loader
+        self.beaten: set[int] = set()  # loaders seen beating
+        self.watching_since = time.monotonic()
+
+    @property
+    def watching(self) -> bool:
+        """Whether any loader has a shadow (the Planner then never blocks for long)."""
+        return bool(self.shadowed)
+
+    def check(self) -> dict[int, int]:
+        """Look at the heartbeats (at most every CHECK_S) and promote where the active
+        loader lapsed.
+
+        Returns:
+            loader process -> pid of the shadow promoted now (empty most calls).
+        """
+        if not self.shadowed or time.monotonic() < self.next_check:
+            return {}
+        self.next_check = time.monotonic() + CHECK_S
+        keys = self.keys
+        pipe = self.r.pipeline(transaction=False)
+        for k in self.shadowed:
+            pipe.get(keys.heartbeat("loader", str(k)))
+            pipe.get(keys.heartbeat("shadow", str(k)))
+        pipe.hgetall(keys.active)
+        *beats, active = pipe.execute()
+        done: dict[int, int] = {}
+        for n, k in enumerate(self.shadowed):
+            loader_hb, shadow_hb = beats[2 * n], beats[2 * n + 1]
+            if loader_hb is not None:
+                self.beaten.add(k)
+                if k in self.promoted and json.loads(loader_hb)["pid"] == self.promoted[k][0]:
+                    del self.promoted[k]  # the promoted one leads: a later lapse is a new failure
+                continue
+            if shadow_hb is None:
+                continue
+            if k not in self.beaten and time.monotonic() - self.watching_since < self.grace_s:
+                continue
+            if k in self.promoted and time.monotonic() - self.promoted[k][1] < 3 * HEARTBEAT_S:
+                continue  # the promoted one has not beaten as a loader yet (and a new shadow may be up)
+            shadow = json.loads(shadow_hb)
+            previous = active.get(str(k).encode())
+            if previous is not None and int(previous) == shadow["pid"]:
+                continue
+
+            def promote(pipe, k=k, shadow=shadow, previous=previous) -> None:
+                pipe.hset(keys.active, k, shadow["pid"])
+                pipe.xadd(
+                    keys.promotions,
+                    {
+                        "loader": k,
+                        "pid": shadow["pid"],
+                        "node": shadow["node"],
+                        "previous": previous or b"",
+                        "time": time.time(),
+                        "reason": "active heartbeat lapsed",
+                    },
+                    maxlen=1000,
+                    approximate=True,
+                )
+
+            try:
+                self.lease.fenced(promote)
+            except WriteUncertain:
+                self.next_check = 0.0  # look again at once; promoting twice writes the same
+                continue
+            self.promoted[k] = (shadow["pid"], time.monotonic())
+            done[k] = shadow["pid"]
+            log.warning("loader process %d: active heartbeat lapsed; promoted its shadow (pid %d)", k, shadow["pid"])
+        return done

@@ -1,0 +1,138 @@
+"""Publishing: each plan, with the checkpoint after it, written once under the lease.
+
+One fenced MULTI (see lease.py) writes the plan (`plan:<step>`, expiring), notifies
+(`plans` stream, entry id `<step+1>-0` so a reader waiting for step t asks for ids
+after `t-0` and cannot miss it) and saves the differential checkpoint of the state
+before the next step (see checkpoint.py) — so the state in Redis never refers to a
+plan that was not written. A write cut short is retried unless it landed: a step is
+published once.
+
+It plans step s only while s <= (the trainers' consumed step) + plan_ahead and
+s <= (the slowest Data Constructor's last step) + plan_ahead (`Bound`): the trainers'
+step is the least `progress` t<dp> - 1 (see overlord.constructor.marks), or the job's
+first step (0, or the resume step) while a group has consumed nothing, so the first
+plan_ahead + 1 steps are planned before any trainer consumes and a metric reported at
+step t shapes the plan of step t + plan_ahead + 1 at the latest. While ahead the
+Planner blocks on the `progressed` stream (an entry per rise of a c<dp> or t<dp>)
+instead of polling (`Publisher.wait`).
+
+Redis holds a bounded window of plans: those far behind the slowest Data Constructor
+are deleted, a few per published step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from overlord.planner.checkpoint import Checkpoints
+from overlord.planner.dgraph import Plan
+from overlord.planner.lease import Lease, Superseded, WriteUncertain
+from overlord.store import Keys
+from overlord.store.keys import built_field, consumed_field
+
+PLAN_TTL_S = 3600  # a backstop: plans are deleted once far behind the slowest constructor
+PLAN_KEEP_STEPS = 1024  # plans kept behind the slowest Data Constructor: a restarted loader or
+# constructor, or a shadow, reads from its step on (as far back as a trainer may resume)
+PRUNE_MAX = 64  # old plans deleted per published step, at most
+PUBLISH_TRIES = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """How far the job has gone: the slowest Data Constructor's last built step and the
+    trainers' consumed step."""
+
+    slowest: int
+    consumed: int
+
+    def ahead(self, step: int, plan_ahead: int) -> bool:
+        """Whether planning `step` now would run more than `plan_ahead` steps ahead."""
+        return step - self.slowest > plan_ahead or step - self.consumed > plan_ahead
+
+
+class Publisher:
+    """Writes plans and checkpoints under the lease, within the job's bound."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, lease: Lease, ckpts: Checkpoints, *, first: int, dp: int) -> None:
+        """Args:
+        first: the step this Planner starts planning at (0, or its checkpoint's).
+        dp: the job's DP groups (each has a constructor mark and a trainer mark).
+        """
+        self.r, self.keys, self.lease, self.ckpts, self.dp = r, keys, lease, ckpts, dp
+        self.first = first
+        # the job's first step: where trainers that consumed nothing yet stand
+        self.start = int(r.hget(keys.resume, "step") or 0)
+        self.pruned = max(0, first - PLAN_KEEP_STEPS - PRUNE_MAX)  # plans below were deleted (older ones expire)
+        self.progressed = "0-0"  # the last `progressed` entry seen
+
+    def bound(self) -> Bound:
+        """Read the constructors' and trainers' marks (one HGETALL)."""
+        progress = self.r.hgetall(self.keys.progress)
+        first, start = self.first, self.start
+        slowest = min(
+            (int(progress.get(built_field(d).encode(), first - 1)) for d in range(self.dp)), default=first - 1
+        )
+        consumed = max(
+            start,
+            min((int(progress.get(consumed_field(d).encode(), start + 1)) - 1 for d in range(self.dp)), default=start),
+        )
+        return Bound(slowest=slowest, consumed=consumed)
+
+    def wait(self, block_ms: int) -> None:
+        """Block until a constructor or a trainer moves, at most `block_ms` (the entry may
+        have come since the last `bound`: then it returns at once)."""
+        reply = self.r.xread({self.keys.progressed: self.progressed}, block=block_ms, count=1000)
+        if reply:
+            self.progressed = reply[0][1][-1][0]
+
+    def publish(self, plan: Plan, delta: dict, state: Callable[[], dict], bound: Bound) -> None:
+        """Write `plan` and the checkpoint of the step after it, once.
+
+        Args:
+            plan: the step's plan.
+            delta: the core's change since the last checkpoint (the state before plan.step + 1).
+            state: gives the core's full state (written on snapshot steps).
+            bound: the marks read before planning (plans far behind the slowest go).
+
+        Raises:
+            Superseded: another Planner leads, or no try landed.
+        """
+        keys = self.keys
+        old = range(self.pruned, min(self.pruned + PRUNE_MAX, bound.slowest - PLAN_KEEP_STEPS + 1))
+
+        def write(pipe) -> None:
+            if old:  # Redis holds a bounded window of plans, not every step of the job
+                pipe.delete(*[keys.plan(s) for s in old])
+            pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
+            pipe.xadd(
+                keys.plans,
+                {"step": plan.step, "last": int(plan.last)},
+                id=f"{plan.step + 1}-0",
+                maxlen=1000,
+                approximate=True,
+            )
+            pipe.hset(
+                keys.planner,
+                mapping={"step": plan.step, "updated": time.time(), **({"done": 1} if plan.last else {})},
+            )
+            if plan.dropped:
+                pipe.hset(keys.counters, "dropped_last", plan.dropped)
+            self.ckpts.write(pipe, plan.step + 1, delta, state)  # where a resume at the next step starts
+
+        self._once(write, plan.step)
+        self.pruned = max(self.pruned, old.stop)
+
+    def _once(self, write, step: int) -> None:
+        """Write a step under the lease exactly once, though a try may be cut short."""
+        for _ in range(PUBLISH_TRIES):
+            try:
+                self.lease.fenced(write)
+                return
+            except WriteUncertain:
+                if int(self.r.hget(self.keys.planner, "step") or -1) >= step:
+                    return  # it landed before the cut
+        raise Superseded(f"could not publish step {step} under the lease in {PUBLISH_TRIES} tries")
