@@ -1,0 +1,16 @@
+"""Fixtures for the Planner's controller tests: a real redis-server."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlord.store import EmbeddedRedis, connect
+
+
+@pytest.fixture
+def r(tmp_path):
+    server = EmbeddedRedis(tmp_path / "run").start()
+    try:
+        yield connect(server.url)
+    finally:
+        server.stop()

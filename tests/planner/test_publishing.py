@@ -1,0 +1,128 @@
+"""Publishing against a real redis-server: a step is published once though a write is
+cut short (retried only if it did not land), with its checkpoint, and never past the
+job's bound (trainers' consumed step and slowest constructor, plus plan_ahead)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from planner_helpers import chunk, small_core
+
+from overlord.planner.checkpoint import Checkpoints
+from overlord.planner.dgraph import Plan
+from overlord.planner.lease import Lease, Superseded, WriteUncertain
+from overlord.planner.publishing import PLAN_KEEP_STEPS, PRUNE_MAX, Bound, Publisher
+from overlord.store import Keys
+from overlord.store.keys import built_field, consumed_field
+
+KEYS = Keys("j")
+
+
+class CutLease:
+    """The real lease, whose next `cuts` writes are cut short for real: the lease key is
+    touched (as the renewing thread does) between WATCH and EXEC. With `landed`, the write
+    goes through and the caller is told it was cut (a reply lost with the connection)."""
+
+    def __init__(self, lease: Lease, r, cuts: int, *, landed: bool = False) -> None:
+        self.lease, self.r, self.cuts, self.landed, self.tries = lease, r, cuts, landed, 0
+
+    def fenced(self, write):
+        self.tries += 1
+        if self.cuts <= 0:
+            return self.lease.fenced(write)
+        self.cuts -= 1
+        if self.landed:
+            self.lease.fenced(write)
+            raise WriteUncertain("cut after it landed")
+
+        def touched(pipe) -> None:
+            self.r.pexpire(KEYS.leader, 5000)
+            write(pipe)
+
+        return self.lease.fenced(touched)
+
+
+def leading(r) -> Lease:
+    lease = Lease(r, KEYS, node="a", ttl_s=5)
+    lease.acquire(threading.Event())
+    return lease
+
+
+def fed_core():
+    core = small_core()
+    for i in range(2):
+        core.add(i, chunk(range(200)))
+    return core
+
+
+def plans_stream(r) -> list[int]:
+    return [int(fields[b"step"]) for _, fields in r.xrange(KEYS.plans)]
+
+
+@pytest.mark.parametrize("landed", [False, True])
+def test_a_step_cut_short_is_published_once(r, landed):
+    lease = CutLease(leading(r), r, cuts=2, landed=landed)
+    ckpts, core = Checkpoints(KEYS), fed_core()
+    publisher = Publisher(r, KEYS, lease, ckpts, first=0, dp=2)
+    pipe = r.pipeline()
+    ckpts.write(pipe, 0, None, core.state)  # as the leader's take-over does
+    pipe.execute()
+    plans = []
+    for _ in range(3):
+        plan = core.plan_step()
+        plans.append(plan.to_json())
+        publisher.publish(plan, core.delta(), core.state, publisher.bound())
+    # cut before EXEC: retried until it lands; cut after: seen landed, not written again
+    assert lease.tries == (5 if not landed else 3)
+    assert plans_stream(r) == [0, 1, 2]
+    assert [r.get(KEYS.plan(s)) for s in range(3)] == plans
+    assert int(r.hget(KEYS.planner, "step")) == 2
+    assert ckpts.newest(r) == 3 and ckpts.load(r, 3) == core.state()  # the state before step 3
+
+
+def test_a_step_that_never_lands_is_given_up_as_superseded(r):
+    lease = CutLease(leading(r), r, cuts=100)
+    publisher = Publisher(r, KEYS, lease, Checkpoints(KEYS), first=0, dp=2)
+    core = fed_core()
+    with pytest.raises(Superseded, match="could not publish step 0"):
+        publisher.publish(core.plan_step(), core.delta(), core.state, publisher.bound())
+    assert r.get(KEYS.plan(0)) is None and not plans_stream(r)
+
+
+def test_the_bound_follows_the_trainers_and_the_slowest_constructor(r):
+    publisher = Publisher(r, KEYS, leading(r), Checkpoints(KEYS), first=0, dp=2)
+    plan_ahead = 2
+    # nothing consumed or built yet: the constructors stand before the first step (-1)
+    bound = publisher.bound()
+    assert bound == Bound(slowest=-1, consumed=0)
+    assert [s for s in range(6) if not bound.ahead(s, plan_ahead)] == [0, 1]
+    # constructors built up to step 5; trainers of group 0 consumed step 3, group 1 step 1
+    r.hset(KEYS.progress, mapping={built_field(0): 5, built_field(1): 5, consumed_field(0): 4, consumed_field(1): 2})
+    bound = publisher.bound()
+    assert bound == Bound(slowest=5, consumed=1)
+    assert [s for s in range(8) if not bound.ahead(s, plan_ahead)] == [0, 1, 2, 3]
+    # a slow constructor holds the Planner back as well
+    r.hset(KEYS.progress, mapping={built_field(1): 2, consumed_field(1): 9})
+    assert [s for s in range(10) if not publisher.bound().ahead(s, plan_ahead)] == [0, 1, 2, 3, 4]
+
+
+def test_a_resumed_job_starts_its_bound_at_the_resume_step(r):
+    r.hset(KEYS.resume, "step", 40)
+    publisher = Publisher(r, KEYS, leading(r), Checkpoints(KEYS), first=40, dp=2)
+    bound = publisher.bound()
+    assert bound == Bound(slowest=39, consumed=40)  # no group consumed or built since the resume
+    assert [s for s in range(38, 46) if not bound.ahead(s, 2)] == [38, 39, 40, 41]
+
+
+def test_plans_far_behind_the_slowest_constructor_are_deleted(r):
+    publisher = Publisher(r, KEYS, leading(r), Checkpoints(KEYS), first=0, dp=2)
+    core = fed_core()
+    for s in range(3):
+        r.set(KEYS.plan(s), "old")  # published earlier
+    core.step = 3
+    plan = core.plan_step()
+    slowest = PLAN_KEEP_STEPS + 1  # steps 0 and 1 are more than PLAN_KEEP_STEPS behind it
+    publisher.publish(plan, core.delta(), core.state, Bound(slowest=slowest, consumed=slowest))
+    assert r.get(KEYS.plan(0)) is None and r.get(KEYS.plan(1)) is None and r.get(KEYS.plan(2)) == b"old"
+    assert Plan.from_json(r.get(KEYS.plan(3))).step == 3 and publisher.pruned == 2 < PRUNE_MAX
