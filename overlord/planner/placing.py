@@ -40,15 +40,25 @@ class Placer:
     """Places the job's units on its nodes as the membership and the nodes' load change."""
 
     def __init__(
-        self, r: redis.Redis, keys: Keys, lease: Lease, home: dict[str, str], nodes: tuple[str, ...] | list[str]
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        lease: Lease,
+        home: dict[str, str],
+        nodes: tuple[str, ...] | list[str],
+        *,
+        check_s: float = CHECK_S,
+        capacity_s: float = CAPACITY_S,
     ) -> None:
         """Args:
         home: every unit's home node (placement.homes).
         nodes: the job's node ids.
+        check_s, capacity_s: between two looks at the membership, and at the load.
         """
         self.r, self.keys, self.lease, self.home, self.nodes = r, keys, lease, home, list(nodes)
+        self.check_s, self.capacity_s = check_s, capacity_s
         self.next_check = 0.0
-        self.next_capacity = time.monotonic() + CAPACITY_S
+        self.next_capacity = time.monotonic() + capacity_s
         self.over_for: dict[str, int] = {}  # node -> consecutive looks over its budget
         self.use: dict[str, Use] = {}  # unit -> Use, at the last look
         self.budget: dict[str, Use] = {}  # node -> Use (its budget)
@@ -69,7 +79,7 @@ class Placer:
         """
         if not self.due():
             return None
-        self.next_check = time.monotonic() + CHECK_S
+        self.next_check = time.monotonic() + self.check_s
         r, keys = self.r, self.keys
         pipe = r.pipeline(transaction=False)
         pipe.hgetall(keys.nodes)
@@ -88,7 +98,7 @@ class Placer:
         if demand is not None:  # between two looks at the load, the last look's figures hold
             over: set[str] = set()
             if time.monotonic() >= self.next_capacity:
-                self.next_capacity = time.monotonic() + CAPACITY_S
+                self.next_capacity = time.monotonic() + self.capacity_s
                 over = self._measure(current or placed, live, members, demand)
                 budget = sum(self.budget[n].cpus for n in live if n in self.budget)
             placed, why = relieve(placed, current, self.home, live, self.use, self.budget, over)

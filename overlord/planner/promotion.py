@@ -32,9 +32,16 @@ class Promoter:
     """Watches the shadowed loader processes' heartbeats and promotes shadows."""
 
     def __init__(
-        self, r: redis.Redis, keys: Keys, lease: Lease, shadowed: list[int], *, grace_s: float = UNSEEN_GRACE_S
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        lease: Lease,
+        shadowed: list[int],
+        *,
+        grace_s: float = UNSEEN_GRACE_S,
+        check_s: float = CHECK_S,
     ) -> None:
-        self.r, self.keys, self.lease, self.grace_s = r, keys, lease, grace_s
+        self.r, self.keys, self.lease, self.grace_s, self.check_s = r, keys, lease, grace_s, check_s
         self.shadowed = list(shadowed)
         self.next_check = 0.0
         self.promoted: dict[int, tuple[int, float]] = {}  # loader -> (pid promoted, when), until it beats as loader
@@ -55,7 +62,7 @@ class Promoter:
         """
         if not self.shadowed or time.monotonic() < self.next_check:
             return {}
-        self.next_check = time.monotonic() + CHECK_S
+        self.next_check = time.monotonic() + self.check_s
         keys = self.keys
         pipe = self.r.pipeline(transaction=False)
         for k in self.shadowed:

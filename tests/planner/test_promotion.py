@@ -1,0 +1,60 @@
+"""Promotion against a real redis-server: a loader whose heartbeat lapsed hands its
+partitions to its shadow (recorded in `active` and `promotions`); a loader that beats,
+or one still starting, keeps them."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from overlord.planner.lease import Lease
+from overlord.planner.promotion import Promoter
+from overlord.store import Keys
+
+KEYS = Keys("j")
+
+
+def beat(r, role: str, k: int, pid: int, node: str = "a") -> None:
+    r.set(KEYS.heartbeat(role, str(k)), json.dumps({"pid": pid, "node": node, "time": time.time()}), ex=5)
+
+
+def promoter(r, shadowed=(0, 1), **kw) -> Promoter:
+    lease = Lease(r, KEYS, node="a", ttl_s=5)
+    lease.acquire(threading.Event())
+    return Promoter(r, KEYS, lease, list(shadowed), check_s=0, **kw)
+
+
+def promotions(r) -> list[dict]:
+    return [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(KEYS.promotions)]
+
+
+def test_a_dead_loaders_partitions_move_to_its_shadow(r):
+    p = promoter(r)
+    for k in (0, 1):
+        beat(r, "loader", k, pid=100 + k)
+        beat(r, "shadow", k, pid=200 + k, node="b")
+    assert p.check() == {} and p.watching
+    r.delete(KEYS.heartbeat("loader", "1"))  # loader process 1 died: its heartbeat is gone
+    assert p.check() == {1: 201}
+    assert r.hgetall(KEYS.active) == {b"1": b"201"}
+    (entry,) = promotions(r)
+    assert entry["loader"] == "1" and entry["pid"] == "201" and entry["node"] == "b" and entry["previous"] == ""
+    assert p.check() == {}  # once: the promoted shadow is given time to beat as the loader
+    beat(r, "loader", 1, pid=201)  # it does; a later lapse is a new failure
+    assert p.check() == {} and 1 not in p.promoted
+
+
+def test_a_loader_never_seen_beating_gets_a_grace_before_its_shadow_takes_over(r):
+    p = promoter(r, shadowed=[0], grace_s=0.3)
+    beat(r, "shadow", 0, pid=300)  # the shadow beat first: the loader may still be starting
+    assert p.check() == {}
+    time.sleep(0.35)
+    assert p.check() == {0: 300} and r.hget(KEYS.active, "0") == b"300"
+
+
+def test_no_shadow_no_promotion(r):
+    p = promoter(r, shadowed=[0], grace_s=0)
+    assert p.check() == {}  # neither beats: nothing to promote to
+    assert not promoter(r, shadowed=[]).watching
+    assert r.hgetall(KEYS.active) == {} and promotions(r) == []
