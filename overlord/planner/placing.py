@@ -127,7 +127,7 @@ class Placer:
         except WriteUncertain:
             self.next_check = self.next_capacity = 0.0
             return
-        for node in {current.get(u) for u in why}:
+        for node in {current[u] for u in why if u in current}:
             self.over_for.pop(node, None)  # patience again before its next loader moves
         log.warning(
             "placement: %s (live nodes %s)%s",

@@ -68,7 +68,8 @@ class Scaling:
 
     def loader_demand(self) -> dict[str, float]:
         """What each loader process (`loader<k>`) demands: busy transform workers."""
-        scaler, demand = self.scaler, {}
+        scaler = self.scaler
+        demand: dict[str, float] = {}
         for i, k in enumerate(self.layout.loader_of):
             name = self.names[i]
             unit = f"loader{k}"
