@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -172,3 +173,22 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
     for rank, rec in out.items():
         assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
     assert_delivered(out, corpus_keys, log=h.log)
+
+
+def test_a_node_whose_dev_shm_is_full_is_refused_at_start_naming_the_fix(hosted):
+    """The node's own /dev/shm (a tmpfs of its mount namespace) filled to 1 MiB free:
+    its sidecar refuses to start, naming the bytes its rings need and the fix, before
+    any ring is used (no SIGBUS later)."""
+    h = hosted()
+    h.start_sidecar("n0")
+    filler = h.hosts["n1"].fill_shm(leave_bytes=1 << 20)
+    proc = h.hosts["n1"].run(
+        [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(h.config), "--node", "n1"],
+        env=h.env("n1"),
+        log=h.workdir / "sidecar-n1.log",
+    )
+    assert proc.wait(timeout=60) != 0
+    text = (h.workdir / "sidecar-n1.log").read_text()
+    assert "/dev/shm" in text and ("size=" in text or "shm-size" in text), text[-2000:]
+    assert not _segments(h, "n1"), "a refused sidecar left segments behind"
+    filler.unlink()
