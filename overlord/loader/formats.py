@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -74,6 +75,19 @@ class OpenFile(Protocol):
 
     def read_group(self, group: int, columns: tuple[str, ...] | None) -> Chunk:
         """Read one row group (only `columns`, if given)."""
+
+
+class Format(Protocol):
+    """What opens a source's files (one per Source Loader, so it may keep indexes)."""
+
+    label: str  # how errors name the format
+
+    @property
+    def nbytes(self) -> int:
+        """Memory its indexes hold."""
+
+    def open(self, location: Location, where: str) -> OpenFile:
+        """Open one file; `where` names it in errors."""
 
 
 # -- Parquet ---------------------------------------------------------------------------------
@@ -185,7 +199,7 @@ class _Index:
 class JsonlFile:
     """A JSONL file (plain or compressed) read through its filesystem, by block of lines."""
 
-    names = None  # no schema: Source.columns are checked on each line
+    names: list[str] | None = None  # no schema: Source.columns are checked on each line
     nbytes = 0  # the index is the format's
 
     def __init__(self, location: Location, where: str, index: _Index, compression: str | None) -> None:
@@ -242,7 +256,7 @@ class JsonlFormat:
         return JsonlFile(location, where, index, compression)
 
 
-FORMATS = {"hf": hf.HfFormat, "jsonl": JsonlFormat, "parquet": ParquetFormat}
+FORMATS: dict[str, Callable[[], Format]] = {"hf": hf.HfFormat, "jsonl": JsonlFormat, "parquet": ParquetFormat}
 
 
 def locations(source: str, format: str, paths: tuple[str, ...]) -> list[Location]:

@@ -128,8 +128,9 @@ def _directory(source: str, path: str) -> list[Location]:
                 "shuffle), which this reader does not apply; load it and save it again with datasets >= 2 "
                 "(save_to_disk writes the selected rows themselves)"
             )
-        files = [f.get("filename") for f in state.get("_data_files") or () if isinstance(f, dict)]
-        if not files or not all(isinstance(f, str) for f in files):
+        named = [f.get("filename") for f in state.get("_data_files") or () if isinstance(f, dict)]
+        files = [f for f in named if isinstance(f, str)]
+        if not files or len(files) != len(named):
             raise SourceReadError(
                 f"source {source!r}: {os.path.join(path, STATE)!r} lists no data files; save the dataset again"
             )
@@ -188,7 +189,7 @@ def _cache_split(source: str, path: str, split: str) -> list[Location]:
 def _invalid(what: str) -> pa.ArrowInvalid:
     """An error that says what the file is instead (the Source Loader adds which file)."""
     exc = pa.ArrowInvalid(what)
-    exc.ours = True  # type: ignore[attr-defined]
+    exc.ours = True
     return exc
 
 

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 import pyarrow as pa
 import redis
@@ -95,7 +96,7 @@ class LoaderProcess:
         self.low_water = max(1, job.buffer_samples // 2)
         self.last_step: int | None = None
         self.step = 0
-        self._pipe = None  # metadata reports queued for one round trip
+        self._pipe: Any = None  # a redis pipeline: metadata reports queued for one round trip
         self._journaled = time.monotonic()
         self._stated = 0.0  # when the running totals were last published
         self._skips_published: dict[int, int] = {}  # stream -> Skips.version last written to Redis
@@ -241,7 +242,10 @@ class LoaderProcess:
 
     def _finished(self, progress) -> bool:
         """After the last plan: stay (to serve replays) until every constructor is done."""
-        return all(int(progress.get(f"c{dp}".encode(), -1)) >= self.last_step for dp in range(self.job.mesh.dp))
+        last = self.last_step
+        return last is not None and all(
+            int(progress.get(f"c{dp}".encode(), -1)) >= last for dp in range(self.job.mesh.dp)
+        )
 
     def _follow(self, progress: dict) -> None:
         """Drop what every constructor has finished; serve replay requests."""

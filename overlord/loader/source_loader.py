@@ -26,9 +26,9 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -114,7 +114,7 @@ class SourceLoader:
         self.locations = locations(source.name, source.format, source.paths)
         self.paths = [loc.uri for loc in self.locations]
         try:
-            self.transform: Callable = build(source.transform, source.transform_args, context_length=context_length)
+            self.transform: Any = build(source.transform, source.transform_args, context_length=context_length)
         except ConfigError as exc:
             raise ConfigError(f"source {source.name!r}: {exc}") from None
         self.format = FORMATS[source.format]()
@@ -177,7 +177,7 @@ class SourceLoader:
             why = f"not a readable {self.format.label} file ({storage.redact(str(exc))})"
             if skip:
                 self.skips.file(file, self.paths[file], why)
-                return None  # type: ignore[return-value] - only _survey asks with survey=True
+                return None  # type: ignore[return-value]  # only _survey asks, with survey=True
             remote = f" ({storage.hint(self.paths[file])})" if storage.is_uri(self.paths[file]) else ""
             raise SourceReadError(
                 f"{self._where(file)} is {why}; replace the file, remove it from Source.paths, "
@@ -378,6 +378,7 @@ class SourceLoader:
             for rg in [g for g in self._rows if g not in keep]:
                 del self._rows[rg]
         where = order.locate(seq)
+        row: dict[str, Any] | BadRow
         try:
             row = self._read_group(where.rg).row(where.row_in_group)
         except BadRow as bad:
@@ -413,7 +414,7 @@ class SourceLoader:
             return [self._transform(r) for r in reads]
         finally:
             if slot is not None:
-                self.inflight.leave(slot)  # type: ignore[union-attr] - _enter gave a slot
+                self.inflight.leave(slot)  # type: ignore[union-attr]  # _enter gave a slot
         if not isinstance(outs, list) or len(outs) != len(good):
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
             raise SourceReadError(
@@ -437,7 +438,7 @@ class SourceLoader:
             return self._reject(where, f"transform {self.source.transform} raised {type(exc).__name__}: {exc}", exc)
         finally:
             if slot is not None:
-                self.inflight.leave(slot)  # type: ignore[union-attr] - _enter gave a slot
+                self.inflight.leave(slot)  # type: ignore[union-attr]  # _enter gave a slot
         return self._finish(read, arrays, time.perf_counter() - started)
 
     def _enter(self, where, rows: int) -> int | None:
@@ -462,7 +463,7 @@ class SourceLoader:
             self.profile.record(read_s + seconds, nbytes)
         return Prepared(self.epoch, seq, key, arrays, tokens, patches, nbytes)
 
-    def _reject(self, where, what: str, cause: Exception | None) -> None:
+    def _reject(self, where, what: str, cause: Exception | None) -> Prepared | None:
         """A bad row: counted and dropped under on_error: skip, else raised naming it."""
         if self.source.on_error == "skip":
             self.skips.row(where.file, self.paths[where.file], where.row_in_file, what)

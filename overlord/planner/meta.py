@@ -24,6 +24,7 @@ JSON: nothing is pickled.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,10 +35,10 @@ _ARRAYS = {"seq": "<i8", "tokens": "<i4", "patches": "<i4", "nbytes": "<i8"}
 @dataclass(slots=True)
 class MetaChunk:
     epoch: int
-    seq: np.ndarray
-    tokens: np.ndarray
-    patches: np.ndarray
-    nbytes: np.ndarray
+    seq: np.ndarray | Sequence[int]
+    tokens: np.ndarray | Sequence[int]
+    patches: np.ndarray | Sequence[int]
+    nbytes: np.ndarray | Sequence[int]
     ended: list[tuple[int, int]] = field(default_factory=list)
     final: bool = False
     token: int = 0

@@ -74,7 +74,7 @@ class _Plan:
 
     __slots__ = ("meta", "tensors", "table_end", "offsets", "nbytes")
 
-    def __init__(self, tensors: Mapping[str, Any], meta: dict | None) -> None:
+    def __init__(self, tensors: Mapping[str, Any], meta: dict[str, Any] | None) -> None:
         if meta is None:
             meta = {}
         if not isinstance(meta, dict):
@@ -139,7 +139,7 @@ class _Plan:
         return self.nbytes
 
 
-def batch_nbytes(tensors: Mapping[str, Any], meta: dict | None = None) -> int:
+def batch_nbytes(tensors: Mapping[str, Any], meta: dict[str, Any] | None = None) -> int:
     """Bytes one batch takes in the wire format (the ring record's payload).
 
     Args:
@@ -156,7 +156,7 @@ def batch_nbytes(tensors: Mapping[str, Any], meta: dict | None = None) -> int:
     return _Plan(tensors, meta).nbytes
 
 
-def encode_batch_into(buf: Any, tensors: Mapping[str, Any], meta: dict | None = None) -> int:
+def encode_batch_into(buf: Any, tensors: Mapping[str, Any], meta: dict[str, Any] | None = None) -> int:
     """Encode a batch into a writable buffer at offset 0.
 
     Args:
@@ -173,7 +173,7 @@ def encode_batch_into(buf: Any, tensors: Mapping[str, Any], meta: dict | None = 
     return _Plan(tensors, meta).encode(buf)
 
 
-def write_batch(ring: Any, tensors: Mapping[str, Any], meta: dict | None = None, *, timeout: float) -> None:
+def write_batch(ring: Any, tensors: Mapping[str, Any], meta: dict[str, Any] | None = None, *, timeout: float) -> None:
     """Encode a batch straight into a ring record (one copy per array, no temporaries).
 
     Args:
@@ -197,7 +197,7 @@ def write_batch(ring: Any, tensors: Mapping[str, Any], meta: dict | None = None,
     ring.commit()
 
 
-def decode_batch(view: Any) -> tuple[dict[str, np.ndarray], dict]:
+def decode_batch(view: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Decode one record into zero-copy numpy views and the meta dict.
 
     The arrays alias `view`: they are valid as long as it is (for a ring record,

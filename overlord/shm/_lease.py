@@ -62,8 +62,9 @@ class LeasedReader:
         self.ring = ring
         h = ring._handle()
         self._identity = (ring.name, h.creator_pid)
-        other = _READERS.get(self._identity)
-        if other is not None and other() is not None and other()._open():
+        ref = _READERS.get(self._identity)
+        other = ref() if ref is not None else None
+        if other is not None and other._open():
             raise RingError(
                 f"ring {ring.name!r} is already read by another open reader in this process (pid {os.getpid()}); "
                 "close the other DataLoader of this rank before making a new one"
@@ -71,7 +72,7 @@ class LeasedReader:
         _READERS[self._identity] = weakref.ref(self)
         self._pid = os.getpid()
         self._cursor = h.tail
-        self._held: deque[list] = deque()  # [start, end, live] per record, in ring order
+        self._held: deque[list[int]] = deque()  # [start, end, live] per record, in ring order
         self._ended: deque[int] = deque()  # starts of records whose last reference died
         self._lock = threading.Lock()
         self._broken: str | None = None  # the tail moved under the leases: said at the next read
@@ -148,7 +149,10 @@ class LeasedReader:
     # ------------------------------------------------------------------ leases
     def _hand_out(self, off: int, n: int, nxt: int) -> np.ndarray:
         start = self._cursor
-        record = np.frombuffer(self.ring._mv, dtype=np.uint8, count=n, offset=off)
+        view = self.ring._mv
+        if view is None:
+            raise RingError(f"ring {self.ring.name!r} was closed in this process")
+        record = np.frombuffer(view, dtype=np.uint8, count=n, offset=off)
         with self._lock:
             self._held.append([start, nxt, _LIVE])
         self._cursor = nxt
@@ -230,10 +234,10 @@ class LeasedReader:
             self._release_to(tail)
 
 
-_READERS: dict[tuple[str, int], weakref.ref] = {}  # (ring name, creator pid) -> its reader here
+_READERS: dict[tuple[str, int], weakref.ref[LeasedReader]] = {}  # (ring name, creator pid) -> its reader here
 
 
-def _end_lease(reader_ref: weakref.ref, start: int, pid: int) -> None:
+def _end_lease(reader_ref: weakref.ref[LeasedReader], start: int, pid: int) -> None:
     if os.getpid() != pid:
         return  # a forked child's copy of the record died; the parent still holds it
     reader = reader_ref()

@@ -57,7 +57,7 @@ class Ring:
         self._name = name
         self._mm: mmap.mmap | None = mm
         self._mv: memoryview | None = memoryview(mm)
-        self._h: Any = _native.Handle(mm)
+        self._h: _native.Handle = _native.Handle(mm)
         self._read_view: memoryview | None = None
         self._res_view: memoryview | None = None
         self._next_poll_check = 0.0  # try_read's rate limit on peer checks
@@ -432,7 +432,7 @@ class Ring:
         """Store what the consumer has finished with, in the caller's own units (>= 0)."""
         self._handle().set_mark(int(mark))
 
-    def _handle(self) -> Any:
+    def _handle(self) -> _native.Handle:
         if self._mm is None:
             raise RingError(f"ring {self._name!r} was closed in this process")
         return self._h

@@ -113,7 +113,7 @@ def attach_segment(name: str, timeout: float) -> mmap.mmap:
             finally:
                 shm.close_fd()
             status = _native.check(mm) if mm is not None else _native.EUNINIT
-            if status == _native.OK:
+            if status == _native.OK and mm is not None:
                 return mm
             if mm is not None:
                 mm.close()
