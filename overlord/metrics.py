@@ -53,6 +53,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from overlord.config import Job, split_redis_password
+from overlord.errors import ConfigError
 from overlord.store import Keys
 from overlord.store.client import password_env
 
@@ -295,7 +296,7 @@ def serve_http(app: Callable, host: str, port: int) -> tuple[WSGIServer, threadi
     """Serve the WSGI `app` on (host, port) from a daemon thread (IPv4 or IPv6 by `host`)."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     server_class = type("_MetricsServer", (_Server,), {"address_family": family})
-    server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+    server: WSGIServer = make_server(host, port, app, server_class, handler_class=_QuietHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True, name="metrics-http")
     thread.start()
     return server, thread
@@ -318,12 +319,14 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         token = os.environ.get(TOKEN_ENV) or None
-        host = metrics_host(job)
-        server, _ = serve_http(guarded(make_wsgi_app(registry), token), host, job.metrics_port)
+        host, port = metrics_host(job), job.metrics_port
+        if port is None:
+            raise ConfigError(f"job {job.name!r} has no Job.metrics_port; the sidecar starts this server only with one")
+        server, _ = serve_http(guarded(make_wsgi_app(registry), token), host, port)
         logging.getLogger("overlord.metrics").info(
             "serving Prometheus metrics on %s port %d (/metrics)%s",
             host,
-            job.metrics_port,
+            port,
             f", bearer token from ${TOKEN_ENV} required" if token else "",
         )
         return server.shutdown

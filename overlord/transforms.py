@@ -33,11 +33,14 @@ import inspect
 import io
 import re
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import numpy as np
 
 from overlord.errors import ConfigError
+
+_T = TypeVar("_T")
 
 PAD_ID = 0
 BOS_ID = 1
@@ -85,7 +88,7 @@ def _with_bos_eos(ids: np.ndarray) -> np.ndarray:
     return out
 
 
-def _column(row: dict[str, object], name: str, kind: type | tuple[type, ...], transform: str) -> object:
+def _column(row: dict[str, object], name: str, kind: type[_T] | tuple[type[_T], ...], transform: str) -> _T:
     """Returns ``row[name]``, raising a message that says which column the transform needs."""
     try:
         value = row[name]
@@ -170,8 +173,8 @@ def _decode_patches(data: bytes, where: str) -> tuple[np.ndarray, int, int]:
     from PIL import Image, UnidentifiedImageError  # imported here: text-only workers skip it
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            img = img.convert("RGB")
+        with Image.open(io.BytesIO(data)) as opened:
+            img = opened.convert("RGB")
     except (UnidentifiedImageError, OSError) as exc:
         raise ValueError(f"transform {where!r}: image bytes do not decode: {exc}") from exc
     hp, wp = _patch_grid(img.width, img.height)
@@ -323,6 +326,7 @@ def build(spec: str, args: dict | None = None, *, context_length: int | None = N
             )
         return fn
     kwargs = dict(args)
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature: call it as given

@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class DataConstructor:
         stop: threading.Event,
         beat: Beat,
         restarted: bool = False,
-        bridges: dict[int, object] | None = None,
+        bridges: Mapping[int, object] | None = None,
     ) -> None:
         self.job, self.layout, self.dp, self.restarted = job, layout, dp, restarted
         self.r, self.keys, self.stop, self.beat = r, keys, stop, beat
@@ -79,9 +80,9 @@ class DataConstructor:
         self.skip: dict[int, int] = {}
         # transformation reordering: the deferred half of a source's transform runs here
         self.decoders = {
-            i: (job.sources[src].decode, resolve(job.sources[src].decode))
+            i: (decode, resolve(decode))
             for i, src in enumerate(layout.stream_source)
-            if job.sources[src].decode
+            if (decode := job.sources[src].decode)
         }
         self.stash: dict[tuple[int, int, int], tuple[int, dict[str, np.ndarray], str]] = {}  # samples of later steps
         self.dropped = 0  # duplicate records seen (after a restart)

@@ -289,7 +289,7 @@ def generate_corpus(
     }
     root = Path(out_dir).resolve()
     manifest = read_manifest(root)
-    if not _complete(root, manifest, params):
+    if manifest is None or not _complete(root, manifest, params):
         manifest = _write(root, params)
     return {name: [str(root / rel) for rel in entry["files"]] for name, entry in manifest["sources"].items()}
 

@@ -30,7 +30,7 @@ def main() -> None:
     want = args.steps * loader.job.batch.micro_batches
     progress = Path(args.out + ".progress")
     sources: collections.Counter[str] = collections.Counter()
-    step_cost: collections.Counter[int] = collections.Counter()  # attention-model cost per step
+    step_cost: collections.defaultdict[int, float] = collections.defaultdict(float)  # attention-model cost per step
     samples = tokens = batches = 0
     first = None
     for batch in loader:

@@ -55,7 +55,7 @@ class Checkpoints:
     def __init__(self, keys: Keys, *, every: int = SNAPSHOT_EVERY, keep: int = KEEP_STEPS) -> None:
         self.keys, self.every, self.keep = keys, every, max(keep, every)
 
-    def write(self, pipe, step: int, delta: dict, full=None) -> None:
+    def write(self, pipe, step: int, delta: dict | None, full=None) -> None:
         """Queue the checkpoint of `step` (the state before its plan) on `pipe`.
 
         Args:

@@ -112,7 +112,7 @@ def dry_run(job: Job, steps: int = 20) -> DryRun:
         for i, chunk in chunks:
             core.add(i, chunk)
         cap = job.batch.context_length  # the packer truncates longer documents
-        tokens_of = {i: dict(zip(c.seq.tolist(), np.minimum(c.tokens, cap).tolist())) for i, c in chunks}
+        tokens_of = {i: dict(zip(np.asarray(c.seq).tolist(), np.minimum(c.tokens, cap).tolist())) for i, c in chunks}
         rows = []
         for _ in range(steps):
             plan = core.plan_step()

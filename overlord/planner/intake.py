@@ -57,7 +57,9 @@ class Intake:
             (stream index, chunk) of this generation, in the order reported.
         """
         keys = self.keys
-        demand = {self.layout.streams[i]: n for i, n in wanted.items() if n > self.asked.get(i, 0)}
+        demand: dict[str | bytes, int] = {
+            self.layout.streams[i]: n for i, n in wanted.items() if n > self.asked.get(i, 0)
+        }
         if demand:
             self.r.hset(keys.demand, mapping=demand)
             self.asked.update(wanted)

@@ -63,9 +63,9 @@ class Lease:
         """Block until this process holds the lease; returns its fencing token."""
         while True:
             current = self.r.get(self.keys.leader)
-            if current is not None and current == self.value:
+            if current is not None and current == self.value and self.token is not None:
                 self.lost.clear()  # still ours (a write failed on the way): lead on
-                return int(self.token)
+                return self.token
             if current is None:
                 token = int(self.r.incr(self.keys.fence))
                 value = json.dumps(

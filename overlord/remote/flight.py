@@ -49,6 +49,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -81,7 +82,10 @@ def job_token(job: Job, *, create: bool = False, r=None) -> str:
     if job.multi_node:
         from overlord.store import Keys, connect
 
-        r = r if r is not None else connect(job.redis_url, timeout_s=5)
+        if r is None:
+            if job.redis_url is None:
+                raise ConfigError(f"job {job.name!r} runs on several nodes without Job.redis_url; set it")
+            r = connect(job.redis_url, timeout_s=5)
         key = Keys(job.name).flight_token
         if create:
             r.set(key, secrets.token_urlsafe(32), nx=True)
@@ -265,7 +269,7 @@ class _Superseded(Exception):
 
 def serve(job: Job, port: int, token: str, host: str = "0.0.0.0") -> BatchServer:
     """Start a BatchServer on `port` in a background thread (TLS when the job has a cert)."""
-    if job.flight_cert:
+    if job.flight_cert and job.flight_key:  # Job refuses one without the other
         pair = flight.CertKeyPair(cert=Path(job.flight_cert).read_bytes(), key=Path(job.flight_key).read_bytes())
         server = BatchServer(job, f"grpc+tls://{host}:{port}", token, tls_certificates=[pair])
     else:
@@ -311,7 +315,7 @@ class RemoteReader:
         self.reader = None
         self._rows: list = []
 
-    def _open(self) -> None:
+    def _open(self) -> Any:
         """Open the stream, waiting (up to the open timeout) for a sidecar that is starting."""
         deadline = time.monotonic() + self.open_timeout_s
         while True:
