@@ -28,7 +28,7 @@ micro-batches in each bucket); see its docstring for the modes.
 from __future__ import annotations
 
 import heapq
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -88,7 +88,7 @@ def _check(costs, k, sizes, capacity, max_count) -> tuple[np.ndarray, np.ndarray
 def _lpt_order(c: np.ndarray, s: np.ndarray | None, capacity: float | None) -> np.ndarray:
     """Items that fit a bin on their own, largest cost first, ties by index."""
     order = np.argsort(-c, kind="stable")
-    return order if capacity is None else order[s[order] <= capacity]
+    return order if capacity is None or s is None else order[s[order] <= capacity]
 
 
 def greedy(costs, k, *, sizes=None, capacity=None, max_count=None, equal_count=False) -> np.ndarray:
@@ -119,7 +119,7 @@ def greedy(costs, k, *, sizes=None, capacity=None, max_count=None, equal_count=F
     counts, used, n_hi = [0] * k, [0.0] * k, 0
     heap = [(0.0, b) for b in range(k)]  # (load, bin): pops least-loaded, ties by bin
     cl = c.tolist()
-    sl = s.tolist() if capacity is not None else None
+    sl = s.tolist() if capacity is not None and s is not None else None
     too_big = np.inf  # bins only fill up: an item this large or larger can never fit
     for i in order.tolist():
         size = sl[i] if sl is not None else 0.0
@@ -169,7 +169,8 @@ def _greedy_groups(c, s, group, n_groups, k, capacity) -> np.ndarray:
     table = np.full((n_groups, int(rank.max()) + 1), -1, dtype=np.int64)
     table[g, rank] = o
     loads = np.zeros((n_groups, k))
-    used = np.zeros((n_groups, k)) if capacity is not None else None
+    used = np.zeros((n_groups, k))  # read only with a capacity
+    sz = s if s is not None else np.zeros(len(c))
     rows_all = np.arange(n_groups)
     for col in table.T:
         live = col >= 0
@@ -177,11 +178,11 @@ def _greedy_groups(c, s, group, n_groups, k, capacity) -> np.ndarray:
         if capacity is None:
             b = loads[rows].argmin(axis=1)  # first minimum: ties go to the lowest bin
         else:
-            ok = used[rows] + s[ids][:, None] <= capacity
+            ok = used[rows] + sz[ids][:, None] <= capacity
             b = np.where(ok, loads[rows], np.inf).argmin(axis=1)
             fit = ok[np.arange(len(b)), b]
             rows, ids, b = rows[fit], ids[fit], b[fit]
-            used[rows, b] += s[ids]
+            used[rows, b] += sz[ids]
         loads[rows, b] += c[ids]
         out[ids] = b
     return out
@@ -201,7 +202,9 @@ def _kk(vals: np.ndarray, k: int, equal_count: bool) -> np.ndarray:
         pad = -m % k
         sums = np.concatenate([vals, np.zeros(pad)]).reshape(-1, k)
         ids = np.concatenate([np.arange(m), np.full(pad, -1)]).reshape(-1, k)
-        heap = [(-(s_[0] - s_[-1]), j, s_, i_) for j, (s_, i_) in enumerate(zip(sums, ids))]
+        heap: list[tuple[float, int, np.ndarray | None, Any]] = [
+            (-(s_[0] - s_[-1]), j, s_, i_) for j, (s_, i_) in enumerate(zip(sums, ids))
+        ]
     else:
         heap = [(-v, j, None, j) for j, v in enumerate(vals.tolist())]  # singletons
     heapq.heapify(heap)  # largest spread first; ties by creation order (unique seq)
@@ -289,7 +292,7 @@ def _repair(c, s, k, out, capacity, max_count, equal_count) -> np.ndarray:
     ):
         return out  # the common case: nothing to evict, nothing left that fits
     out = out.copy()
-    members = [[] for _ in range(k)]
+    members: list[list[int]] = [[] for _ in range(k)]
     for i in np.flatnonzero(out >= 0).tolist():
         members[out[i]].append(i)
     counts = np.array([len(m) for m in members])
@@ -379,7 +382,8 @@ def swap_refine(costs, bins, k, *, sizes=None, capacity=None, tol=1e-4, max_iter
     table = np.full((k, int(cnt.max())), -1, dtype=np.int64)
     table[b_of, np.arange(len(o)) - np.searchsorted(b_of, b_of)] = o
     loads = np.bincount(b_of, weights=c[o], minlength=k)
-    used = None if capacity is None else np.bincount(b_of, weights=s[o], minlength=k)
+    sz = s if s is not None else np.zeros_like(c)  # read only with a capacity
+    used = None if capacity is None else np.bincount(b_of, weights=sz[o], minlength=k)
     stop = loads.mean() * (1 + tol)
     for _ in range(4 * k if max_iter is None else max_iter):
         a = int(loads.argmax())
@@ -402,8 +406,8 @@ def swap_refine(costs, bins, k, *, sizes=None, capacity=None, tol=1e-4, max_iter
         loads[a] -= c[x] - c[y]
         loads[b] += c[x] - c[y]
         if used is not None:
-            used[a] -= s[x] - s[y]
-            used[b] += s[x] - s[y]
+            used[a] -= sz[x] - sz[y]
+            used[b] += sz[x] - sz[y]
     return out
 
 

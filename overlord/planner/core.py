@@ -93,9 +93,12 @@ class PlannerCore:
             schedule = Constant(np.asarray(weights, dtype=np.float64))
             n_sources = len(weights)
         if strategy is None:
-            from overlord.planner.strategies import vanilla as strategy
+            from overlord.planner.strategies import vanilla  # deferred: strategies imports this module
+
+            strategy = vanilla
         self.buffer = Buffer(streams, stream_source, n_sources, finite=finite)
-        self.tree, self.schedule, self.strategy = tree, schedule, strategy
+        self.strategy: Strategy = strategy
+        self.tree, self.schedule = tree, schedule
         self.seed, self.global_batch, self.mb = seed, global_batch, micro_batches
         self.context_length, self.drop_last, self.mixing_unit = context_length, drop_last, mixing_unit
         self.rr = [0] * n_sources  # next stream (round robin) of each source

@@ -24,13 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from overlord.errors import ConfigError, PlanError
 
 CostFn = Callable[[np.ndarray], np.ndarray]
 
 
-def _lengths(x: np.ndarray | float, what: str) -> np.ndarray:
+def _lengths(x: ArrayLike, what: str) -> np.ndarray:
     arr = np.asarray(x, dtype=np.float64)
     bad = ~np.isfinite(arr) | (arr < 0)
     if bad.any():
@@ -42,7 +43,7 @@ def _lengths(x: np.ndarray | float, what: str) -> np.ndarray:
     return arr
 
 
-def transformer_cost(tokens, *, hidden: int = 4096, layers: int = 1) -> np.ndarray:
+def transformer_cost(tokens: ArrayLike, *, hidden: int = 4096, layers: int = 1) -> np.ndarray:
     """Forward FLOPs of a decoder over documents of `tokens` length each.
 
     Args:
@@ -59,7 +60,7 @@ def transformer_cost(tokens, *, hidden: int = 4096, layers: int = 1) -> np.ndarr
     return _block_flops(_lengths(tokens, "token counts"), hidden, layers)
 
 
-def encoder_cost(patches, *, hidden: int = 1024, layers: int = 1) -> np.ndarray:
+def encoder_cost(patches: ArrayLike, *, hidden: int = 1024, layers: int = 1) -> np.ndarray:
     """Forward FLOPs of a ViT over images of `patches` patches each (0: no image).
 
     Args:
@@ -79,10 +80,11 @@ def encoder_cost(patches, *, hidden: int = 1024, layers: int = 1) -> np.ndarray:
 def _block_flops(n: np.ndarray, hidden: int, layers: int) -> np.ndarray:
     """Transformer blocks over sequences of n positions: dense matmuls plus attention."""
     h = float(hidden)
-    return layers * (24.0 * h * h * n + 4.0 * h * n * n)
+    flops: np.ndarray = layers * (24.0 * h * h * n + 4.0 * h * n * n)
+    return flops
 
 
-def token_cost(tokens) -> np.ndarray:
+def token_cost(tokens: ArrayLike) -> np.ndarray:
     """Linear cost: the token count itself (memory / HBM proxy for text pretraining)."""
     return _lengths(tokens, "token counts").copy()
 

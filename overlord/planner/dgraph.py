@@ -157,7 +157,8 @@ class DGraph:
         self.round_robin = list(data.round_robin)
         self.last = False  # this step is short: the weighted sources ran out
         self.after: int | None = None  # what the next step could select, when that decides the end
-        self.axis, self.group_size = "DP", None
+        self.axis: str = "DP"
+        self.group_size: int | None = None
         self.costs: np.ndarray | None = None
         self.inter, self.intra = "round_robin", "round_robin"
         self.capacity: int | None = None
@@ -178,12 +179,14 @@ class DGraph:
         rng = d.rng()
         if d.mixing_unit == "substep":
             sizes = [len(part) for part in np.array_split(np.arange(need), d.micro_batches)]
-            per_mb, counts = [], None
+            parts: list[np.ndarray] = []
+            counts = np.zeros(0, np.int64)
             for m, size in enumerate(sizes):
                 weights = np.asarray(schedule.weights(d.step + m / d.micro_batches), dtype=np.float64)
-                before = counts if counts is not None else np.zeros(len(weights), np.int64)
+                before = counts if m else np.zeros(len(weights), np.int64)
                 counts = self._counts(weights, size, rng, before)
-                per_mb.append(counts - before)
+                parts.append(counts - before)
+            per_mb: list[np.ndarray] | None = parts
         else:
             t = d.epoch if d.mixing_unit == "epoch" else d.step
             weights = np.asarray(schedule.weights(t), dtype=np.float64)
@@ -229,8 +232,8 @@ class DGraph:
             return None
         if open_sources:
             wanted: dict[int, int] = {}
-            for src in open_sources:
-                wanted.update(d.buffer.wanted(src, int(counts[src]) + d.global_batch))
+            for source in open_sources:
+                wanted.update(d.buffer.wanted(source, int(counts[source]) + d.global_batch))
             raise NeedMetadata(wanted)
         return left
 
@@ -271,9 +274,11 @@ class DGraph:
         from overlord.planner.cost import get_cost
 
         model = get_cost(fn) if isinstance(fn, str) else fn
-        self.costs = np.asarray(model(self._require_items()[self.metric]), dtype=np.float64)
-        if self.costs.shape != (len(self.items),):
-            raise ConfigError(f"cost function returned shape {self.costs.shape}, expected ({len(self.items)},)")
+        items = self._require_items()
+        costs = np.asarray(model(items[self.metric]), dtype=np.float64)
+        if costs.shape != (len(items),):
+            raise ConfigError(f"cost function returned shape {costs.shape}, expected ({len(items)},)")
+        self.costs = costs
         return self
 
     def balance(
@@ -311,6 +316,11 @@ class DGraph:
         """The trainer broadcasts along `dim` itself: only its rank 0 fetches bytes."""
         self.tree.broadcast_at(dim)
         return self
+
+    @property
+    def selected(self) -> np.ndarray:
+        """This step's samples (metadata rows, ITEM dtype) once `mix()` chose them."""
+        return self._require_items()
 
     # -- the plan ------------------------------------------------------------------------
 
@@ -402,8 +412,8 @@ class DGraph:
         if encoder is not None:
             if encoder.items is not self.items:
                 raise ConfigError("plan(encoder=...) needs a graph made with view() of this one")
-            has_images = encoder.items["patches"] > 0
-            encoder_rank = np.full(len(self.items), -1, dtype=np.int64)
+            has_images = encoder._require_items()["patches"] > 0
+            encoder_rank = np.full(len(self._require_items()), -1, dtype=np.int64)
             rank, _ = encoder.assignment(subset=np.flatnonzero(has_images & (bucket >= 0)), bins=1)
             encoder_rank[has_images & (bucket >= 0)] = rank
         return self.plan_raw(bucket, mbin, encoder_rank, encoder_axis=encoder.axis if encoder else None)

@@ -35,7 +35,7 @@ def balanced(data: StepData, tree: ClientPlaceTree) -> Planned:
 
 def vlm_hybrid(data: StepData, tree: ClientPlaceTree) -> Planned:
     g = DGraph(data, tree, view="tokens").mix()
-    items = g.items
+    items = g.selected
     g.distribute("DP").cost(lambda tokens: transformer_cost(tokens) + encoder_cost(items["patches"]))
     g.balance("karmarkar_karp", level="inter").balance("greedy", level="intra")
     return g.plan()
