@@ -12,6 +12,7 @@ from overlord.loader.skips import FILE_FIELDS, per_file
 from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.lease import holder
 from overlord.store import Keys, connect
+from overlord.store.schema import is_built_field, is_replay_field, is_trainer_stats_field, replay_step
 from overlord.store.server import SOCKET_NAME
 
 
@@ -44,10 +45,8 @@ def collect(job: Job) -> dict[str, Any]:
         "step": int(planner["step"]) if "step" in planner else None,
         "cursors": state.get("cursors", {}),
         "roles": roles,
-        "progress": {k.decode(): int(v) for k, v in r.hgetall(keys.progress).items() if k.startswith(b"c")},
-        "replays": {
-            k.decode(): v.decode().rsplit(":", 1)[1] for k, v in r.hgetall(keys.progress).items() if k.startswith(b"r")
-        },
+        "progress": {k.decode(): int(v) for k, v in r.hgetall(keys.progress).items() if is_built_field(k)},
+        "replays": {k.decode(): replay_step(v) for k, v in r.hgetall(keys.progress).items() if is_replay_field(k)},
         "leader": holder(r, keys),
         "generation": int(planner["token"]) if "token" in planner else None,
         "active_loaders": {k.decode(): int(v) for k, v in r.hgetall(keys.active).items()},
@@ -69,7 +68,7 @@ def collect(job: Job) -> dict[str, Any]:
         "errors": [json.loads(e)["message"] for e in r.lrange(keys.errors, 0, -1)],
         "checkpoints": _checkpoints(r, keys),
         "resume": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.resume).items()},
-        "trainers": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.stats).items() if k.startswith(b"rank")},
+        "trainers": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.stats).items() if is_trainer_stats_field(k)},
     }
 
 

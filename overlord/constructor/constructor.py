@@ -36,7 +36,7 @@ from overlord.planner.lowlevel import constructor_do_plan, encoder_destinations
 from overlord.shm import Ring, decode_batch
 from overlord.sidecar.flow import Beat, Stopped, alive_within, push, resume_point, wait_plan
 from overlord.sidecar.layout import Layout, client_ring, sample_ring
-from overlord.store.keys import built_field
+from overlord.store.schema import built_field, replay_field, replay_request, skips, truncated_field
 from overlord.transforms import resolve
 
 log = logging.getLogger("overlord.constructor")
@@ -94,9 +94,9 @@ class DataConstructor:
         point = resume_point(self.r, self.keys)
         first = point[0] if point else 0
         if self.restarted:
-            done = self.r.hget(self.keys.progress, f"c{self.dp}")
+            done = self.r.hget(self.keys.progress, built_field(self.dp))
             step = int(done) + 1 if done is not None else first
-            self.r.hset(self.keys.progress, f"r{self.dp}", f"{os.getpid()}.{time.time():.6f}:{step}")
+            self.r.hset(self.keys.progress, replay_field(self.dp), replay_request(os.getpid(), step))
             log.warning("DataConstructor dp=%d restarted at step %d; asked the loaders for a replay", self.dp, step)
             # every step before `step` was built (into a ring this process may never see: on
             # another node, its sidecar dead); an empty ring of ours then counts as read up
@@ -107,7 +107,7 @@ class DataConstructor:
             return step
         # on a resume, micro-batches of the first steps a rank had already consumed
         raw = self.r.hgetall(self.keys.resume) if point else {}
-        self.skip = {rank: int(raw.get(f"skip:{rank}".encode(), 0)) for rank in self.outputs}
+        self.skip = skips(raw, self.outputs)
         return first
 
     def run(self) -> None:
@@ -155,7 +155,7 @@ class DataConstructor:
                 pipe.hset(self.keys.progress, built_field(self.dp), plan.step)
                 pipe.xadd(self.keys.progressed, {"c": self.dp}, maxlen=STREAM_MAXLEN, approximate=True)
                 if self.truncated:
-                    pipe.hset(self.keys.counters, f"truncated:c{self.dp}", self.truncated)
+                    pipe.hset(self.keys.counters, truncated_field(self.dp), self.truncated)
                 pipe.execute()
                 step += 1
                 if plan.last:

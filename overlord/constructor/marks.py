@@ -34,7 +34,7 @@ import redis
 from overlord.errors import RingError
 from overlord.shm import Ring
 from overlord.sidecar.layout import client_ring
-from overlord.store.keys import consumed_field
+from overlord.store.schema import consumed_field
 
 log = logging.getLogger("overlord.constructor")
 

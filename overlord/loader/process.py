@@ -45,6 +45,7 @@ from overlord.planner.lowlevel import loader_do_plan
 from overlord.shm import Ring
 from overlord.sidecar.flow import Stopped, push, resume_point
 from overlord.sidecar.layout import sample_ring
+from overlord.store.schema import built, replay
 
 log = logging.getLogger("overlord.loader")
 
@@ -107,8 +108,8 @@ class LoaderProcess:
         progress = self.r.hgetall(self.keys.progress)
         point = resume_point(self.r, self.keys)
         first = point[0] if point else 0
-        done = {dp: int(progress.get(f"c{dp}".encode(), first - 1)) for dp in range(self.job.mesh.dp)}
-        self.replays = {dp: progress.get(f"r{dp}".encode()) for dp in done}
+        done = {dp: built(progress, dp, first - 1) for dp in range(self.job.mesh.dp)}
+        self.replays = {dp: replay(progress, dp) for dp in done}
         self.step = min(done.values()) + 1 if done else first
         if self.step > 0:
             self._rebuild(self.step, point[1] if point and self.step == first else None)
@@ -243,19 +244,17 @@ class LoaderProcess:
     def _finished(self, progress) -> bool:
         """After the last plan: stay (to serve replays) until every constructor is done."""
         last = self.last_step
-        return last is not None and all(
-            int(progress.get(f"c{dp}".encode(), -1)) >= last for dp in range(self.job.mesh.dp)
-        )
+        return last is not None and all(built(progress, dp, -1) >= last for dp in range(self.job.mesh.dp))
 
     def _follow(self, progress: dict) -> None:
         """Drop what every constructor has finished; serve replay requests."""
-        done = [int(progress.get(f"c{dp}".encode(), -1)) for dp in range(self.job.mesh.dp)]
+        done = [built(progress, dp, -1) for dp in range(self.job.mesh.dp)]
         finished = min(done, default=-1)
         for t in [t for t in self.sent if t <= finished]:
             for _, _, _, item in self.sent.pop(t):
                 self.kept.pop(item, None)
         for dp in range(self.job.mesh.dp):
-            request = progress.get(f"r{dp}".encode())
+            request = replay(progress, dp)
             if request == self.replays.get(dp):
                 continue
             self.replays[dp] = request
@@ -287,8 +286,8 @@ class LoaderProcess:
         self.active = True
         self._report_all()
         for dp in range(self.job.mesh.dp):
-            self.replays[dp] = progress.get(f"r{dp}".encode())
-            self._replay(dp, int(progress.get(f"c{dp}".encode(), -1)) + 1)
+            self.replays[dp] = replay(progress, dp)
+            self._replay(dp, built(progress, dp, -1) + 1)
         self.skip_upto = {}
 
     # -- serving -----------------------------------------------------------------------

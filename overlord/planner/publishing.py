@@ -32,7 +32,7 @@ from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.dgraph import Plan
 from overlord.planner.lease import Lease, Superseded, WriteUncertain
 from overlord.store import Keys
-from overlord.store.keys import built_field, consumed_field
+from overlord.store.schema import built_field, consumed_field
 
 PLAN_TTL_S = 3600  # a backstop: plans are deleted once far behind the slowest constructor
 PLAN_KEEP_STEPS = 1024  # plans kept behind the slowest Data Constructor: a restarted loader or

@@ -26,9 +26,9 @@ import logging
 import os
 import queue
 import threading
-import time
 
 from overlord.errors import RingTimeout
+from overlord.store.schema import built_field, replay_field, replay_request
 
 log = logging.getLogger("overlord.bridge")
 
@@ -176,6 +176,6 @@ class Bridge:
                     continue
 
     def _ask_replay(self) -> None:
-        done = self.r.hget(self.keys.progress, f"c{self.dp}")
+        done = self.r.hget(self.keys.progress, built_field(self.dp))
         step = int(done) + 1 if done is not None else 0
-        self.r.hset(self.keys.progress, f"r{self.dp}", f"{os.getpid()}.{time.time():.6f}:{step}")
+        self.r.hset(self.keys.progress, replay_field(self.dp), replay_request(os.getpid(), step))

@@ -32,6 +32,7 @@ from overlord.shm import Ring
 from overlord.shm import pid_alive as alive
 from overlord.sidecar.layout import client_ring
 from overlord.store import Keys
+from overlord.store.schema import encode_rewind, is_rewind_field, rank_of, rewind_field
 
 MODE_NAME = "sidecar-mode.json"
 SPAWNED_BY = "OVERLORD_SPAWNED_BY"  # environment: the pid of the DataLoader that started this sidecar
@@ -141,18 +142,14 @@ def rewind(job: Job, r, found: Mode, rank: int, at: tuple[int, int], timeout_s: 
     me = os.getpid()
     keys = Keys(job.name)
     try:
-        r.hset(keys.resume, f"rewind:{rank}", json.dumps({"pid": me, "at": list(at)}))
+        r.hset(keys.resume, rewind_field(rank), encode_rewind(me, at))
     except (redis.RedisError, OverlordError):
         pass  # its Redis is gone with it: nothing left to agree on
     deadline = time.monotonic() + timeout_s
     waiting: dict[int, int] = {}
     while alive(found.pid):
         try:
-            asked = {
-                int(k.split(b":")[1]): json.loads(v)["pid"]
-                for k, v in r.hgetall(keys.resume).items()
-                if k.startswith(b"rewind:")
-            }
+            asked = {rank_of(k): json.loads(v)["pid"] for k, v in r.hgetall(keys.resume).items() if is_rewind_field(k)}
         except (redis.RedisError, OverlordError):
             time.sleep(0.05)  # on its way out
             continue

@@ -59,6 +59,8 @@ from overlord.sidecar.membership import NodeMember
 from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload
 from overlord.store import EmbeddedRedis, Keys, connect, redact
+from overlord.store.schema import positions as read_positions
+from overlord.store.schema import skip_field
 
 log = logging.getLogger("overlord.sidecar")
 
@@ -217,9 +219,7 @@ class Sidecar(NodeMember):
         deadline = time.monotonic() + self.job.timeout_s
         while True:
             raw = self.r.hgetall(self.keys.resume)
-            positions = {
-                r: json.loads(raw[f"position:{r}".encode()]) for r in range(world) if f"position:{r}".encode() in raw
-            }
+            positions = read_positions(raw, world)
             if len(positions) == world:
                 break
             if time.monotonic() > deadline:
@@ -240,14 +240,14 @@ class Sidecar(NodeMember):
         if later:
             self.r.hdel(self.keys.ckpt, *later)
             self.r.hdel(self.keys.ckpt_delta, *later)
-        mapping = {"step": step, **{f"skip:{r}": (p[0] - step) * mb + p[1] for r, p in positions.items()}}
+        mapping = {"step": step, **{skip_field(r): (p[0] - step) * mb + p[1] for r, p in positions.items()}}
         self.r.hset(self.keys.resume, mapping=mapping)
         mode.write(self.job, resume=True, decided=True, spawned=mode.spawned_here())
         log.info(
             "resuming job %r at step %d (micro-batches already consumed per rank: %s)",
             self.job.name,
             step,
-            {r: mapping[f"skip:{r}"] for r in positions},
+            {r: mapping[skip_field(r)] for r in positions},
         )
         # the state before `step` says the job's last step came before it
         return bool(Checkpoints(self.keys).load(self.r, step).get("done"))

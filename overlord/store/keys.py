@@ -1,43 +1,9 @@
 """Every Redis key Overlord uses is built here; nobody formats a key elsewhere.
 
 All keys of a job share the hash tag `{<job>}` so they live in one Redis Cluster slot
-and multi-key transactions work on a managed cluster as on one server.
-
-    overlord:{job}:planner              hash   step last planned, updated (time)
-    overlord:{job}:plan:<step>          string plan of one step (JSON), expires
-    overlord:{job}:plans                stream one entry per published plan (step)
-    overlord:{job}:meta:<stream>        stream buffer metadata of one Source Loader
-    overlord:{job}:progress             hash   c<dp> -> last step written; t<dp> -> trainers' mark (1 + the step of
-                                               the last batch every rank of the group was handed; absent: none yet);
-                                               r<dp> -> replay request of a restarted Data Constructor
-    overlord:{job}:progressed           stream one entry per rise of a c<dp> or t<dp>: the Planner blocks on it
-    overlord:{job}:hb:<role>:<id>       string heartbeat JSON (pid, node, time), TTL
-    overlord:{job}:nodes                hash   node -> JSON (pid, host, ranks, flight address, cpus, memory_mb, started)
-    overlord:{job}:layout               string JSON: which loader process hosts which stream
-    overlord:{job}:errors               list   JSON error records (role, pid, node, message)
-    overlord:{job}:counters             hash   skipped:<source>, truncated, ...
-    overlord:{job}:metrics              hash   rank -> JSON {step, metrics} the trainer reported
-    overlord:{job}:demand               hash   stream -> samples the Planner needs it to hold
-    overlord:{job}:ckpt                 hash   step -> full planner state (JSON) before that step's plan
-    overlord:{job}:ckpt-delta           hash   step -> change of that state since the step before
-    overlord:{job}:leader               string the Planner's lease (JSON token, pid, node), PX TTL
-    overlord:{job}:fence                string fencing-token counter (INCR per lease taken)
-    overlord:{job}:active               hash   loader process index -> pid of its active Source Loader process
-    overlord:{job}:promotions           stream one entry per Shadow Loader promoted (loader, pid, reason)
-    overlord:{job}:restarts             hash   role<index> -> times the sidecar restarted it
-    overlord:{job}:profile              hash   stream -> JSON cost profile (samples, seconds, bytes, state), kept across runs
-    overlord:{job}:autoscale            string JSON partitions per source and loader processes chosen at start
-    overlord:{job}:workers              hash   stream -> transform workers (threads) the Planner's scaler set
-    overlord:{job}:scaling              stream one entry per scaling decision (step, source, workers, share, cost)
-    overlord:{job}:ckpt-layout          string the streams (JSON) those checkpoints belong to
-    overlord:{job}:resume               hash   position:<rank> (trainer), step and skip:<rank> (sidecar), rewind:<rank> (a
-                                               trainer asking a spawned sidecar to restart for an earlier state)
-    overlord:{job}:job                  string the job's config (JSON)
-    overlord:{job}:placement            hash   unit (loader<k>, constructor<h>) -> node that runs it (several nodes)
-    overlord:{job}:placements           stream one entry per unit the Planner moved (unit, from, to, reason)
-    overlord:{job}:flight-token         string the job's Flight token when $OVERLORD_FLIGHT_TOKEN is not set (several nodes)
-    overlord:{job}:boot                 string PX lock: one sidecar at a time decides fresh start or join
-    overlord:{job}:stats                hash   loader<k> / rank<r> -> JSON running totals for `overlord top` and /metrics
+and multi-key transactions work on a managed cluster as on one server. What each key
+holds (type, fields, encodings, writer, reader, TTL) is described in
+`overlord.store.schema.SCHEMA`, rendered into docs/reference/redis.md.
 """
 
 from __future__ import annotations
@@ -45,16 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREFIX = "overlord"
-
-
-def built_field(dp: int) -> str:
-    """`progress` field: the last step Data Constructor `dp` wrote to its clients' rings."""
-    return f"c{dp}"
-
-
-def consumed_field(dp: int) -> str:
-    """`progress` field: the trainers' mark of DP group `dp` (overlord.constructor.marks)."""
-    return f"t{dp}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -307,8 +307,9 @@ class DataLoader(NodeReader):
     def _report_position(self) -> None:
         """Tell a resuming sidecar where this rank stopped (it waits for every rank)."""
         from overlord.store import Keys
+        from overlord.store.schema import encode_position, position_field
 
-        self._control().hset(Keys(self.job.name).resume, f"position:{self.rank}", json.dumps(list(self._resume_at)))
+        self._control().hset(Keys(self.job.name).resume, position_field(self.rank), encode_position(self._resume_at))
 
     # -- iterating -----------------------------------------------------------------------
 

@@ -32,8 +32,9 @@ class StatsPublisher:
     def _run(self) -> None:
         from overlord.status import redis_url_of
         from overlord.store import Keys, connect
+        from overlord.store.schema import trainer_stats_field
 
-        key, field = Keys(self.job.name).stats, f"rank{self.rank}"
+        key, field = Keys(self.job.name).stats, trainer_stats_field(self.rank)
         r = None
         stopping = False
         while True:  # at once, then every PUBLISH_S: `reached` dates the trainer's last contact
