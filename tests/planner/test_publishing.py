@@ -14,7 +14,7 @@ from overlord.planner.dgraph import Plan
 from overlord.planner.lease import Lease, Superseded, WriteUncertain
 from overlord.planner.publishing import PLAN_KEEP_STEPS, PRUNE_MAX, Bound, Publisher
 from overlord.store import Keys
-from overlord.store.keys import built_field, consumed_field
+from overlord.store.schema import built_field, consumed_field
 
 KEYS = Keys("j")
 
