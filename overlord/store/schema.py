@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 # -- the `progress` hash ---------------------------------------------------------------
@@ -102,7 +102,7 @@ def positions(resume: Mapping[bytes, bytes], world: int) -> dict[int, list[int]]
     }
 
 
-def skips(resume: Mapping[bytes, bytes], ranks: list[int] | dict[int, object]) -> dict[int, int]:
+def skips(resume: Mapping[bytes, bytes], ranks: Iterable[int]) -> dict[int, int]:
     """rank -> batches to skip, from a `resume` HGETALL."""
     return {rank: int(resume.get(skip_field(rank).encode(), 0)) for rank in ranks}
 
