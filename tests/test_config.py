@@ -1,5 +1,7 @@
 """Invalid configs fail at construction, naming the field and the fix."""
 
+import json
+
 import pytest
 
 from overlord.config import BatchSpec, Job, Mesh, Source
@@ -69,3 +71,66 @@ def test_more_micro_batches_than_a_rank_gets_samples_is_refused():
     ):
         Job(name="j", sources=(src(),), mesh=Mesh(dp=2), batch=BatchSpec(global_batch=8, micro_batches=8))
     Job(name="j", sources=(src(),), mesh=Mesh(dp=2), batch=BatchSpec(global_batch=8, micro_batches=4))
+
+
+# -- the typed sections: Mixing and Autoscale -------------------------------------------
+
+
+def _two_sources(**overrides) -> Job:
+    return Job(
+        name="sections",
+        sources=(Source(name="web", paths=("/dev/null",)), Source(name="code", paths=("/dev/null",))),
+        **overrides,
+    )
+
+
+def test_mixing_and_autoscale_given_as_dicts_become_their_sections_and_round_trip():
+    from overlord.config import Autoscale, Mixing
+
+    job = _two_sources(
+        mixing={"kind": "piecewise", "points": [[0, {"web": 1}], [100, {"code": 1}]], "unit": "substep"},
+        autoscale={"cpus": 4, "online": False},
+    )
+    assert job.mixing == Mixing(kind="piecewise", points=((0, {"web": 1}), (100, {"code": 1})), unit="substep")
+    assert job.autoscale == Autoscale(cpus=4, online=False)
+    assert job.autoscale.budget_fields() == {"cpus": 4}
+    assert Job.from_dict(json.loads(job.to_json())) == job  # what role processes read back
+
+
+def test_a_yaml_mixing_and_autoscale_load_unchanged(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "name: y\nsources:\n  - {name: web, paths: [/dev/null]}\n  - {name: code, paths: [/dev/null]}\n"
+        "mixing: {kind: warmup, start: {web: 1}, end: {code: 1}, steps: 50}\nautoscale: {}\n"
+    )
+    job = Job.from_file(path)
+    assert (job.mixing.kind, job.mixing.steps, job.mixing.begin) == ("warmup", 50, 0)
+    assert job.autoscale is not None and job.autoscale.online and job.autoscale.budget_fields() == {}
+
+
+@pytest.mark.parametrize(
+    ("mixing", "autoscale", "says"),
+    [
+        ({"kind": "warmup", "start": {"web": 1}, "end": {"code": 1}}, None, "needs steps"),
+        ({"kind": "constant", "weights": {"web": 1}, "temperature": 2}, None, "unknown key(s) ['temperature']"),
+        ({"kind": "zigzag"}, None, "mixing.kind='zigzag'"),
+        ({"kind": "dynamic", "unit": "hour"}, None, "mixing.unit='hour'"),
+        ({"kind": "constant", "weights": {"books": 1}}, None, "unknown source(s) ['books']"),
+        (None, {"cpu": 4}, "unknown key(s) ['cpu']"),
+        (None, {"cpus": -1}, "autoscale.cpus=-1"),
+        (None, {"online": "yes"}, "autoscale.online='yes'"),
+    ],
+)
+def test_a_section_with_a_wrong_key_or_value_is_refused_naming_it(mixing, autoscale, says):
+    with pytest.raises(ConfigError) as err:
+        _two_sources(mixing=mixing, autoscale=autoscale)
+    assert says in str(err.value)
+
+
+def test_autoscale_offers_every_budget_field():
+    import dataclasses
+
+    from overlord.autoscale.partition import Budget
+    from overlord.config import Autoscale
+
+    assert {f.name for f in dataclasses.fields(Budget)} <= {f.name for f in dataclasses.fields(Autoscale)}

@@ -1,7 +1,7 @@
 """Render docs/config.md, the configuration reference, from the config dataclasses.
 
-Every public dataclass of `overlord.config` (`Job`, `Source`, `Mesh`, `BatchSpec`, ...)
-and the autoscale `Budget` gets one table: field, type, default, description. Types and
+Every public dataclass of `overlord.config` (`Job`, `Source`, `Mesh`, `BatchSpec`,
+`Mixing`, `Autoscale`) gets one table: field, type, default, description. Types and
 defaults come from the dataclass fields; descriptions from the "Attributes:" section of
 the class docstring (Google style), where an entry may run over several lines and may
 name several fields at once (`flight_cert, flight_key: ...`).
@@ -31,20 +31,11 @@ WHERE = {
     "Source": "Each entry of `sources:` (`overlord.Source(...)`).",
     "Mesh": "`mesh:` (`overlord.Mesh(...)`).",
     "BatchSpec": "`batch:` (`overlord.BatchSpec(...)`).",
-    "Budget": "The fields of `autoscale:` (`overlord.autoscale.Budget`).",
+    "Mixing": "`mixing:` (`overlord.config.Mixing`, or a dict of its fields).",
+    "Autoscale": "`autoscale:` (`overlord.config.Autoscale`, or a dict of its fields; `{}` for the defaults).",
 }
-ORDER = ("Job", "Source", "Mesh", "BatchSpec")
+ORDER = ("Job", "Source", "Mesh", "BatchSpec", "Mixing", "Autoscale")
 
-BUDGET_NOTE = (
-    "In `autoscale:` every field is optional. `overlord.autoscale.apply.budget_of` fills "
-    "what the config leaves out from the machine: `cpus` (the CPUs this process may run on, "
-    "or `$OVERLORD_CPUS` / `--cpus`), `memory_mb` (half the available memory, or "
-    "`$OVERLORD_MEMORY_MB` / `--memory-mb`), `constructor_cpus` and `planner_cpus` (a "
-    "slice that grows with `cpus`), `buffer_samples` (`Job.buffer_samples`) and "
-    "`max_workers_per_loader` (1). The defaults below are the dataclass's own. "
-    "`autoscale:` also takes `profile_samples`, `online`, `max_threads` and "
-    "`scale_interval` (see `Job.autoscale`)."
-)
 
 _ENTRY = re.compile(r"^(?P<names>[A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)\s*:\s*(?P<text>.*)$")
 
@@ -54,21 +45,17 @@ class DocError(Exception):
 
 
 def config_classes() -> list[type]:
-    """The documented classes: public dataclasses of overlord.config, then Budget."""
+    """The documented classes: the public dataclasses `overlord.config` exports."""
     import overlord.config as config
-    from overlord.autoscale.partition import Budget
 
     found = [
         obj
         for name, obj in vars(config).items()
-        if not name.startswith("_")
-        and inspect.isclass(obj)
-        and dataclasses.is_dataclass(obj)
-        and obj.__module__ == config.__name__
+        if name in config.__all__ and inspect.isclass(obj) and dataclasses.is_dataclass(obj)
     ]
     rank = {name: i for i, name in enumerate(ORDER)}
     found.sort(key=lambda c: (rank.get(c.__name__, len(ORDER)), inspect.getsourcelines(c)[1]))
-    return found + [Budget]
+    return found
 
 
 def attributes(cls: type) -> tuple[str, dict[str, str]]:
@@ -182,8 +169,7 @@ def render() -> str:
         out += [f"## `{cls.__name__}`", "", f"`{cls.__module__}.{cls.__qualname__}`: {summary}", ""]
         if cls.__name__ in WHERE:
             out += [WHERE[cls.__name__], ""]
-        if cls.__name__ == "Budget":
-            out += [BUDGET_NOTE, ""]
+
         out += ["| field | type | default | description |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             if f.name not in described:

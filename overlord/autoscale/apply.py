@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+from typing import Any
 
 from overlord.autoscale.partition import Budget, Partitioning, SourcePlan, partition
 from overlord.autoscale.profile import costs_from, journaled, measure
@@ -34,7 +35,7 @@ def budget_of(job: Job) -> Budget:
     `$OVERLORD_CPUS` and `$OVERLORD_MEMORY_MB` (a sidecar's `--cpus`, `--memory-mb`)
     give this node's share where nodes differ, over the config's fields.
     """
-    cfg = {k: v for k, v in (job.autoscale or {}).items() if k in Budget.__dataclass_fields__}
+    cfg: dict[str, Any] = job.autoscale.budget_fields() if job.autoscale is not None else {}
     for name, var in (("cpus", "OVERLORD_CPUS"), ("memory_mb", "OVERLORD_MEMORY_MB")):
         if os.environ.get(var):
             try:
@@ -45,7 +46,7 @@ def budget_of(job: Job) -> Budget:
                     f"{'CPUs' if name == 'cpus' else 'MiB'} for the sidecar"
                 ) from None
     cpus = float(cfg.get("cpus", len(os.sched_getaffinity(0))))
-    defaults = {
+    defaults: dict[str, Any] = {
         "cpus": cpus,
         # the Data Constructors and the Planner take a slice that grows with the node, so
         # a small machine still has a loader worker left
@@ -76,7 +77,8 @@ def autoscale(job: Job, r, keys, *, resume: bool = False) -> tuple[Job, Partitio
     else:
         profiled = costs_from(journaled(r, keys), job)
         missing = [s for s in job.sources if s.name not in profiled]
-        samples = int((job.autoscale or {}).get("profile_samples", PROFILE_SAMPLES))
+        configured = job.autoscale.profile_samples if job.autoscale is not None else None
+        samples = int(configured or PROFILE_SAMPLES)
         measured = measure(dataclasses.replace(job, sources=tuple(missing)), samples) if missing else {}
         costs = [profiled.get(s.name) or measured[s.name] for s in job.sources]
         part = partition(costs, budget_of(job))

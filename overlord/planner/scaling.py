@@ -26,7 +26,7 @@ import redis
 from overlord.autoscale.apply import budget_of
 from overlord.autoscale.profile import costs_from, journaled
 from overlord.autoscale.scaler import Scaler
-from overlord.config import Job
+from overlord.config import Autoscale, Job
 from overlord.planner.dgraph import Plan
 from overlord.sidecar.layout import Layout
 from overlord.store import Keys
@@ -45,14 +45,14 @@ class Scaling:
         current = {s.name: 1 for s in job.sources}
         for stream, n in r.hgetall(keys.workers).items():
             current[stream.decode().rsplit(".", 1)[0]] = int(n)
-        autoscale = job.autoscale or {}
+        autoscale = job.autoscale or Autoscale()
         self.scaler = Scaler(
             costs_ms={},
             current=current,
             partitions={s.name: s.partitions for s in job.sources},
             cpus=budget_of(job).loader_cpus,
-            max_workers=int(autoscale.get("max_threads", 4)),
-            interval=int(autoscale.get("scale_interval", 8)),
+            max_workers=autoscale.max_threads,
+            interval=autoscale.scale_interval,
         )
         self.warned = False
         # far enough ahead that workers are up before the read buffers of the old mix drain

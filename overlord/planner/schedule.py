@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from overlord.config import Mixing
 from overlord.errors import ConfigError
 
 
@@ -134,49 +135,42 @@ def loss_proportional(
 UNITS = ("step", "substep", "epoch")
 
 
-def mixing_unit(mixing: Mapping[str, Any] | None) -> str:
+def mixing_unit(mixing: Mixing | Mapping[str, Any] | None) -> str:
     """What the schedule's time axis counts: steps (default), micro-batches within a
     step ("substep": micro-batch m of step t mixes as t + m/M), or the job's epochs."""
-    unit = (mixing or {}).get("unit", "step")
-    if unit not in UNITS:
-        raise ConfigError(f"mixing.unit={unit!r}; use one of {UNITS}")
-    return unit
+    return Mixing.of(mixing).unit if mixing is not None else "step"
 
 
-def from_config(mixing: Mapping[str, Any] | None, sources: Sequence[str], default: Sequence[float]):
-    """Build the job's schedule from its `mixing` config (None: constant source weights)."""
+def from_config(mixing: Mixing | Mapping[str, Any] | None, sources: Sequence[str], default: Sequence[float]):
+    """Build the job's schedule from its `mixing` config (a `Mixing`, or a dict of its
+    fields; None: constant source weights)."""
     if mixing is None:
         return Constant(np.asarray(default, dtype=np.float64))
-    kind = mixing.get("kind")
-    if kind == "constant":
-        return Constant(_vector(mixing["weights"], sources, "mixing.weights"))
+    mixing = Mixing.of(mixing)
+    kind = mixing.kind
+    if kind == "constant" and mixing.weights is not None:
+        return Constant(_vector(mixing.weights, sources, "mixing.weights"))
     if kind == "piecewise":
-        points = sorted(mixing.get("points") or [], key=lambda p: p[0])
+        points = sorted(mixing.points or (), key=lambda p: p[0])
         if not points or points[0][0] != 0:
             raise ConfigError("mixing.points must start at step 0, e.g. [[0, {web: 1.0}], [1000, {...}]]")
         return Piecewise(
             np.array([p[0] for p in points], dtype=np.int64),
             np.stack([_vector(p[1], sources, f"mixing.points[{i}]") for i, p in enumerate(points)]),
         )
-    if kind == "warmup":
-        steps = int(mixing.get("steps", 0))
-        if steps < 1:
-            raise ConfigError(f"mixing.steps={mixing.get('steps')!r} must be an int >= 1")
+    if kind == "warmup" and mixing.start is not None and mixing.end is not None and mixing.steps is not None:
         return Warmup(
-            _vector(mixing["start"], sources, "mixing.start"),
-            _vector(mixing["end"], sources, "mixing.end"),
-            int(mixing.get("begin", 0)),
-            steps,
+            _vector(mixing.start, sources, "mixing.start"),
+            _vector(mixing.end, sources, "mixing.end"),
+            mixing.begin,
+            mixing.steps,
         )
     if kind == "dynamic":
         from overlord.transforms import resolve
 
-        every = int(mixing.get("every", 1))
-        if every < 1:
-            raise ConfigError(f"mixing.every={mixing.get('every')!r} must be an int >= 1")
-        spec = mixing.get("fn", "overlord.planner.schedule:loss_proportional")
+        every = mixing.every
         try:
-            fn = resolve(spec)
+            fn = resolve(mixing.fn)
         except ConfigError as exc:
             raise ConfigError(f"mixing.fn: {exc}") from None
         return Dynamic(fn, np.asarray(default, dtype=np.float64), sources, every)

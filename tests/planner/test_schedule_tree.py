@@ -84,6 +84,8 @@ def test_dynamic_schedule_errors_name_the_field():
 def test_mixing_unit_is_validated():
     from overlord.planner.schedule import mixing_unit
 
-    assert mixing_unit(None) == "step" and mixing_unit({"kind": "warmup", "unit": "substep"}) == "substep"
+    assert mixing_unit(None) == "step" and mixing_unit({"kind": "dynamic", "unit": "substep"}) == "substep"
     with pytest.raises(ConfigError, match="mixing.unit='minute'"):
-        mixing_unit({"unit": "minute"})
+        mixing_unit({"kind": "dynamic", "unit": "minute"})
+    with pytest.raises(ConfigError, match="mixing of kind 'warmup' needs start, end, steps"):
+        mixing_unit({"kind": "warmup", "unit": "substep"})
