@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class OutageRetry(Retry):
+class OutageRetry(Retry):  # type: ignore[misc]  # redis-py is read untyped (pyproject.toml says why)
     """redis-py's Retry bounded by time, not by count: a command is retried while the
     server has been gone for less than `budget_s` (a frozen server costs a socket timeout
     per try, so a count says nothing about how long it waited)."""
@@ -95,7 +95,7 @@ class OutageRetry(Retry):
                 raise named from error
             fail(error, *count)
 
-        result = super().call_with_retry(do, failed, is_retryable, with_failure_count)
+        result: T = super().call_with_retry(do, failed, is_retryable, with_failure_count)
         if retried and self.unreachable_since is not None:
             gone = time.monotonic() - self.unreachable_since
             self.unreachable_since, self.last_outage_end = None, time.monotonic()

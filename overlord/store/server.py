@@ -52,11 +52,11 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 class EmbeddedRedis:
     """A private redis-server on a unix socket in `run_dir`."""
 
-    def __init__(self, run_dir: str | os.PathLike, *, timeout_s: float = 20.0) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], *, timeout_s: float = 20.0) -> None:
         self.run_dir = Path(run_dir)
         self.socket = self.run_dir / SOCKET_NAME
         self.timeout_s = timeout_s
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -128,7 +128,7 @@ class EmbeddedRedis:
         self.proc = None
 
 
-def server_pids(run_dir: str | os.PathLike) -> list[int]:
+def server_pids(run_dir: str | os.PathLike[str]) -> list[int]:
     """Pids of the embedded redis-server(s) serving `run_dir` (for operators and fault
     injection: its config path in the command line names the run directory)."""
     out = []
