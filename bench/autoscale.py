@@ -107,7 +107,7 @@ def _pss_sampler(job, stop: threading.Event, peak: list[float]) -> None:
 
 def _set_worst_case_workers(job, threads: int) -> None:
     """Fix every stream's transform workers (the `workers` hash loaders follow)."""
-    from overlord.sidecar.layout import Layout
+    from overlord.runtime.layout import Layout
     from overlord.status import redis_url_of
     from overlord.store import Keys, connect
 

@@ -61,8 +61,8 @@ def _job(name: str, run_dir: str):
 
 def _producer(name: str, run_dir: str, kind: str, count: int, ring_bytes: int, port: int, token: str, ready) -> None:
     from overlord.remote.flight import serve
+    from overlord.runtime.layout import client_ring
     from overlord.shm import Ring, write_batch
-    from overlord.sidecar.layout import client_ring
 
     job = _job(name, run_dir)
     ring = Ring.create(client_ring(job, 0), ring_bytes)
@@ -92,8 +92,8 @@ def _free_port() -> int:
 def measure(kind: str, path: str, count: int, ring_bytes: int) -> dict:
     from overlord.errors import RingClosed
     from overlord.remote.flight import RemoteReader
+    from overlord.runtime.layout import client_ring
     from overlord.shm import Ring, decode_batch, unlink_all
-    from overlord.sidecar.layout import client_ring
 
     name = f"rb{os.getpid() % 10000}{kind[0]}{path[-2:]}"
     run_dir = tempfile.mkdtemp(prefix="ovl-rb-")

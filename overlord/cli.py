@@ -45,8 +45,8 @@ def _top(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from overlord.config import Job
+    from overlord.runtime.layout import Layout
     from overlord.sidecar.checks import run_checks
-    from overlord.sidecar.layout import Layout
 
     job = Job.from_file(args.config)
     if args.node:

@@ -242,8 +242,8 @@ class JobCollector:
 
 
 def start_metrics_process(job: Job, run_dir, redis_url: str) -> subprocess.Popen:
-    """Serve /metrics for this node in a process of its own (overlord.sidecar.service)."""
-    from overlord.sidecar import service
+    """Serve /metrics for this node in a process of its own (overlord.runtime.service)."""
+    from overlord.runtime import service
 
     return service.start(
         "overlord.metrics",
@@ -303,7 +303,7 @@ def serve_http(app: Callable, host: str, port: int) -> tuple[WSGIServer, threadi
 
 
 def main(argv: list[str] | None = None) -> int:
-    from overlord.sidecar import service
+    from overlord.runtime import service
 
     def start(job: Job):
         # deferred: prometheus_client is needed by this server process only

@@ -30,7 +30,7 @@ from overlord.planner.core import PlannerCore, resolve_strategy
 from overlord.planner.meta import MetaChunk
 from overlord.planner.schedule import Dynamic, from_config, mixing_unit
 from overlord.planner.tree import ClientPlaceTree
-from overlord.sidecar.layout import Layout
+from overlord.runtime.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
 COOKBOOK = ROOT / "docs" / "cookbook.md"

@@ -33,9 +33,10 @@ from overlord.constructor.packing import pack, pad
 from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout, SourceReadError
 from overlord.planner.lowlevel import constructor_do_plan, encoder_destinations
+from overlord.planner.waiting import resume_point, wait_plan
+from overlord.runtime.flow import Beat, Stopped, alive_within, push
+from overlord.runtime.layout import Layout, client_ring, sample_ring
 from overlord.shm import Ring, decode_batch
-from overlord.sidecar.flow import Beat, Stopped, alive_within, push, resume_point, wait_plan
-from overlord.sidecar.layout import Layout, client_ring, sample_ring
 from overlord.store.schema import built_field, replay_field, replay_request, skips, truncated_field
 from overlord.transforms import resolve
 

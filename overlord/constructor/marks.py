@@ -32,8 +32,8 @@ from collections.abc import Mapping
 import redis
 
 from overlord.errors import RingError
+from overlord.runtime.layout import client_ring
 from overlord.shm import Ring
-from overlord.sidecar.layout import client_ring
 from overlord.store.schema import consumed_field
 
 log = logging.getLogger("overlord.constructor")

@@ -12,7 +12,7 @@ import threading
 from overlord.constructor.constructor import DataConstructor
 from overlord.errors import OverlordError
 from overlord.remote.bridge import Bridge, Directory
-from overlord.sidecar.flow import Stopped
+from overlord.runtime.flow import Stopped
 from overlord.store import connect
 
 

@@ -42,9 +42,10 @@ from overlord.planner import meta
 from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.dgraph import Plan
 from overlord.planner.lowlevel import loader_do_plan
+from overlord.planner.waiting import resume_point
+from overlord.runtime.flow import Stopped, push
+from overlord.runtime.layout import sample_ring
 from overlord.shm import Ring
-from overlord.sidecar.flow import Stopped, push, resume_point
-from overlord.sidecar.layout import sample_ring
 from overlord.store.schema import built, replay
 
 log = logging.getLogger("overlord.loader")

@@ -42,8 +42,8 @@ from overlord.loader.formats import FORMATS, BadRow, Chunk, OpenFile, locations
 from overlord.loader.inflight import Inflight
 from overlord.loader.order import EpochOrder, RowGroups
 from overlord.loader.skips import Skips
+from overlord.runtime.layout import stream_name
 from overlord.shm import batch_nbytes
-from overlord.sidecar.layout import stream_name
 from overlord.transforms import build, sample_metadata
 
 _OPEN_FILES = 2  # open files kept per Source Loader (an LRU)

@@ -20,7 +20,7 @@ from overlord.planner.meta import MetaChunk
 from overlord.planner.schedule import from_config, mixing_unit
 from overlord.planner.strategies import vanilla
 from overlord.planner.tree import ClientPlaceTree
-from overlord.sidecar.layout import Layout
+from overlord.runtime.layout import Layout
 
 
 @dataclass(frozen=True, slots=True)

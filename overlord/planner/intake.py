@@ -23,8 +23,8 @@ import redis
 from overlord.errors import PlanError
 from overlord.planner import meta
 from overlord.planner.meta import MetaChunk
-from overlord.sidecar.flow import alive_within
-from overlord.sidecar.layout import Layout
+from overlord.runtime.flow import alive_within
+from overlord.runtime.layout import Layout
 from overlord.store import Keys
 
 WAIT_MS = 20  # longest block on the metadata streams

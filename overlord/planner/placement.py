@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlord.config import Job
-from overlord.sidecar.layout import Layout
+from overlord.runtime.layout import Layout
 
 
 def homes(job: Job, layout: Layout) -> dict[str, str]:

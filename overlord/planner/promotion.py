@@ -19,7 +19,7 @@ import time
 import redis
 
 from overlord.planner.lease import Lease, WriteUncertain
-from overlord.sidecar.flow import HEARTBEAT_S
+from overlord.runtime.flow import HEARTBEAT_S
 from overlord.store import Keys
 
 log = logging.getLogger("overlord.planner")

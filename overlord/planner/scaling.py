@@ -28,7 +28,7 @@ from overlord.autoscale.profile import costs_from, journaled
 from overlord.autoscale.scaler import Scaler
 from overlord.config import Autoscale, Job
 from overlord.planner.dgraph import Plan
-from overlord.sidecar.layout import Layout
+from overlord.runtime.layout import Layout
 from overlord.store import Keys
 
 log = logging.getLogger("overlord.planner")

@@ -57,8 +57,8 @@ import pyarrow.flight as flight
 
 from overlord.config import Job
 from overlord.errors import ConfigError, PeerDied, RingClosed, RingTimeout
+from overlord.runtime.layout import client_ring, sample_ring
 from overlord.shm import Ring, decode_batch
-from overlord.sidecar.layout import client_ring, sample_ring
 from overlord.store.client import password_env
 
 log = logging.getLogger("overlord.remote")
@@ -379,10 +379,10 @@ class RemoteReader:
 
 
 def start_server_process(job: Job, token: str, run_dir: Path) -> subprocess.Popen:
-    """Run the node's Flight endpoint in a process of its own (overlord.sidecar.service:
+    """Run the node's Flight endpoint in a process of its own (overlord.runtime.service:
     a forked role that used gRPC after its parent started gRPC threads would crash); the
     token travels in its environment, never in argv."""
-    from overlord.sidecar import service
+    from overlord.runtime import service
 
     return service.start(
         "overlord.remote.server", run_dir, "flight.log", {TOKEN_ENV: token, **password_env(job.redis_url)}

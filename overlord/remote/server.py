@@ -1,4 +1,4 @@
-"""The node's Arrow Flight endpoint as a process of its own (overlord.sidecar.service
+"""The node's Arrow Flight endpoint as a process of its own (overlord.runtime.service
 says why it is not a sidecar thread).
 
     python -m overlord.remote.server --run-dir DIR --parent SIDECAR_PID
@@ -12,7 +12,7 @@ import os
 import sys
 
 from overlord.remote.flight import TOKEN_ENV, serve
-from overlord.sidecar import service
+from overlord.runtime import service
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,8 @@ import time
 from overlord.config import Job
 from overlord.errors import OverlordError
 from overlord.planner.lease import release_dead
+from overlord.runtime.layout import Layout, client_ring
 from overlord.shm import Ring, pid_alive, unlink_segment
-from overlord.sidecar.layout import Layout, client_ring
 from overlord.store import Keys
 
 log = logging.getLogger("overlord.membership")

@@ -28,9 +28,9 @@ import redis
 
 from overlord.config import Job
 from overlord.errors import ConfigError, OverlordError, RingError
+from overlord.runtime.layout import client_ring
 from overlord.shm import Ring
 from overlord.shm import pid_alive as alive
-from overlord.sidecar.layout import client_ring
 from overlord.store import Keys
 from overlord.store.schema import encode_rewind, is_rewind_field, rank_of, rewind_field
 

@@ -31,8 +31,8 @@ from overlord import heap
 from overlord.config import Job
 from overlord.logs import log_context, setup_logging
 from overlord.procmem import rss_bytes
-from overlord.sidecar.flow import HEARTBEAT_S, Beat, set_on_signal
-from overlord.sidecar.layout import Layout
+from overlord.runtime.flow import HEARTBEAT_S, Beat, set_on_signal
+from overlord.runtime.layout import Layout
 from overlord.store import Keys, connect
 
 log = logging.getLogger("overlord")

@@ -49,12 +49,12 @@ from overlord.errors import OverlordError
 from overlord.loader.inflight import inflight_path, last_samples
 from overlord.planner.checkpoint import Checkpoints
 from overlord.planner.lease import release_dead
+from overlord.runtime.flow import HEARTBEAT_S, set_on_signal
+from overlord.runtime.layout import Layout, client_ring, sample_ring
 from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.shm import pid_alive as _alive
 from overlord.sidecar import mode
 from overlord.sidecar.checks import check_redis, check_shm, check_sources, check_transforms
-from overlord.sidecar.flow import HEARTBEAT_S, set_on_signal
-from overlord.sidecar.layout import Layout, client_ring, sample_ring
 from overlord.sidecar.membership import NodeMember
 from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload

@@ -46,11 +46,11 @@ from overlord.errors import (
     RingError,
     RingTimeout,
 )
+from overlord.runtime.layout import client_ring
 from overlord.shm import Ring, decode_batch
 from overlord.shm import pid_alive as alive
 from overlord.shm._lease import LeasedReader
 from overlord.sidecar import mode
-from overlord.sidecar.layout import client_ring
 from overlord.sidecar.sidecar import sidecar_running
 from overlord.store.client import password_env
 from overlord.torch import compat, launch
@@ -455,7 +455,7 @@ class DataLoader(NodeReader):
         the trainer as an error), else RemoteRoleError naming what serves the rank. When
         the job's Redis does not answer, waits on up to `Job.redis_outage_s` (the roles wait
         for it too), then RemoteRoleError naming Redis; back without the job's state, at once."""
-        from overlord.sidecar.flow import alive_within
+        from overlord.runtime.flow import alive_within
         from overlord.store import Keys
 
         keys = Keys(self.job.name)

@@ -17,9 +17,9 @@ import time
 import warnings
 
 from overlord.errors import PeerDied, RemoteRoleError, RingClosed, RingError, RingTimeout
+from overlord.runtime.layout import client_ring
 from overlord.shm import Ring
 from overlord.shm import pid_alive as alive
-from overlord.sidecar.layout import client_ring
 from overlord.sidecar.sidecar import sidecar_running
 
 _SLICE_S = 0.5  # how often a waiting client checks that its sidecar still lives

@@ -8,8 +8,8 @@ import pytest
 
 from overlord.config import Job, Mesh, Source
 from overlord.constructor.marks import MarkWatch
+from overlord.runtime.layout import client_ring
 from overlord.shm import Ring, unlink_all, write_batch
-from overlord.sidecar.layout import client_ring
 from overlord.store import EmbeddedRedis, Keys, connect
 
 

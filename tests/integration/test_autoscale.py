@@ -9,7 +9,7 @@ import pytest
 
 from overlord import BatchSpec, Mesh
 from overlord.autoscale.profile import journaled
-from overlord.sidecar.layout import Layout
+from overlord.runtime.layout import Layout
 from overlord.store import EmbeddedRedis, Keys, connect
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # make test-slow

@@ -13,7 +13,7 @@ from planner_helpers import chunk, small_core
 from overlord.errors import PlanError
 from overlord.planner.intake import Intake
 from overlord.planner.meta import encode
-from overlord.sidecar.layout import Layout
+from overlord.runtime.layout import Layout
 from overlord.store import Keys
 
 KEYS = Keys("j")

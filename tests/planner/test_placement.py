@@ -2,7 +2,7 @@
 
 from overlord import BatchSpec, Job, Mesh, Source
 from overlord.planner.placement import homes, place
-from overlord.sidecar.layout import Layout
+from overlord.runtime.layout import Layout
 
 
 def _job(**kw) -> Job:

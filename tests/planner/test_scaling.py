@@ -11,7 +11,7 @@ from planner_helpers import chunk, small_core
 
 from overlord.config import BatchSpec, Job, Mesh, Source
 from overlord.planner.scaling import Scaling
-from overlord.sidecar.layout import Layout
+from overlord.runtime.layout import Layout
 from overlord.store import Keys
 
 KEYS = Keys("j")

@@ -1,4 +1,4 @@
-"""Waits shared by the roles: back-pressured ring writes and waiting for a step's plan.
+"""Waits shared by the roles: back-pressured ring writes and heartbeats of a main loop.
 
 A back-pressured write waits as long as the consumer is alive (a trainer may pause for
 minutes to checkpoint); the ring raises `PeerDied` when it is not. Waiting on another
@@ -18,8 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 import redis
 
-from overlord.errors import PlanError, RingTimeout
-from overlord.planner.dgraph import Plan
+from overlord.errors import RingTimeout
 from overlord.shm import Ring, write_batch
 from overlord.store import Keys, outage_within
 
@@ -88,49 +87,3 @@ def push(
                 raise Stopped() from None
             if beat is not None:
                 beat()  # waiting on a live consumer is healthy
-
-
-def fetch_plan(r: redis.Redis, keys: Keys, step: int) -> Plan | None:
-    raw = r.get(keys.plan(step))
-    return Plan.from_json(raw) if raw is not None else None
-
-
-def wait_plan(
-    r: redis.Redis,
-    keys: Keys,
-    step: int,
-    stop: threading.Event,
-    timeout_s: float,
-    block_ms: int = 200,
-    beat: Beat | None = None,
-) -> Plan:
-    """Block until the plan of `step` is published (XREAD on the plans stream)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        plan = fetch_plan(r, keys, step)
-        if plan is not None:
-            return plan
-        if stop.is_set():
-            raise Stopped()
-        if beat is not None:
-            beat()
-        if time.monotonic() > deadline:
-            if alive_within(r, keys, "planner", 0, timeout_s):
-                deadline = time.monotonic() + timeout_s  # planning waits on trainers: healthy
-                continue
-            raise PlanError(
-                f"no plan for step {step} after {timeout_s:g}s and the Planner's loop has not turned "
-                f"for as long: it is hung or dead (see `overlord status` and the planner log), or raise Job.timeout_s"
-            )
-        # entry ids are <step+1>-0: ask for anything after <step>-0, so nothing is missed
-        r.xread({keys.plans: f"{step}-0"}, block=block_ms, count=1)
-
-
-def resume_point(r, keys) -> tuple[int, dict] | None:
-    """(step, planner state) the sidecar chose to resume at, or None for a fresh start."""
-    from overlord.planner.checkpoint import Checkpoints
-
-    step = r.hget(keys.resume, "step")
-    if step is None:
-        return None
-    return int(step), Checkpoints(keys).load(r, int(step))

@@ -41,7 +41,7 @@ def main(name: str, argv: list[str] | None, serve: Callable[[Job], Callable[[], 
     import threading
 
     from overlord.logs import log_context, setup_logging
-    from overlord.sidecar.flow import set_on_signal
+    from overlord.runtime.flow import set_on_signal
     from overlord.store.server import die_with_parent
 
     parser = argparse.ArgumentParser(prog=f"overlord-{name}")
