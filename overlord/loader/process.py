@@ -34,9 +34,9 @@ from typing import Any
 import pyarrow as pa
 import redis
 
-from overlord.autoscale.profile import JOURNAL_EVERY_S
 from overlord.errors import PeerDied, PlanError, RingFullError, SourceReadError
 from overlord.loader.inflight import Deadline, Inflight, inflight_path
+from overlord.loader.profile import JOURNAL_EVERY_S
 from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.planner import meta
 from overlord.planner.checkpoint import Checkpoints

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from overlord.autoscale.profile import Profile
 from overlord.config import Source
 from overlord.errors import ConfigError, SchemaError, SourceReadError
 from overlord.loader import storage
@@ -41,6 +40,7 @@ from overlord.loader.contract import ContractError, check_sample
 from overlord.loader.formats import FORMATS, BadRow, Chunk, OpenFile, locations
 from overlord.loader.inflight import Inflight
 from overlord.loader.order import EpochOrder, RowGroups
+from overlord.loader.profile import Profile
 from overlord.loader.skips import Skips
 from overlord.runtime.layout import stream_name
 from overlord.shm import batch_nbytes
