@@ -39,6 +39,7 @@ $(LINT_STAMP): $(STAMP)
 lint: $(LINT_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
