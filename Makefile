@@ -40,6 +40,7 @@ lint: $(LINT_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

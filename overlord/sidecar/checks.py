@@ -242,7 +242,7 @@ def run_checks(job: Job, loaders: int, redis_url: str | None) -> list[tuple[str,
         checks.append(("redis", lambda: check_redis(redis_url)))
     checks.append(("sources", lambda: check_sources(job)))
     checks.append(("transforms", lambda: check_transforms(job)))
-    results = []
+    results: list[tuple[str, str | None]] = []
     for name, check in checks:
         try:
             check()

@@ -23,6 +23,8 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 from overlord.config import Job
 from overlord.errors import OverlordError
@@ -70,8 +72,25 @@ def live_nodes(r, keys: Keys, nodes) -> set[str]:
 
 class NodeMember:
     """The Sidecar's part in a job on several nodes (mixed into overlord.sidecar.Sidecar,
-    whose `job`, `r`, `keys`, `layout`, `url`, `children`, `attempts`, `rings`,
-    `leaving`, `fostered`, `_spawn` and `_publish` it uses)."""
+    whose attributes and methods below it uses)."""
+
+    # what the Sidecar provides (see Sidecar.__init__ and start)
+    job: Job
+    r: Any  # a redis client
+    keys: Keys
+    layout: Layout
+    url: str
+    children: dict[str, Any]  # role<index> -> RoleProcess
+    attempts: dict[str, int]
+    rings: list[Ring]
+    leaving: set[str]
+    fostered: dict[str, list[Ring]]
+    _placed_at: float
+    _errors_at: float
+    _spawn: Callable[..., Any]
+    _publish: Callable[[Any, Layout], None]
+    _layout: Callable[[], Layout]
+    _beat: Callable[[], None]
 
     def _membership(self) -> dict:
         """What this node offers the job (`nodes` hash): ranks, Flight address, budget."""

@@ -24,6 +24,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -117,7 +118,7 @@ class RoleContext:
             pass
 
     def report_error(self, exc: BaseException) -> None:
-        record = {
+        record: dict[str, Any] = {
             "role": self.role,
             "index": self.index,
             "node": self.job.node,

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import redis
 
@@ -117,7 +118,7 @@ class Sidecar(NodeMember):
         self.rings: list[Ring] = []
         self.client_rings: dict[int, Ring] = {}
         self.stop = threading.Event()
-        self._lock_fh = None
+        self._lock_fh: TextIO | None = None
         # processes of its own next to the roles (not forked: they run server threads):
         # name -> (how to start it, the process)
         self.services: dict[str, tuple[Callable[[], subprocess.Popen], subprocess.Popen]] = {}
@@ -446,6 +447,8 @@ class Sidecar(NodeMember):
     # -- recovery ------------------------------------------------------------------------
 
     def _restart_redis(self) -> None:
+        if self.redis is None:
+            return  # an external Redis: nothing of ours to start
         log.warning(
             "the embedded redis-server (pid %s) died; starting it again from its append-only file",
             self.redis.proc.pid if self.redis.proc else "?",
@@ -616,21 +619,21 @@ class Sidecar(NodeMember):
         deadline = time.monotonic() + self.job.timeout_s
         while time.monotonic() < deadline and not self.stop.is_set():
             pids = [ring.consumer_pid for ring in self.client_rings.values()]
-            if all(pids) and not any(_alive(pid) for pid in pids):
+            if all(pids) and not any(_alive(pid) for pid in pids if pid):
                 return
             time.sleep(POLL_S)
 
     # -- shutdown ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        for _, proc in self.services.values():
-            if proc.poll() is None:
-                proc.terminate()
-        for _, proc in self.services.values():
+        for _, service in self.services.values():
+            if service.poll() is None:
+                service.terminate()
+        for _, service in self.services.values():
             try:
-                proc.wait(timeout=5)
+                service.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                service.kill()
         for proc in self.children.values():
             if proc.poll() is None:
                 proc.terminate()

@@ -75,7 +75,7 @@ class RoleProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} (pid {self.pid}) did not exit within {timeout}s")
             time.sleep(0.02)
-        return self.returncode
+        return self.returncode if self.returncode is not None else -1
 
     def _signal(self, sig: int) -> None:
         if self.poll() is None:

@@ -31,7 +31,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import torch
@@ -56,6 +56,10 @@ from overlord.store.client import password_env
 from overlord.torch import compat, launch
 from overlord.torch import state as states
 from overlord.torch.nodes import _SLICE_S, NodeReader
+
+if TYPE_CHECKING:  # typing only: pyarrow.flight loads when a rank first reads over Flight
+    from overlord.remote.flight import RemoteReader
+    from overlord.torch.stats import StatsPublisher
 
 
 class DataLoader(NodeReader):
@@ -146,7 +150,7 @@ class DataLoader(NodeReader):
         self.dropped = 0  # micro-batches received twice (after a restart upstream) and dropped
         self.recoveries = 0  # sidecars this loader started again after one died
         self.wait_s = 0.0  # time spent in __next__ waiting for batches
-        self._stats = None  # StatsPublisher, from the first batch on
+        self._stats: StatsPublisher | None = None  # from the first batch on
         self._redis_gone: float | None = None  # monotonic: when this rank found the job's Redis unreachable
         self._probe_redis = None  # see _probe
         self._outage_grace = False  # whether the roles had their extra timeout_s after the last outage
@@ -154,7 +158,7 @@ class DataLoader(NodeReader):
         self._mesh = [m.dp, m.pp, m.cp, m.tp]
         self._done = False
         self.remote = remote or os.environ.get("OVERLORD_REMOTE") or None
-        self._remote_reader = None
+        self._remote_reader: RemoteReader | None = None
         # several nodes: the Data Constructor host of this rank's DP group, and where it runs
         first = self.job.mesh.ranks_of_dp(self.coords["dp"])[0]
         self._host = self.job.node_ids.index(self.job.node_of_rank(first))
@@ -287,7 +291,10 @@ class DataLoader(NodeReader):
         found = mode.current(self.job, self.timeout_s)
         if found is None or found.awaiting:
             return  # gone (the attach loop starts another), or waiting for this rank
-        step, mb = self._resume_at
+        at = self._resume_at
+        if at is None:
+            return  # nothing was loaded: nothing to go back to
+        step, mb = at
         if not self.spawn_sidecar:
             raise ConfigError(
                 f"rank {self.rank} of job {self.job.name!r}: the state resumes at step {step} micro-batch {mb}, but "
@@ -295,7 +302,7 @@ class DataLoader(NodeReader):
                 "and this DataLoader may not start another (spawn_sidecar=False). Stop it, start it with "
                 "`overlord sidecar --config JOB.yaml --resume`, and load the state on every rank before iterating"
             )
-        mode.rewind(self.job, self._control(), found, self.rank, self._resume_at, self.timeout_s)
+        mode.rewind(self.job, self._control(), found, self.rank, at, self.timeout_s)
         warnings.warn(
             f"rank {self.rank}: stopped the sidecar of job {self.job.name!r} (pid {found.pid}) that served "
             f"later batches; starting one that resumes at step {step} micro-batch {mb}",
@@ -309,7 +316,10 @@ class DataLoader(NodeReader):
         from overlord.store import Keys
         from overlord.store.schema import encode_position, position_field
 
-        self._control().hset(Keys(self.job.name).resume, position_field(self.rank), encode_position(self._resume_at))
+        if self._resume_at is not None:
+            self._control().hset(
+                Keys(self.job.name).resume, position_field(self.rank), encode_position(self._resume_at)
+            )
 
     # -- iterating -----------------------------------------------------------------------
 
@@ -381,6 +391,8 @@ class DataLoader(NodeReader):
         ring = self._ring
         deadline = time.monotonic() + self.timeout_s
         origin = f"rank {self.rank} (dp={self.coords['dp']}) of job {self.job.name!r}"
+        if ring is None:
+            raise RemoteRoleError(f"{origin}: read before this DataLoader attached to its ring")
         while True:
             try:
                 return self._leases_for(ring).read(timeout=min(_SLICE_S, max(0.001, deadline - time.monotonic())))
@@ -415,6 +427,8 @@ class DataLoader(NodeReader):
         """The next record over Flight, or None at the end of the job."""
         from overlord.remote.flight import RemoteReader, job_token
 
+        if self.remote is None:
+            raise ConfigError("_read_remote needs DataLoader(remote=...) or $OVERLORD_REMOTE")
         if self._remote_reader is None:
             if self._resume_at is not None:
                 raise ConfigError(
@@ -436,12 +450,14 @@ class DataLoader(NodeReader):
         """Start the dead sidecar again, resuming at the batch after the last one delivered."""
         step, mb = max(self._last, self._loaded)
         self._resume_at = (0, 0) if step < 0 else self._next_of((step, mb))
+        dead = self._ring.creator_pid if self._ring is not None else "?"
         warnings.warn(
-            f"rank {self.rank}: the sidecar (pid {self._ring.creator_pid}) died; starting another that resumes "
+            f"rank {self.rank}: the sidecar (pid {dead}) died; starting another that resumes "
             f"at step {self._resume_at[0]} micro-batch {self._resume_at[1]}",
             stacklevel=2,
         )
-        self._ring.close()  # batches the trainer still holds keep their mapping
+        if self._ring is not None:
+            self._ring.close()  # batches the trainer still holds keep their mapping
         self._ring = None
         self._redis = self._probe_redis = None
         self.recoveries += 1

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import time
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from overlord.errors import PeerDied, RemoteRoleError, RingClosed, RingError, RingTimeout
 from overlord.runtime.layout import client_ring
@@ -22,13 +24,39 @@ from overlord.shm import Ring
 from overlord.shm import pid_alive as alive
 from overlord.sidecar.sidecar import sidecar_running
 
+if TYPE_CHECKING:  # typing only: pyarrow.flight loads when a rank first reads over Flight
+    from overlord.config import Job
+    from overlord.remote.flight import RemoteReader
+    from overlord.shm._lease import LeasedReader
+
 _SLICE_S = 0.5  # how often a waiting client checks that its sidecar still lives
 _GONE = object()  # the source was read to its end; look up the next one
 _AGAIN = object()  # nothing yet; wait on
 
 
 class NodeReader:
-    """Reading this rank's micro-batches on a job of several nodes."""
+    """Reading this rank's micro-batches on a job of several nodes (mixed into
+    overlord.torch.DataLoader, whose attributes and methods below it uses)."""
+
+    # what the DataLoader provides (see DataLoader.__init__)
+    job: Job
+    rank: int
+    coords: dict[str, int]
+    timeout_s: float
+    spawn_sidecar: bool
+    last_meta: dict[str, Any]
+    sidecar_pid: int | None
+    serving_node: str | None
+    switches: int
+    _ring: Ring | None
+    _remote_reader: RemoteReader | None
+    _host: int
+    _drained: set[int]
+    _last: tuple[int, int]
+    _control: Callable[[], Any]
+    _spawn: Callable[[], None]
+    _leases_for: Callable[[Ring], LeasedReader]
+    _slow_or_hung: Callable[[str, str, str], float]
 
     def _next_of(self, position: tuple[int, int]) -> tuple[int, int]:
         step, mb = position
@@ -122,6 +150,8 @@ class NodeReader:
 
     def _read_local_node(self):
         ring = self._ring
+        if ring is None:
+            return _GONE
         try:
             return self._leases_for(ring).read(timeout=_SLICE_S)
         except RingClosed:
@@ -154,8 +184,11 @@ class NodeReader:
         return node is None or node.decode() == self.job.node
 
     def _read_remote_node(self):
+        reader = self._remote_reader
+        if reader is None:
+            return _GONE
         try:
-            return next(self._remote_reader)
+            return next(reader)
         except StopIteration:
             end = bool(self.last_meta.get("last"))
         except RingTimeout:
@@ -166,6 +199,6 @@ class NodeReader:
                 stacklevel=2,
             )
             end = False
-        self._remote_reader.close()
+        reader.close()
         self._remote_reader = None
         return None if end else _GONE

@@ -227,6 +227,8 @@ def length(job: Job, rows: dict[str, int] | None = None) -> int:
     why = unknowable(job)
     if why is not None:
         raise TypeError(f"overlord.torch.DataLoader of job {job.name!r} has no length: {why}")
+    if job.epochs is None:  # unknowable() says so first; this keeps the type checker told
+        raise TypeError(f"overlord.torch.DataLoader of job {job.name!r} runs forever (Job.epochs is None)")
     rows = source_rows(job) if rows is None else rows
     samples = sum(rows[s.name] for s in job.sources if s.weight > 0) * job.epochs
     return steps_of(job, samples) * job.batch.micro_batches
