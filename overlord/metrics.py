@@ -29,7 +29,7 @@ ranks of its node plus the job-wide figures:
     overlord_trainer_copies_total{rank}           batches copied out of the ring: the trainer
                                                   held more than the ring can lease
     overlord_loader_pressure                      busy workers demanded / loader CPUs
-    overlord_node_pressure{node}                  the same per node (several nodes)
+    overlord_node_pressure{of_node}               the same per node (several nodes)
     overlord_role_restarts_total{role}
     overlord_errors                               error records of the job
 
