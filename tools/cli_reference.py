@@ -17,6 +17,9 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/_reference.py, however this file is loaded
+import _reference  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "reference" / "cli.md"
 WIDTH = 100  # usage lines wrap here, whatever the terminal
@@ -104,26 +107,8 @@ def render() -> str:
     return "\n".join(out)
 
 
-def _shown(path: Path) -> str:
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args_parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    args_parser.add_argument("--check", action="store_true", help="exit 1 if the reference is not what this renders")
-    args_parser.add_argument("--out", type=Path, default=OUT, help="where to write (default: docs/reference/cli.md)")
-    args = args_parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if (args.out.read_text() if args.out.exists() else None) != text:
-            print(f"cli_reference: {_shown(args.out)} is stale; run python tools/cli_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {_shown(args.out)}")
-    return 0
+    return _reference.run("cli_reference", OUT, render, argv, __doc__ or "")
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ exits 2 and names it, so the reference cannot silently fall behind the code.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/_reference.py, however this file is loaded
+import _reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "config.md"
@@ -185,33 +187,12 @@ def render() -> str:
     return "\n".join(out)
 
 
-def _shown(path: Path) -> str:
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/config.md is not what this renders")
-    parser.add_argument("--out", type=Path, default=OUT, help="where to write (default: docs/config.md)")
-    args = parser.parse_args(argv)
     try:
-        text = render()
+        return _reference.run("config_reference", OUT, render, argv, __doc__ or "")
     except DocError as exc:
         print(f"config_reference: {exc}", file=sys.stderr)
         return 2
-    if args.check:
-        current = args.out.read_text() if args.out.exists() else None
-        if current != text:
-            print(
-                f"config_reference: {_shown(args.out)} is stale; run python tools/config_reference.py", file=sys.stderr
-            )
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {_shown(args.out)}")
-    return 0
 
 
 if __name__ == "__main__":

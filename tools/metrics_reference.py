@@ -13,10 +13,12 @@ overlord/metrics.py makes the reference stale, and a test says so.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from unittest import mock
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/_reference.py, however this file is loaded
+import _reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "reference" / "metrics.md"
@@ -116,29 +118,8 @@ def render() -> str:
     return "\n".join(out)
 
 
-def _shown(path: Path) -> str:
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the reference is not what this renders")
-    parser.add_argument("--out", type=Path, default=OUT, help="where to write (default: docs/reference/metrics.md)")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if (args.out.read_text() if args.out.exists() else None) != text:
-            print(
-                f"metrics_reference: {_shown(args.out)} is stale; run python tools/metrics_reference.py",
-                file=sys.stderr,
-            )
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {_shown(args.out)}")
-    return 0
+    return _reference.run("metrics_reference", OUT, render, argv, __doc__ or "")
 
 
 if __name__ == "__main__":

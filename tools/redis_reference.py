@@ -9,7 +9,6 @@ and a `redis-cli` command that shows it.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,6 +18,9 @@ sys.path.insert(0, str(ROOT))
 
 from overlord.store.keys import PREFIX  # noqa: E402  (after the path above)
 from overlord.store.schema import SCHEMA, Key  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/_reference.py, however this file is loaded
+import _reference  # noqa: E402
 
 HEAD = f"""# Redis reference
 
@@ -60,19 +62,9 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file is stale")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale: run python tools/redis_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    return 0
+    return _reference.run("redis_reference", OUT, render, argv, __doc__ or "")
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # run from a checkout without installing
     sys.exit(main())
