@@ -1,8 +1,8 @@
 """Benchmark: load balancing of simulated training steps, and the Planner's balancing time.
 
 No GPU, no processes: each step draws a global batch of samples, places them on DP
-ranks x micro-batches with `overlord.planner.balance.assign`, and prices every rank
-with `overlord.planner.cost`. What is measured:
+ranks x micro-batches with `overlord.plan.balance.assign`, and prices every rank
+with `overlord.plan.cost`. What is measured:
 
 - Sample distributions, for context lengths 4k, 8k, 16k (a document never exceeds it):
   - text (coyo-like): 98% of lengths lognormal (median 12 tokens) clipped to 1..64,
@@ -56,8 +56,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from overlord.planner.balance import assign  # noqa: E402
-from overlord.planner.cost import encoder_cost, transformer_cost  # noqa: E402
+from overlord.plan.balance import assign  # noqa: E402
+from overlord.plan.cost import encoder_cost, transformer_cost  # noqa: E402
 
 CONTEXTS = {"4k": 4096, "8k": 8192, "16k": 16384}
 DP, MICRO, SAMPLES = 64, 8, 4096
@@ -159,10 +159,10 @@ def time_planner_step(dp: int, samples: int, steps: int, seed: int) -> float:
     """Median ms of one whole Planner step (`PlannerCore.plan_step` with the shipped
     `vlm_hybrid` strategy: selection, DGraph costs, assign, exactly-once check, plan)."""
     from overlord.config import Mesh
-    from overlord.planner.core import PlannerCore
-    from overlord.planner.meta import MetaChunk
-    from overlord.planner.strategies import vlm_hybrid
-    from overlord.planner.tree import ClientPlaceTree
+    from overlord.plan.core import PlannerCore
+    from overlord.plan.meta import MetaChunk
+    from overlord.plan.strategies import vlm_hybrid
+    from overlord.plan.tree import ClientPlaceTree
 
     n_src = 8
     core = PlannerCore(

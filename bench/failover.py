@@ -361,10 +361,10 @@ def summarize(result: dict, reference: dict | None, corpus_keys: set[str]) -> di
 def checkpoint_cost(n_sources: int, steps: int = 300) -> dict:
     """Median per-step cost and size of the Planner's differential checkpoint."""
     from overlord.config import Mesh
-    from overlord.planner.checkpoint import Checkpoints
-    from overlord.planner.core import PlannerCore, resolve_strategy
-    from overlord.planner.meta import MetaChunk
-    from overlord.planner.tree import ClientPlaceTree
+    from overlord.plan.checkpoint import Checkpoints
+    from overlord.plan.core import PlannerCore, resolve_strategy
+    from overlord.plan.meta import MetaChunk
+    from overlord.plan.tree import ClientPlaceTree
     from overlord.store import EmbeddedRedis, Keys, connect
 
     rng = np.random.default_rng(0)
@@ -377,7 +377,7 @@ def checkpoint_cost(n_sources: int, steps: int = 300) -> dict:
         global_batch=256,
         micro_batches=4,
         finite=False,
-        strategy=resolve_strategy("overlord.planner.strategies:balanced"),
+        strategy=resolve_strategy("overlord.plan.strategies:balanced"),
         context_length=4096,
     )
     fed = [0] * n_sources

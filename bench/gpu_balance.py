@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from overlord.planner.balance import assign  # noqa: E402
-from overlord.planner.cost import transformer_cost  # noqa: E402
+from overlord.plan.balance import assign  # noqa: E402
+from overlord.plan.cost import transformer_cost  # noqa: E402
 
 
 def doc_lengths(rng: np.random.Generator, n: int, ctx: int) -> np.ndarray:

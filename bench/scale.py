@@ -88,8 +88,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from overlord.planner.dgraph import Plan
-    from overlord.planner.tree import ClientPlaceTree
+    from overlord.plan.dgraph import Plan
+    from overlord.plan.tree import ClientPlaceTree
 
 SPARE_FDS = 256  # file descriptors left for redis-py and the rest of this process
 
@@ -214,12 +214,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from overlord.config import Mesh
-    from overlord.planner import meta
-    from overlord.planner.checkpoint import Checkpoints
-    from overlord.planner.core import PlannerCore, resolve_strategy
-    from overlord.planner.lease import RENEW_S, Lease
-    from overlord.planner.meta import MetaChunk
-    from overlord.planner.tree import ClientPlaceTree
+    from overlord.plan import meta
+    from overlord.plan.checkpoint import Checkpoints
+    from overlord.plan.core import PlannerCore, resolve_strategy
+    from overlord.plan.meta import MetaChunk
+    from overlord.plan.tree import ClientPlaceTree
+    from overlord.runtime.lease import RENEW_S, Lease
     from overlord.store import EmbeddedRedis, Keys, connect
 
     mesh = Mesh(dp=args.dp, tp=args.tp, cp=args.cp)
@@ -238,7 +238,7 @@ def main() -> None:
         micro_batches=args.micro_batches,
         finite=False,
         context_length=8192,
-        strategy=resolve_strategy("overlord.planner.strategies:balanced"),
+        strategy=resolve_strategy("overlord.plan.strategies:balanced"),
     )
     mean_len = rng.integers(200, 6000, n)  # sources differ in document length
     fed = np.zeros(n, dtype=np.int64)

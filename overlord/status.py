@@ -9,8 +9,8 @@ from typing import Any
 
 from overlord.config import Job
 from overlord.loader.skips import FILE_FIELDS, per_file
-from overlord.planner.checkpoint import Checkpoints
-from overlord.planner.lease import holder
+from overlord.plan.checkpoint import Checkpoints
+from overlord.runtime.lease import holder
 from overlord.store import Keys, connect
 from overlord.store.schema import is_built_field, is_replay_field, is_trainer_stats_field, replay_step
 from overlord.store.server import SOCKET_NAME

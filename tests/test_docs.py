@@ -26,10 +26,10 @@ import pytest
 import yaml
 
 from overlord.config import Job
-from overlord.planner.core import PlannerCore, resolve_strategy
-from overlord.planner.meta import MetaChunk
-from overlord.planner.schedule import Dynamic, from_config, mixing_unit
-from overlord.planner.tree import ClientPlaceTree
+from overlord.plan.core import PlannerCore, resolve_strategy
+from overlord.plan.meta import MetaChunk
+from overlord.plan.schedule import Dynamic, from_config, mixing_unit
+from overlord.plan.tree import ClientPlaceTree
 from overlord.runtime.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent

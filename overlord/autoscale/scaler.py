@@ -17,7 +17,7 @@ workers demanded over the CPUs there are. Above 1 the node cannot keep up with t
 mixture however workers are dealt; the read buffers, bounded, then hold the trainers
 back (back-pressure). The Planner publishes the pressure for an operator; on several
 nodes it also weighs each node's loader processes against that node's budget and moves
-loaders off a node over it (overlord.planner.placement.relieve).
+loaders off a node over it (overlord.runtime.placement.relieve).
 
 Workers change who transforms a sample, never which sample comes next or its bytes:
 scaling keeps exactly-once delivery and the deterministic order. Pure: no I/O (time

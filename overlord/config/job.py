@@ -76,7 +76,7 @@ class Job:
             [i*W/N, (i+1)*W/N). Every sidecar and trainer derives from it where each
             rank lives and, with the live membership, where each role runs. Needs an
             external `redis_url` every node reaches and a `flight_port`. Empty: one node.
-        strategy: the orchestration strategy, "module:function" (overlord.planner.strategies).
+        strategy: the orchestration strategy, "module:function" (overlord.plan.strategies).
         mixing: a mixing schedule (`Mixing`; a dict of its fields in YAML or Python);
             None uses the source weights.
         autoscale: size the Source Loaders to the sources' profiled costs at start
@@ -108,7 +108,7 @@ class Job:
     metrics_host: str | None = None
     node: str = ""
     nodes: tuple[str, ...] = ()
-    strategy: str = "overlord.planner.strategies:balanced"
+    strategy: str = "overlord.plan.strategies:balanced"
     mixing: Mixing | None = None
     autoscale: Autoscale | None = None
 
@@ -157,7 +157,7 @@ class Job:
             raise ConfigError(f"Job.strategy={self.strategy!r} must be 'module:function'")
         if self.mixing is not None:
             object.__setattr__(self, "mixing", Mixing.of(self.mixing))
-            from overlord.planner.schedule import from_config  # deferred: the planner imports config
+            from overlord.plan.schedule import from_config  # deferred: the planner imports config
 
             from_config(self.mixing, [s.name for s in self.sources], [s.weight for s in self.sources])
         if self.loader_processes is not None and self.loader_processes < 1:

@@ -23,7 +23,7 @@ _NEEDS = {"constant": ("weights",), "piecewise": ("points",), "warmup": ("start"
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Mixing:
-    """A mixing schedule (overlord.planner.schedule): the weight of each source over the job.
+    """A mixing schedule (overlord.plan.schedule): the weight of each source over the job.
 
     Attributes:
         kind: constant (`weights` at every step), piecewise (`points`: the last point at
@@ -38,7 +38,7 @@ class Mixing:
         begin: the step the warmup starts at (warmup).
         steps: the warmup's length in steps, >= 1 (warmup).
         fn: "module:function" computing weights from metrics (dynamic; default
-            overlord.planner.schedule:loss_proportional).
+            overlord.plan.schedule:loss_proportional).
         every: steps between two recomputations, >= 1 (dynamic).
     """
 
@@ -50,7 +50,7 @@ class Mixing:
     end: Mapping[str, float] | None = None
     begin: int = 0
     steps: int | None = None
-    fn: str = "overlord.planner.schedule:loss_proportional"
+    fn: str = "overlord.plan.schedule:loss_proportional"
     every: int = 1
 
     def __post_init__(self) -> None:

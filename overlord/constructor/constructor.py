@@ -32,8 +32,8 @@ from overlord.constructor.marks import STREAM_MAXLEN, MarkWatch
 from overlord.constructor.packing import pack, pad
 from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout, SourceReadError
-from overlord.planner.lowlevel import constructor_do_plan, encoder_destinations
-from overlord.planner.waiting import resume_point, wait_plan
+from overlord.plan.lowlevel import constructor_do_plan, encoder_destinations
+from overlord.plan.waiting import resume_point, wait_plan
 from overlord.runtime.flow import Beat, Stopped, alive_within, push
 from overlord.runtime.layout import Layout, client_ring, sample_ring
 from overlord.shm import Ring, decode_batch
@@ -125,7 +125,7 @@ class DataConstructor:
                     wanted += [item for rank in receivers for item in plan.encoder[rank]]
                 samples = self._collect(plan.step, wanted)
                 encoded = self._encoder_batches(plan, receivers, samples) if plan.encoder is not None else {}
-                # a plan without a sample only ends the job (see overlord.planner.dgraph): no rank
+                # a plan without a sample only ends the job (see overlord.plan.dgraph): no rank
                 # is ever handed an empty micro-batch
                 for mb in range(self.job.batch.micro_batches if plan.samples() else 0):
                     for b in buckets:

@@ -373,6 +373,6 @@ def needs_bytes(mesh: Mesh, rank: int, broadcast_tp: bool) -> bool:
     Raises:
         ConfigError: rank outside the mesh.
     """
-    from overlord.planner.tree import ClientPlaceTree  # the tree owns who receives what
+    from overlord.plan.tree import ClientPlaceTree  # the tree owns who receives what
 
     return ClientPlaceTree(mesh, {"TP"} if broadcast_tp else set()).needs_bytes(rank)

@@ -15,7 +15,7 @@ import json
 import time
 from pathlib import Path
 
-from overlord.planner.cost import transformer_cost
+from overlord.plan.cost import transformer_cost
 from overlord.torch import DataLoader
 
 

@@ -38,11 +38,11 @@ from overlord.errors import PeerDied, PlanError, RingFullError, SourceReadError
 from overlord.loader.inflight import Deadline, Inflight, inflight_path
 from overlord.loader.profile import JOURNAL_EVERY_S
 from overlord.loader.source_loader import Prepared, SourceLoader
-from overlord.planner import meta
-from overlord.planner.checkpoint import Checkpoints
-from overlord.planner.dgraph import Plan
-from overlord.planner.lowlevel import loader_do_plan
-from overlord.planner.waiting import resume_point
+from overlord.plan import meta
+from overlord.plan.checkpoint import Checkpoints
+from overlord.plan.dgraph import Plan
+from overlord.plan.lowlevel import loader_do_plan
+from overlord.plan.waiting import resume_point
 from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import sample_ring
 from overlord.shm import Ring

@@ -1,16 +1,26 @@
-"""The Planner: mixing, costing and balancing of each step's samples.
+"""The Planner role: one process per job (a leader and standbys) that plans each step.
 
-The declarative data plane (the paper's names): a strategy builds a `DGraph` over the
-step's buffer metadata and the `ClientPlaceTree` of the trainer mesh, and composes
-`mix`, `distribute`, `cost`, `balance`, `broadcast_at` and `plan`.
+`process.py` composes its controllers: leadership, intake of buffer metadata,
+publishing plans and checkpoints, promoting shadow loaders, placing roles on nodes,
+scaling transform workers and feeding metrics back into the mixing schedule. What a
+plan is, and the strategy API, live in `overlord.plan`; the names below stay here so
+strategy modules written against `overlord.planner` keep working.
 """
 
-from overlord.planner.buffer import ITEM, NeedMetadata
-from overlord.planner.core import PlannerCore, resolve_strategy
-from overlord.planner.dgraph import DGraph, Plan, Planned, StepData
-from overlord.planner.lowlevel import constructor_do_plan, loader_do_plan
-from overlord.planner.meta import MetaChunk
-from overlord.planner.tree import ClientPlaceTree
+from overlord.plan import (
+    ITEM,
+    ClientPlaceTree,
+    DGraph,
+    MetaChunk,
+    NeedMetadata,
+    Plan,
+    Planned,
+    PlannerCore,
+    StepData,
+    constructor_do_plan,
+    loader_do_plan,
+    resolve_strategy,
+)
 
 __all__ = [
     "ClientPlaceTree",

@@ -11,7 +11,7 @@ import json
 
 import redis
 
-from overlord.planner.schedule import Dynamic
+from overlord.plan.schedule import Dynamic
 from overlord.store import Keys
 
 

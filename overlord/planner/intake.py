@@ -21,8 +21,8 @@ from pathlib import Path
 import redis
 
 from overlord.errors import PlanError
-from overlord.planner import meta
-from overlord.planner.meta import MetaChunk
+from overlord.plan import meta
+from overlord.plan.meta import MetaChunk
 from overlord.runtime.flow import alive_within
 from overlord.runtime.layout import Layout
 from overlord.store import Keys

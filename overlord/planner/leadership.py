@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import redis
 
-from overlord.planner.checkpoint import Checkpoints
-from overlord.planner.core import PlannerCore
-from overlord.planner.lease import Lease, Superseded, WriteUncertain
+from overlord.plan.checkpoint import Checkpoints
+from overlord.plan.core import PlannerCore
+from overlord.runtime.lease import Lease, Superseded, WriteUncertain
 from overlord.store import Keys
 
 log = logging.getLogger("overlord.planner")

@@ -25,8 +25,8 @@ import time
 
 import redis
 
-from overlord.planner.lease import Lease, WriteUncertain
-from overlord.planner.placement import Use, place, pressure, relieve
+from overlord.runtime.lease import Lease, WriteUncertain
+from overlord.runtime.placement import Use, place, pressure, relieve
 from overlord.store import Keys
 
 log = logging.getLogger("overlord.planner")

@@ -22,20 +22,20 @@ import threading
 
 import redis
 
-from overlord.planner.checkpoint import Checkpoints
-from overlord.planner.core import PlannerCore, resolve_strategy
+from overlord.plan.checkpoint import Checkpoints
+from overlord.plan.core import PlannerCore, resolve_strategy
+from overlord.plan.schedule import from_config, mixing_unit
+from overlord.plan.tree import ClientPlaceTree
 from overlord.planner.feedback import feed
 from overlord.planner.intake import Intake
 from overlord.planner.leadership import Leadership, wait_done
-from overlord.planner.lease import Lease, Superseded
-from overlord.planner.placement import homes
 from overlord.planner.placing import Placer
 from overlord.planner.promotion import CHECK_S as PROMOTE_CHECK_S
 from overlord.planner.promotion import Promoter
 from overlord.planner.publishing import Publisher
 from overlord.planner.scaling import Scaling
-from overlord.planner.schedule import from_config, mixing_unit
-from overlord.planner.tree import ClientPlaceTree
+from overlord.runtime.lease import Lease, Superseded
+from overlord.runtime.placement import homes
 
 log = logging.getLogger("overlord.planner")
 

@@ -18,8 +18,8 @@ import time
 
 import redis
 
-from overlord.planner.lease import Lease, WriteUncertain
 from overlord.runtime.flow import HEARTBEAT_S
+from overlord.runtime.lease import Lease, WriteUncertain
 from overlord.store import Keys
 
 log = logging.getLogger("overlord.planner")

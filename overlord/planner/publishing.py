@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import redis
 
-from overlord.planner.checkpoint import Checkpoints
-from overlord.planner.dgraph import Plan
-from overlord.planner.lease import Lease, Superseded, WriteUncertain
+from overlord.plan.checkpoint import Checkpoints
+from overlord.plan.dgraph import Plan
+from overlord.runtime.lease import Lease, Superseded, WriteUncertain
 from overlord.store import Keys
 from overlord.store.schema import built_field, consumed_field
 

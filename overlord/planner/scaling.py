@@ -27,7 +27,7 @@ from overlord.autoscale.apply import budget_of
 from overlord.autoscale.profile import costs_from, journaled
 from overlord.autoscale.scaler import Scaler
 from overlord.config import Autoscale, Job
-from overlord.planner.dgraph import Plan
+from overlord.plan.dgraph import Plan
 from overlord.runtime.layout import Layout
 from overlord.store import Keys
 

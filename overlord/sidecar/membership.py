@@ -3,7 +3,7 @@ and clearing a dead node.
 
 Every sidecar registers its node in `nodes` (host, ranks, Flight address, CPU and
 memory budget) and keeps `hb:sidecar:<node>` alive; the leading Planner places units
-from that (overlord.planner.placement). A node's liveness is judged on the node
+from that (overlord.runtime.placement). A node's liveness is judged on the node
 itself where possible: a process on the same machine can tell that a pid is dead at
 once, while a heartbeat only lapses at its TTL. So whoever on a node sees its sidecar
 dead (the trainer whose ring's creator died, or the sidecar started next) clears the
@@ -28,8 +28,8 @@ from typing import Any
 
 from overlord.config import Job
 from overlord.errors import OverlordError
-from overlord.planner.lease import release_dead
 from overlord.runtime.layout import Layout, client_ring
+from overlord.runtime.lease import release_dead
 from overlord.shm import Ring, pid_alive, unlink_segment
 from overlord.store import Keys
 
@@ -119,7 +119,7 @@ class NodeMember:
         """Several nodes: start the job (the first sidecar up) or join it. One sidecar
         at a time decides, under the `boot` lock; a joiner takes the job's sources
         (partitions may have been sized by autoscale) and layout from Redis."""
-        from overlord.planner.placement import homes
+        from overlord.runtime.placement import homes
 
         deadline = time.monotonic() + self.job.timeout_s
         while not self.r.set(self.keys.boot, self.job.node, nx=True, px=BOOT_LOCK_MS):

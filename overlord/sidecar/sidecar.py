@@ -48,10 +48,10 @@ import redis
 from overlord.config import Job
 from overlord.errors import OverlordError
 from overlord.loader.inflight import inflight_path, last_samples
-from overlord.planner.checkpoint import Checkpoints
-from overlord.planner.lease import release_dead
+from overlord.plan.checkpoint import Checkpoints
 from overlord.runtime.flow import HEARTBEAT_S, set_on_signal
 from overlord.runtime.layout import Layout, client_ring, sample_ring
+from overlord.runtime.lease import release_dead
 from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.shm import pid_alive as _alive
 from overlord.sidecar import mode

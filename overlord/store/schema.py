@@ -217,7 +217,7 @@ SCHEMA: tuple[Key, ...] = (
         "meta",
         "meta:<stream>",
         "stream",
-        "buffer metadata of one Source Loader stream (overlord.planner.meta)",
+        "buffer metadata of one Source Loader stream (overlord.plan.meta)",
         "Source Loader",
         "Planner",
         example="XLEN",

@@ -33,7 +33,7 @@ micro_batches) load too, on every rank, by the same rule.
 
 The length of a finite job (`length()`): steps = (samples of every weighted source x
 epochs) / global_batch, the last partial step kept when `drop_last` is False and it can
-give every micro-batch of every DP group a sample (overlord.planner.dgraph); each rank
+give every micro-batch of every DP group a sample (overlord.plan.dgraph); each rank
 gets M micro-batches per step. That count is exact only when the set of samples is known
 before the job runs; it is None (no length) for a dynamic or scheduled mixture
 (`Job.mixing`: its weights may leave a source unread at the end) and for a source with
@@ -210,7 +210,7 @@ def unknowable(job: Job) -> str | None:
 
 
 def steps_of(job: Job, samples: int) -> int:
-    """Steps a finite job of `samples` samples delivers (see overlord.planner.dgraph)."""
+    """Steps a finite job of `samples` samples delivers (see overlord.plan.dgraph)."""
     g = job.batch.global_batch
     full, rest = divmod(samples, g)
     if rest and not job.batch.drop_last and rest >= job.mesh.dp * job.batch.micro_batches:

@@ -1,6 +1,6 @@
 """A strategy used by the integration tests (loaded by the Planner as module:function)."""
 
-from overlord.planner.dgraph import DGraph
+from overlord.plan.dgraph import DGraph
 
 
 def balanced_broadcast_tp(data, tree):

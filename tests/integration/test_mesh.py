@@ -13,7 +13,7 @@ import pytest
 
 from overlord import BatchSpec, Mesh
 from overlord.constructor.parallel import cp_merge
-from overlord.planner.cost import transformer_cost
+from overlord.plan.cost import transformer_cost
 
 pytestmark = pytest.mark.timeout(240)
 BATCHES = 6  # micro-batches each rank records
@@ -97,7 +97,7 @@ def test_vlm_encoder_world_delivers_each_image_to_one_encoder_rank(cluster, corp
     c = cluster(
         mesh=mesh,
         sources=sources,
-        strategy="overlord.planner.strategies:vlm_encoder_world",
+        strategy="overlord.plan.strategies:vlm_encoder_world",
         batch=BatchSpec(global_batch=16, micro_batches=2, context_length=1024, ring_bytes=4 << 20),
     )
     c.start_sidecar()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from overlord.config import Mesh
-from overlord.planner.core import PlannerCore
-from overlord.planner.meta import MetaChunk
-from overlord.planner.tree import ClientPlaceTree
+from overlord.plan.core import PlannerCore
+from overlord.plan.meta import MetaChunk
+from overlord.plan.tree import ClientPlaceTree
 
 
 def chunk(seqs, *, token: int = 0, final: bool = False) -> MetaChunk:

@@ -11,8 +11,8 @@ import pytest
 from planner_helpers import chunk, small_core
 
 from overlord.errors import PlanError
+from overlord.plan.meta import encode
 from overlord.planner.intake import Intake
-from overlord.planner.meta import encode
 from overlord.runtime.layout import Layout
 from overlord.store import Keys
 

@@ -10,10 +10,10 @@ import time
 import pytest
 from planner_helpers import chunk, small_core
 
-from overlord.planner.checkpoint import Checkpoints
+from overlord.plan.checkpoint import Checkpoints
 from overlord.planner.leadership import Leadership, wait_done
-from overlord.planner.lease import Lease, Superseded
 from overlord.planner.publishing import Publisher
+from overlord.runtime.lease import Lease, Superseded
 from overlord.store import Keys
 
 KEYS = Keys("j")

@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 
+from overlord.plan.schedule import from_config
 from overlord.planner.feedback import feed, reported_metrics
-from overlord.planner.schedule import from_config
 from overlord.store import Keys
 
 KEYS = Keys("j")

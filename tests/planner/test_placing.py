@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import threading
 
-from overlord.planner.lease import Lease
 from overlord.planner.placing import PATIENCE, Placer
+from overlord.runtime.lease import Lease
 from overlord.store import Keys
 
 KEYS = Keys("j")

@@ -8,8 +8,8 @@ import json
 import threading
 import time
 
-from overlord.planner.lease import Lease
 from overlord.planner.promotion import Promoter
+from overlord.runtime.lease import Lease
 from overlord.store import Keys
 
 KEYS = Keys("j")

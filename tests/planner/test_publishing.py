@@ -9,10 +9,10 @@ import threading
 import pytest
 from planner_helpers import chunk, small_core
 
-from overlord.planner.checkpoint import Checkpoints
-from overlord.planner.dgraph import Plan
-from overlord.planner.lease import Lease, Superseded, WriteUncertain
+from overlord.plan.checkpoint import Checkpoints
+from overlord.plan.dgraph import Plan
 from overlord.planner.publishing import PLAN_KEEP_STEPS, PRUNE_MAX, Bound, Publisher
+from overlord.runtime.lease import Lease, Superseded, WriteUncertain
 from overlord.store import Keys
 from overlord.store.schema import built_field, consumed_field
 

@@ -25,7 +25,7 @@ from tls_proxy import TlsProxy, issue_certs
 from overlord.config import BatchSpec, Job, Mesh, Source, split_redis_password
 from overlord.demo.corpus import TEXT_TRANSFORM, generate_corpus
 from overlord.errors import ConfigError, StoreError
-from overlord.planner.lease import Lease
+from overlord.runtime.lease import Lease
 from overlord.shm import list_segments, unlink_all
 from overlord.sidecar.sidecar import sidecar_running
 from overlord.store import EmbeddedRedis, Keys, connect

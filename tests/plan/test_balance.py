@@ -8,8 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from overlord.errors import ConfigError, PlanError
-from overlord.planner import balance
-from overlord.planner.balance import (
+from overlord.plan.balance import (
     BALANCERS,
     assign,
     get_balancer,
@@ -18,6 +17,7 @@ from overlord.planner.balance import (
     register_balancer,
     swap_refine,
 )
+from overlord.plan import balance
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 costs_st = st.lists(st.one_of(st.integers(0, 50).map(float), st.floats(0, 1e3)), min_size=0, max_size=40)

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from overlord.errors import ConfigError, PlanError
-from overlord.planner.buffer import ITEM, Buffer, NeedMetadata
-from overlord.planner.tree import ClientPlaceTree
+from overlord.plan.buffer import ITEM, Buffer, NeedMetadata
+from overlord.plan.tree import ClientPlaceTree
 
 _MIX = 0x4D4958  # "MIX": domain separator of the mixing RNG
 VIEWS = ("tokens", "patches", "nbytes")
@@ -61,7 +61,7 @@ class StepData:
     step: int
     seed: int
     buffer: Buffer
-    schedule: object  # overlord.planner.schedule.*: .weights(step)
+    schedule: object  # overlord.plan.schedule.*: .weights(step)
     global_batch: int
     micro_batches: int
     context_length: int
@@ -271,7 +271,7 @@ class DGraph:
 
     def cost(self, fn: str | Callable[[np.ndarray], np.ndarray]) -> DGraph:
         """Register the cost model: a COSTS name or a function of the view's sizes."""
-        from overlord.planner.cost import get_cost
+        from overlord.plan.cost import get_cost
 
         model = get_cost(fn) if isinstance(fn, str) else fn
         items = self._require_items()
@@ -298,7 +298,7 @@ class DGraph:
         Once one level is balanced, a level not named in any balance() call is
         balanced greedily too (round robin applies only when nothing is balanced).
         """
-        from overlord.planner.balance import get_balancer
+        from overlord.plan.balance import get_balancer
 
         get_balancer(method)
         if level not in ("inter", "intra", "both", "interleaved"):
@@ -546,7 +546,7 @@ def _assign(costs, buckets, bins, inter, intra, sizes, capacity, mode="two_level
     if inter == "round_robin" and intra == "round_robin" and capacity is None:
         i = np.arange(len(costs))
         return i % buckets, (i // buckets) % bins
-    from overlord.planner.balance import assign
+    from overlord.plan.balance import assign
 
     return assign(
         costs,

@@ -7,12 +7,12 @@ import pytest
 
 from overlord.config import Mesh
 from overlord.errors import ConfigError, PlanError
-from overlord.planner.core import PlannerCore
-from overlord.planner.dgraph import DGraph
-from overlord.planner.meta import MetaChunk
-from overlord.planner.schedule import Piecewise
-from overlord.planner.strategies import balanced, vanilla
-from overlord.planner.tree import ClientPlaceTree
+from overlord.plan.core import PlannerCore
+from overlord.plan.dgraph import DGraph
+from overlord.plan.meta import MetaChunk
+from overlord.plan.schedule import Piecewise
+from overlord.plan.strategies import balanced, vanilla
+from overlord.plan.tree import ClientPlaceTree
 
 
 def make(sizes, *, final=True, dp=2, micro_batches=2, global_batch=8, **kw):

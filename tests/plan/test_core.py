@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from overlord.config import Mesh
-from overlord.planner.core import PlannerCore
-from overlord.planner.dgraph import Plan
-from overlord.planner.meta import MetaChunk, decode, encode
-from overlord.planner.tree import ClientPlaceTree
+from overlord.plan.core import PlannerCore
+from overlord.plan.dgraph import Plan
+from overlord.plan.meta import MetaChunk, decode, encode
+from overlord.plan.tree import ClientPlaceTree
 
 
 def chunk(epoch, seqs, final=False, ended=()):
@@ -115,7 +115,7 @@ def test_state_names_cursors():
 
 
 def test_balanced_strategy_is_deterministic_complete_and_balances():
-    from overlord.planner.strategies import balanced
+    from overlord.plan.strategies import balanced
 
     def run(strategy):
         core = make(weights=(1.0, 1.0), finite=True, global_batch=64, dp=4, micro_batches=2, strategy=strategy)
@@ -140,7 +140,7 @@ def test_balanced_strategy_is_deterministic_complete_and_balances():
 
 def test_a_strategy_that_drops_samples_is_refused():
     from overlord.errors import PlanError
-    from overlord.planner.dgraph import DGraph
+    from overlord.plan.dgraph import DGraph
 
     def lossy(data, tree):
         planned = DGraph(data, tree).mix().distribute("DP").plan()
@@ -154,7 +154,7 @@ def test_a_strategy_that_drops_samples_is_refused():
 
 
 def test_capacity_defers_what_does_not_fit_and_plans_it_once_later():
-    from overlord.planner.dgraph import DGraph
+    from overlord.plan.dgraph import DGraph
 
     def capped(data, tree):
         g = DGraph(data, tree, view="tokens").mix().distribute("DP")
@@ -176,7 +176,7 @@ def test_capacity_defers_what_does_not_fit_and_plans_it_once_later():
 
 def test_a_sample_larger_than_capacity_is_sized_as_delivered_or_refused_with_its_name():
     from overlord.errors import PlanError
-    from overlord.planner.dgraph import DGraph
+    from overlord.plan.dgraph import DGraph
 
     def capped(data, tree):
         g = DGraph(data, tree, view="tokens").mix().distribute("DP")
@@ -218,7 +218,7 @@ def test_a_sample_larger_than_capacity_is_sized_as_delivered_or_refused_with_its
 
 @pytest.mark.parametrize("options", [dict(level="interleaved"), dict(level="both", keep_order=True)])
 def test_other_balance_modes_plan_every_sample_once(options):
-    from overlord.planner.dgraph import DGraph
+    from overlord.plan.dgraph import DGraph
 
     def strategy(data, tree):
         return DGraph(data, tree).mix().distribute("DP").cost("attention").balance("greedy", **options).plan()
@@ -232,8 +232,8 @@ def test_other_balance_modes_plan_every_sample_once(options):
 
 
 def test_keep_order_keeps_the_round_robin_composition():
-    from overlord.planner.dgraph import DGraph
-    from overlord.planner.strategies import vanilla
+    from overlord.plan.dgraph import DGraph
+    from overlord.plan.strategies import vanilla
 
     def kept(data, tree):
         return (
@@ -253,7 +253,7 @@ def test_keep_order_keeps_the_round_robin_composition():
 
 
 def test_group_size_balances_inside_groups_of_buckets():
-    from overlord.planner.dgraph import DGraph
+    from overlord.plan.dgraph import DGraph
 
     def grouped(data, tree):
         return (
@@ -268,7 +268,7 @@ def test_group_size_balances_inside_groups_of_buckets():
 
 
 def test_vlm_encoder_world_places_every_image_once_and_balances_patches():
-    from overlord.planner.strategies import vlm_encoder_world
+    from overlord.plan.strategies import vlm_encoder_world
 
     core = make(weights=(1.0, 1.0), finite=False, global_batch=64, dp=4, micro_batches=2, strategy=vlm_encoder_world)
     rng = np.random.default_rng(1)
@@ -287,7 +287,7 @@ def test_vlm_encoder_world_places_every_image_once_and_balances_patches():
 
 def test_plan_raw_builds_a_plan_from_an_explicit_placement():
     from overlord.errors import ConfigError
-    from overlord.planner.dgraph import DGraph
+    from overlord.plan.dgraph import DGraph
 
     def raw(data, tree):
         g = DGraph(data, tree).mix()
@@ -310,7 +310,7 @@ def test_plan_raw_builds_a_plan_from_an_explicit_placement():
 
 
 def test_substep_mixing_gives_each_micro_batch_its_own_mixture():
-    from overlord.planner.strategies import balanced
+    from overlord.plan.strategies import balanced
 
     class WithinStep:  # source b's share grows from 0 to 3/4 across a step's micro-batches
         def weights(self, t):
@@ -336,7 +336,7 @@ def test_substep_mixing_gives_each_micro_batch_its_own_mixture():
 
 
 def test_epoch_mixing_switches_when_the_job_reaches_an_epoch():
-    from overlord.planner.schedule import from_config
+    from overlord.plan.schedule import from_config
 
     schedule = from_config(
         {"kind": "piecewise", "unit": "epoch", "points": [[0, {"a": 1.0}], [1, {"b": 1.0}]]}, ["a", "b"], [1, 1]
@@ -352,7 +352,7 @@ def test_epoch_mixing_switches_when_the_job_reaches_an_epoch():
 def test_a_restored_core_plans_exactly_what_the_original_did():
     """Resumption: restore the state saved after step s, feed only what loaders restarted
     at the cursors report, and the plans from s on are the original's, byte for byte."""
-    from overlord.planner.dgraph import DGraph
+    from overlord.plan.dgraph import DGraph
 
     def capped(data, tree):  # capacity makes the state carry deferred samples
         g = DGraph(data, tree, view="tokens").mix().distribute("DP").cost("attention")

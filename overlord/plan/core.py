@@ -19,11 +19,11 @@ from collections.abc import Callable
 import numpy as np
 
 from overlord.errors import ConfigError, PlanError
-from overlord.planner.buffer import ITEM, Buffer, NeedMetadata
-from overlord.planner.dgraph import Plan, Planned, StepData, triples
-from overlord.planner.meta import MetaChunk
-from overlord.planner.schedule import Constant
-from overlord.planner.tree import ClientPlaceTree
+from overlord.plan.buffer import ITEM, Buffer, NeedMetadata
+from overlord.plan.dgraph import Plan, Planned, StepData, triples
+from overlord.plan.meta import MetaChunk
+from overlord.plan.schedule import Constant
+from overlord.plan.tree import ClientPlaceTree
 
 Strategy = Callable[[StepData, ClientPlaceTree], Planned]
 _DEFERRED_FIELDS = ("stream", "epoch", "seq", "tokens", "patches", "nbytes")
@@ -93,7 +93,7 @@ class PlannerCore:
             schedule = Constant(np.asarray(weights, dtype=np.float64))
             n_sources = len(weights)
         if strategy is None:
-            from overlord.planner.strategies import vanilla  # deferred: strategies imports this module
+            from overlord.plan.strategies import vanilla  # deferred: strategies imports this module
 
             strategy = vanilla
         self.buffer = Buffer(streams, stream_source, n_sources, finite=finite)

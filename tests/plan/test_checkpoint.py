@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 from test_core import make
 
-from overlord.planner.checkpoint import apply
-from overlord.planner.meta import MetaChunk
+from overlord.plan.checkpoint import apply
+from overlord.plan.meta import MetaChunk
 
 
 def _capped(data, tree):  # capacity makes the state carry deferred samples
-    from overlord.planner.dgraph import DGraph
+    from overlord.plan.dgraph import DGraph
 
     g = DGraph(data, tree, view="tokens").mix().distribute("DP").cost("attention")
     return g.balance("karmarkar_karp", level="inter").balance("greedy", level="intra", capacity=160).plan()

@@ -1,8 +1,8 @@
 """The Planner's placement of units on nodes (pure functions)."""
 
 from overlord import BatchSpec, Job, Mesh, Source
-from overlord.planner.placement import homes, place
 from overlord.runtime.layout import Layout
+from overlord.runtime.placement import homes, place
 
 
 def _job(**kw) -> Job:
@@ -72,7 +72,7 @@ def test_a_job_on_several_nodes_says_what_it_needs():
 
 
 def test_a_node_over_its_budget_hands_a_loader_to_a_node_with_room_and_takes_it_back_later():
-    from overlord.planner.placement import Use, pressure, relieve
+    from overlord.runtime.placement import Use, pressure, relieve
 
     job = _job()
     home = homes(job, Layout.plan(job))
@@ -93,7 +93,7 @@ def test_a_node_over_its_budget_hands_a_loader_to_a_node_with_room_and_takes_it_
 
 
 def test_no_node_takes_a_loader_it_cannot_hold_and_memory_counts_too():
-    from overlord.planner.placement import Use, relieve
+    from overlord.runtime.placement import Use, relieve
 
     job = _job()
     home = homes(job, Layout.plan(job))
@@ -111,7 +111,7 @@ def test_no_node_takes_a_loader_it_cannot_hold_and_memory_counts_too():
 
 
 def test_a_loader_no_node_can_hold_still_leaves_a_starved_node_for_the_roomiest_and_does_not_bounce():
-    from overlord.planner.placement import Use, relieve
+    from overlord.runtime.placement import Use, relieve
 
     job = _job()
     home = homes(job, Layout.plan(job))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from overlord.planner.meta import MetaChunk
+from overlord.plan.meta import MetaChunk
 
 ITEM = np.dtype(
     [

@@ -1,4 +1,4 @@
-"""Fixtures for the Planner's controller tests: a real redis-server."""
+"""Fixtures shared by the unit tests: `r`, a client of a real redis-server of its own."""
 
 from __future__ import annotations
 

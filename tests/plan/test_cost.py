@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from overlord.errors import ConfigError, PlanError
-from overlord.planner.cost import COSTS, encoder_cost, get_cost, token_cost, transformer_cost
+from overlord.plan.cost import COSTS, encoder_cost, get_cost, token_cost, transformer_cost
 
 
 def test_transformer_cost_formula():

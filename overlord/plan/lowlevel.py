@@ -8,8 +8,8 @@ see exactly who will send and receive what (`overlord plan --dry-run` does).
 from __future__ import annotations
 
 from overlord.config import Mesh
-from overlord.planner.dgraph import Plan
-from overlord.planner.tree import ClientPlaceTree
+from overlord.plan.dgraph import Plan
+from overlord.plan.tree import ClientPlaceTree
 
 
 def bucket_group(plan: Plan, mesh: Mesh, bucket: int) -> int:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from overlord.planner.checkpoint import Checkpoints
-from overlord.planner.lease import Lease, Superseded, holder, release_dead
+from overlord.plan.checkpoint import Checkpoints
+from overlord.runtime.lease import Lease, Superseded, holder, release_dead
 from overlord.store import EmbeddedRedis, Keys, connect
 
 

@@ -12,8 +12,8 @@ import time
 import redis
 
 from overlord.errors import PlanError
-from overlord.planner.checkpoint import Checkpoints
-from overlord.planner.dgraph import Plan
+from overlord.plan.checkpoint import Checkpoints
+from overlord.plan.dgraph import Plan
 from overlord.runtime.flow import Beat, Stopped, alive_within
 from overlord.store import Keys
 

@@ -5,8 +5,8 @@ import pytest
 
 from overlord.config import Mesh
 from overlord.errors import ConfigError
-from overlord.planner.schedule import from_config
-from overlord.planner.tree import ClientPlaceTree
+from overlord.plan.schedule import from_config
+from overlord.plan.tree import ClientPlaceTree
 
 SOURCES = ["web", "code", "images"]
 
@@ -76,13 +76,13 @@ def test_dynamic_schedule_errors_name_the_field():
     s = from_config({"kind": "dynamic", "fn": "builtins:len"}, SOURCES, [1, 1, 1])
     with pytest.raises(ConfigError, match="dynamic mixing function 'len' raised at step 0"):
         s.observe(0, {})
-    s = from_config({"kind": "dynamic", "fn": "overlord.planner.schedule:Constant"}, SOURCES, [1, 1, 1])
+    s = from_config({"kind": "dynamic", "fn": "overlord.plan.schedule:Constant"}, SOURCES, [1, 1, 1])
     with pytest.raises(ConfigError, match="dynamic mixing function"):
         s.observe(0, {})
 
 
 def test_mixing_unit_is_validated():
-    from overlord.planner.schedule import mixing_unit
+    from overlord.plan.schedule import mixing_unit
 
     assert mixing_unit(None) == "step" and mixing_unit({"kind": "dynamic", "unit": "substep"}) == "substep"
     with pytest.raises(ConfigError, match="mixing.unit='minute'"):
