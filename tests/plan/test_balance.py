@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from overlord.errors import ConfigError, PlanError
+from overlord.plan import balance
 from overlord.plan.balance import (
     BALANCERS,
     assign,
@@ -17,7 +18,6 @@ from overlord.plan.balance import (
     register_balancer,
     swap_refine,
 )
-from overlord.plan import balance
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 costs_st = st.lists(st.one_of(st.integers(0, 50).map(float), st.floats(0, 1e3)), min_size=0, max_size=40)
