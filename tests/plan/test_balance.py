@@ -8,7 +8,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from overlord.errors import ConfigError, PlanError
-from overlord.plan import balance
 from overlord.plan.balance import (
     BALANCERS,
     assign,
@@ -18,6 +17,7 @@ from overlord.plan.balance import (
     register_balancer,
     swap_refine,
 )
+from overlord.plan.balance._greedy import greedy_groups
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 costs_st = st.lists(st.one_of(st.integers(0, 50).map(float), st.floats(0, 1e3)), min_size=0, max_size=40)
@@ -158,7 +158,7 @@ def test_batched_greedy_equals_greedy_per_group(costs, k, data):
     sizes = np.array(data.draw(st.lists(st.integers(0, 10), min_size=n, max_size=n)), float)
     capacity = data.draw(st.one_of(st.none(), st.integers(1, 25)))
     c = np.asarray(costs, float)
-    got = balance._greedy_groups(c, sizes, group, groups, k, capacity)
+    got = greedy_groups(c, sizes, group, groups, k, capacity)
     for g in range(groups):
         m = group == g
         want = greedy(c[m], k, sizes=sizes[m], capacity=capacity)
