@@ -25,6 +25,10 @@ lead to them.
 from __future__ import annotations
 
 import json
+from typing import Any
+
+import redis
+import redis.client
 
 from overlord.errors import PlanError
 from overlord.store import Keys
@@ -33,7 +37,7 @@ SNAPSHOT_EVERY = 64
 KEEP_STEPS = 1024  # how far behind the newest step a trainer may resume
 
 
-def apply(state: dict, delta: dict) -> dict:
+def apply(state: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
     """The state after `delta` (pure)."""
     rr = list(state["round_robin"])
     for src, value in delta["round_robin"].items():
@@ -55,7 +59,7 @@ class Checkpoints:
     def __init__(self, keys: Keys, *, every: int = SNAPSHOT_EVERY, keep: int = KEEP_STEPS) -> None:
         self.keys, self.every, self.keep = keys, every, max(keep, every)
 
-    def write(self, pipe, step: int, delta: dict | None, full=None) -> None:
+    def write(self, pipe: redis.client.Pipeline, step: int, delta: dict[str, Any] | None, full=None) -> None:
         """Queue the checkpoint of `step` (the state before its plan) on `pipe`.
 
         Args:
@@ -75,7 +79,7 @@ class Checkpoints:
                     pipe.hdel(self.keys.ckpt, *range(old - self.every + 1, old + 1))
                     pipe.hdel(self.keys.ckpt_delta, *range(old - self.every + 1, old + 1))
 
-    def steps(self, r) -> list[int]:
+    def steps(self, r: redis.Redis) -> list[int]:
         """Steps a resume can start at (sorted): every step from the oldest snapshot on."""
         snaps = sorted(int(s) for s in r.hkeys(self.keys.ckpt))
         if not snaps:
@@ -86,11 +90,11 @@ class Checkpoints:
             out.append(out[-1] + 1)
         return out
 
-    def newest(self, r) -> int | None:
+    def newest(self, r: redis.Redis) -> int | None:
         steps = self.steps(r)
         return steps[-1] if steps else None
 
-    def load(self, r, step: int) -> dict:
+    def load(self, r: redis.Redis, step: int) -> dict[str, Any]:
         """The planner state before `step`.
 
         Raises:
@@ -103,7 +107,7 @@ class Checkpoints:
                 f"no planner checkpoint at or before step {step} (snapshots kept: {sorted(snaps)[:1]}..{sorted(snaps)[-1:]}); "
                 "the state to resume from is older than what Redis kept"
             )
-        state = json.loads(r.hget(self.keys.ckpt, base))
+        state: dict[str, Any] = json.loads(r.hget(self.keys.ckpt, base))
         if step == base:
             return state
         raw = r.hmget(self.keys.ckpt_delta, list(range(base + 1, step + 1)))

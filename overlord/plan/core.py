@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
+from numpy.typing import NDArray
 
 from overlord.errors import ConfigError, PlanError
-from overlord.plan.buffer import ITEM, Buffer, NeedMetadata
+from overlord.plan.buffer import ITEM, Buffer, NeedMetadata, Stream
 from overlord.plan.dgraph import Plan, Planned, StepData, triples
 from overlord.plan.meta import MetaChunk
-from overlord.plan.schedule import Constant
+from overlord.plan.schedule import Constant, Schedule
+from overlord.plan.strategies import vanilla
 from overlord.plan.tree import ClientPlaceTree
 
 Strategy = Callable[[StepData, ClientPlaceTree], Planned]
@@ -38,7 +41,7 @@ def resolve_strategy(spec: str) -> Strategy:
         raise ConfigError(f"Job.strategy={spec!r} cannot be loaded ({exc}); give 'module:function'") from None
     if not callable(fn):
         raise ConfigError(f"Job.strategy={spec!r} is not callable")
-    return fn
+    return cast(Strategy, fn)  # a user's callable: `plan_step` checks what it returns
 
 
 class PlannerCore:
@@ -72,7 +75,7 @@ class PlannerCore:
         global_batch: int,
         micro_batches: int,
         finite: bool,
-        schedule=None,
+        schedule: Schedule | None = None,
         weights: list[float] | None = None,
         strategy: Strategy | None = None,
         context_length: int = 2048,
@@ -93,8 +96,6 @@ class PlannerCore:
             schedule = Constant(np.asarray(weights, dtype=np.float64))
             n_sources = len(weights)
         if strategy is None:
-            from overlord.plan.strategies import vanilla  # deferred: strategies imports this module
-
             strategy = vanilla
         self.buffer = Buffer(streams, stream_source, n_sources, finite=finite)
         self.strategy: Strategy = strategy
@@ -110,14 +111,14 @@ class PlannerCore:
         self._rr_written = list(self.rr)  # round robin as of the last delta()
 
     @property
-    def streams(self):
+    def streams(self) -> list[Stream]:
         return self.buffer.streams
 
     def add(self, stream: int, chunk: MetaChunk) -> None:
         """Metadata in: a chunk a Source Loader reported."""
         self.buffer.add(stream, chunk)
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         """What the Planner checkpoints with every plan."""
         return {
             "step": self.step,
@@ -130,7 +131,7 @@ class PlannerCore:
             "done": self.done,
         }
 
-    def delta(self) -> dict:
+    def delta(self) -> dict[str, Any]:
         """What changed in `state()` since the last call: a differential checkpoint
         (see checkpoint.py), O(streams touched) rather than O(streams)."""
         cursors = {self.streams[i].name: list(self.streams[i].cursor) for i in sorted(self._dirty)}
@@ -146,7 +147,7 @@ class PlannerCore:
             "done": self.done,
         }
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: dict[str, Any]) -> None:
         """Continue from a `state()` taken after some step, before any metadata arrives.
 
         The Source Loaders, restarted at the cursors, report the samples after them; the
@@ -232,6 +233,6 @@ class PlannerCore:
             )
 
 
-def _sorted(rows: np.ndarray) -> np.ndarray:
+def _sorted(rows: NDArray[np.int64]) -> NDArray[np.int64]:
     """(stream, epoch, seq) rows in lexicographic order."""
     return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]

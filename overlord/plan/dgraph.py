@@ -41,13 +41,17 @@ hold less than one deliverable step is refused at step 0 (PlanError).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import NDArray
 
 from overlord.errors import ConfigError, PlanError
+from overlord.plan.balance import assign, get_balancer
 from overlord.plan.buffer import ITEM, Buffer, NeedMetadata
+from overlord.plan.cost import CostFn, get_cost
+from overlord.plan.schedule import Schedule, Weights
 from overlord.plan.tree import ClientPlaceTree
 
 _MIX = 0x4D4958  # "MIX": domain separator of the mixing RNG
@@ -61,7 +65,7 @@ class StepData:
     step: int
     seed: int
     buffer: Buffer
-    schedule: object  # overlord.plan.schedule.*: .weights(step)
+    schedule: Schedule
     global_batch: int
     micro_batches: int
     context_length: int
@@ -97,8 +101,6 @@ class Plan:
     dropped: int = 0  # on the last step: samples left in the sources that no step delivers (see above)
 
     def to_json(self) -> bytes:
-        import json
-
         return json.dumps(
             {
                 "step": self.step,
@@ -115,8 +117,6 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: bytes) -> Plan:
-        import json
-
         obj = json.loads(data)
         buckets = [[[tuple(item) for item in mb] for mb in bucket] for bucket in obj["buckets"]]
         encoder = obj.get("encoder")
@@ -152,21 +152,21 @@ class DGraph:
             raise ConfigError(f"DGraph view {view!r} is not one of {VIEWS}")
         self.data, self.tree, self.metric = data, tree, view  # what sizes a sample here
         self.items: np.ndarray | None = None
-        self.sub: np.ndarray | None = None  # micro-batch of each sample under substep mixing
+        self.sub: NDArray[np.int64] | None = None  # micro-batch of each sample under substep mixing
         self.take: dict[int, int] = {}
         self.round_robin = list(data.round_robin)
         self.last = False  # this step is short: the weighted sources ran out
         self.after: int | None = None  # what the next step could select, when that decides the end
         self.axis: str = "DP"
         self.group_size: int | None = None
-        self.costs: np.ndarray | None = None
+        self.costs: NDArray[np.float64] | None = None
         self.inter, self.intra = "round_robin", "round_robin"
         self.capacity: int | None = None
         self.mode = "two_level"
 
     # -- primitives ----------------------------------------------------------------------
 
-    def mix(self, schedule=None) -> DGraph:
+    def mix(self, schedule: Schedule | None = None) -> DGraph:
         """Select this step's samples by the mixing schedule (deferred samples first).
 
         The schedule is read per step, per epoch (the job's epoch: the lowest epoch any
@@ -179,14 +179,14 @@ class DGraph:
         rng = d.rng()
         if d.mixing_unit == "substep":
             sizes = [len(part) for part in np.array_split(np.arange(need), d.micro_batches)]
-            parts: list[np.ndarray] = []
+            parts: list[NDArray[np.int64]] = []
             counts = np.zeros(0, np.int64)
             for m, size in enumerate(sizes):
                 weights = np.asarray(schedule.weights(d.step + m / d.micro_batches), dtype=np.float64)
                 before = counts if m else np.zeros(len(weights), np.int64)
                 counts = self._counts(weights, size, rng, before)
                 parts.append(counts - before)
-            per_mb: list[np.ndarray] | None = parts
+            per_mb: list[NDArray[np.int64]] | None = parts
         else:
             t = d.epoch if d.mixing_unit == "epoch" else d.step
             weights = np.asarray(schedule.weights(t), dtype=np.float64)
@@ -202,7 +202,7 @@ class DGraph:
         self.sub = None if per_mb is None else _sub_batches(d.deferred, fresh, per_mb, d.micro_batches)
         return self
 
-    def _after(self, schedule, counts: np.ndarray) -> int | None:
+    def _after(self, schedule: Schedule, counts: NDArray[np.int64]) -> int | None:
         """Samples the next step could select once this step takes `counts`, when fewer
         than a full step are left in a finite job (every weighted source reported its
         end); None while a full step follows.
@@ -238,8 +238,8 @@ class DGraph:
         return left
 
     def _counts(
-        self, weights: np.ndarray, need: int, rng: np.random.Generator, base: np.ndarray | None = None
-    ) -> np.ndarray:
+        self, weights: Weights, need: int, rng: np.random.Generator, base: NDArray[np.int64] | None = None
+    ) -> NDArray[np.int64]:
         """Samples per source (on top of `base`), never more than the loaders reported."""
         buf = self.data.buffer
         counts = np.zeros(len(weights), dtype=np.int64) if base is None else base.copy()
@@ -269,10 +269,8 @@ class DGraph:
         self.axis, self.group_size = axis, group_size
         return self
 
-    def cost(self, fn: str | Callable[[np.ndarray], np.ndarray]) -> DGraph:
+    def cost(self, fn: str | CostFn) -> DGraph:
         """Register the cost model: a COSTS name or a function of the view's sizes."""
-        from overlord.plan.cost import get_cost
-
         model = get_cost(fn) if isinstance(fn, str) else fn
         items = self._require_items()
         costs = np.asarray(model(items[self.metric]), dtype=np.float64)
@@ -298,8 +296,6 @@ class DGraph:
         Once one level is balanced, a level not named in any balance() call is
         balanced greedily too (round robin applies only when nothing is balanced).
         """
-        from overlord.plan.balance import get_balancer
-
         get_balancer(method)
         if level not in ("inter", "intra", "both", "interleaved"):
             raise ConfigError(f"balance(level={level!r}) must be 'inter', 'intra', 'both' or 'interleaved'")
@@ -329,7 +325,9 @@ class DGraph:
             raise ConfigError("call mix() before distribute/cost/balance/plan")
         return self.items
 
-    def assignment(self, subset: np.ndarray | None = None, bins: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def assignment(
+        self, subset: np.ndarray | None = None, bins: int | None = None
+    ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         """(bucket, micro-batch) of every selected sample (or of `subset`); -1 for deferred ones."""
         items = self._require_items()
         n_buckets, bins = self.tree.buckets(self.axis), bins or self.data.micro_batches
@@ -351,15 +349,15 @@ class DGraph:
         owner = np.arange(len(items)) % len(groups)  # samples dealt to groups evenly
         for gi, members in enumerate(groups):
             mine = np.flatnonzero(owner == gi)
-            b, m = _assign(
+            b, mb = _assign(
                 costs[mine], len(members), bins, self.inter, self.intra, sizes[mine], self.capacity, self.mode
             )
             placed = b >= 0
             bucket[mine[placed]] = members[b[placed]]
-            mbin[mine[placed]] = m[placed]
+            mbin[mine[placed]] = mb[placed]
         return bucket, mbin
 
-    def _sizes(self, items: np.ndarray) -> np.ndarray:
+    def _sizes(self, items: np.ndarray) -> NDArray[np.int64]:
         """Each sample's size in this view as delivered: the constructor truncates a
         document to context_length, so that is the most tokens it takes in a micro-batch.
         A sample that fits in no micro-batch even alone would be deferred at every step
@@ -494,7 +492,9 @@ class DGraph:
         return Planned(plan, self.take, self.round_robin, deferred)
 
 
-def _sub_batches(deferred: np.ndarray, fresh: np.ndarray, per_mb: list[np.ndarray], bins: int) -> np.ndarray:
+def _sub_batches(
+    deferred: np.ndarray, fresh: np.ndarray, per_mb: list[NDArray[np.int64]], bins: int
+) -> NDArray[np.int64]:
     """Micro-batch of each selected sample under substep mixing: of each source's fresh
     samples, the first per_mb[0][s] go to micro-batch 0, the next per_mb[1][s] to 1...;
     deferred samples are dealt round robin."""
@@ -509,7 +509,7 @@ def _sub_batches(deferred: np.ndarray, fresh: np.ndarray, per_mb: list[np.ndarra
     return sub
 
 
-def _fill_empty(bucket: np.ndarray, mbin: np.ndarray, n_buckets: int, bins: int) -> bool:
+def _fill_empty(bucket: NDArray[np.int64], mbin: NDArray[np.int64], n_buckets: int, bins: int) -> bool:
     """Give every (bucket, micro-batch) at least one sample, in place: each empty one
     takes the last sample of the fullest (lowest index on ties). A balancer seldom leaves
     one empty; a short final step may. Returns whether none is left empty."""
@@ -527,7 +527,7 @@ def _fill_empty(bucket: np.ndarray, mbin: np.ndarray, n_buckets: int, bins: int)
     return True
 
 
-def triples(items: np.ndarray) -> np.ndarray:
+def triples(items: np.ndarray) -> NDArray[np.int64]:
     """(stream, epoch, seq) of ITEM rows as an int64 [n, 3] array, the plan's item form."""
     return np.stack([items["stream"], items["epoch"], items["seq"]], axis=1).astype(np.int64)
 
@@ -542,12 +542,19 @@ class Planned:
     deferred: np.ndarray
 
 
-def _assign(costs, buckets, bins, inter, intra, sizes, capacity, mode="two_level"):
+def _assign(
+    costs: NDArray[np.float64],
+    buckets: int,
+    bins: int,
+    inter: str,
+    intra: str,
+    sizes: NDArray[np.int64],
+    capacity: int | None,
+    mode: str = "two_level",
+) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     if inter == "round_robin" and intra == "round_robin" and capacity is None:
-        i = np.arange(len(costs))
+        i = np.arange(len(costs), dtype=np.int64)
         return i % buckets, (i // buckets) % bins
-    from overlord.plan.balance import assign
-
     return assign(
         costs,
         buckets,

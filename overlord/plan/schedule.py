@@ -18,17 +18,30 @@ weights, which hold until the next update and are part of the planner checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
+from numpy.typing import NDArray
 
 from overlord.config import Mixing
 from overlord.errors import ConfigError
+from overlord.transforms import resolve
+
+Weights = NDArray[np.float64]  # one weight per source, in the job's source order
+# fn(step, metrics, base weights, source names) -> new weights (a `kind: dynamic` mixing)
+MixingFn = Callable[[int, dict[str, float], Weights, list[str]], Any]
 
 
-def _vector(mixture: Mapping[str, float], sources: Sequence[str], where: str) -> np.ndarray:
+class Schedule(Protocol):
+    """What the Planner asks of a mixing schedule: every source's weight at `step` (a
+    step, a step plus a fraction of it under substep mixing, or an epoch)."""
+
+    def weights(self, step: float) -> Weights: ...
+
+
+def _vector(mixture: Mapping[str, float], sources: Sequence[str], where: str) -> Weights:
     unknown = sorted(set(mixture) - set(sources))
     if unknown:
         raise ConfigError(f"{where}: unknown source(s) {unknown}; the job's sources are {list(sources)}")
@@ -42,9 +55,9 @@ def _vector(mixture: Mapping[str, float], sources: Sequence[str], where: str) ->
 class Constant:
     """The same weights at every step."""
 
-    vector: np.ndarray
+    vector: Weights
 
-    def weights(self, step: int) -> np.ndarray:
+    def weights(self, step: float) -> Weights:
         return self.vector
 
 
@@ -52,24 +65,25 @@ class Constant:
 class Piecewise:
     """Weights that change at given steps: the last point at or before the step applies."""
 
-    steps: np.ndarray
-    vectors: np.ndarray
+    steps: NDArray[np.int64]
+    vectors: NDArray[np.float64]  # [points, sources]
 
-    def weights(self, step: int) -> np.ndarray:
+    def weights(self, step: float) -> Weights:
         i = int(np.searchsorted(self.steps, step, side="right")) - 1
-        return self.vectors[max(i, 0)]
+        row: Weights = self.vectors[max(i, 0)]
+        return row
 
 
 @dataclass(frozen=True, slots=True)
 class Warmup:
     """Linear interpolation from `start` to `end` over `steps` steps from `begin`, then `end`."""
 
-    start: np.ndarray
-    end: np.ndarray
+    start: Weights
+    end: Weights
     begin: int
     steps: int
 
-    def weights(self, step: int) -> np.ndarray:
+    def weights(self, step: float) -> Weights:
         t = min(max((step - self.begin) / self.steps, 0.0), 1.0)
         return (1 - t) * self.start + t * self.end
 
@@ -77,7 +91,7 @@ class Warmup:
 class Dynamic:
     """Weights recomputed from trainer-reported metrics every `every` steps."""
 
-    def __init__(self, fn, base: np.ndarray, sources: Sequence[str], every: int) -> None:
+    def __init__(self, fn: MixingFn, base: Weights, sources: Sequence[str], every: int) -> None:
         self.fn, self.base, self.sources, self.every = fn, base, list(sources), every
         self.current = base.copy()
         self.updated = -1  # step of the last update
@@ -106,10 +120,10 @@ class Dynamic:
             )
         self.current, self.updated = weights, step
 
-    def weights(self, step: int) -> np.ndarray:
+    def weights(self, step: float) -> Weights:
         return self.current
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         return {"weights": self.current.tolist(), "updated": self.updated}
 
     def load(self, state: Mapping[str, Any]) -> None:
@@ -118,8 +132,8 @@ class Dynamic:
 
 
 def loss_proportional(
-    step: int, metrics: Mapping[str, float], base: np.ndarray, sources: Sequence[str], temperature: float = 1.0
-) -> np.ndarray:
+    step: int, metrics: Mapping[str, float], base: Weights, sources: Sequence[str], temperature: float = 1.0
+) -> Weights:
     """Up-weight sources whose reported loss (`loss/<source>`) is above the mean.
 
     weight_s = base_s * exp(temperature * (loss_s - mean loss)); a source without a
@@ -141,7 +155,9 @@ def mixing_unit(mixing: Mixing | Mapping[str, Any] | None) -> str:
     return Mixing.of(mixing).unit if mixing is not None else "step"
 
 
-def from_config(mixing: Mixing | Mapping[str, Any] | None, sources: Sequence[str], default: Sequence[float]):
+def from_config(
+    mixing: Mixing | Mapping[str, Any] | None, sources: Sequence[str], default: Sequence[float]
+) -> Constant | Piecewise | Warmup | Dynamic:
     """Build the job's schedule from its `mixing` config (a `Mixing`, or a dict of its
     fields; None: constant source weights)."""
     if mixing is None:
@@ -166,8 +182,6 @@ def from_config(mixing: Mixing | Mapping[str, Any] | None, sources: Sequence[str
             mixing.steps,
         )
     if kind == "dynamic":
-        from overlord.transforms import resolve
-
         every = mixing.every
         try:
             fn = resolve(mixing.fn)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import redis
 
@@ -54,7 +55,7 @@ def wait_plan(
         r.xread({keys.plans: f"{step}-0"}, block=block_ms, count=1)
 
 
-def resume_point(r, keys) -> tuple[int, dict] | None:
+def resume_point(r: redis.Redis, keys: Keys) -> tuple[int, dict[str, Any]] | None:
     """(step, planner state) the sidecar chose to resume at, or None for a fresh start."""
     step = r.hget(keys.resume, "step")
     if step is None:
