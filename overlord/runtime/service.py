@@ -12,14 +12,20 @@ stops its server on SIGTERM. Secrets travel in its environment, never in argv.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from overlord.config import Job
+from overlord.logs import log_context, setup_logging
+from overlord.runtime.flow import set_on_signal
+from overlord.store.server import die_with_parent
 
 
 def start(module: str, run_dir: Path, log_name: str, env: dict[str, str]) -> subprocess.Popen:
@@ -36,14 +42,6 @@ def start(module: str, run_dir: Path, log_name: str, env: dict[str, str]) -> sub
 
 def main(name: str, argv: list[str] | None, serve: Callable[[Job], Callable[[], None]]) -> int:
     """Run a server process: `serve(job)` starts the server and returns how to stop it."""
-    import argparse
-    import signal
-    import threading
-
-    from overlord.logs import log_context, setup_logging
-    from overlord.runtime.flow import set_on_signal
-    from overlord.store.server import die_with_parent
-
     parser = argparse.ArgumentParser(prog=f"overlord-{name}")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--parent", type=int, required=True)

@@ -15,6 +15,7 @@ inherited lock, while the next sidecar waits to start).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from overlord import heap
 from overlord.config import split_redis_password
+from overlord.sidecar.role import main as role_main
 from overlord.store.client import password_env
 from overlord.store.server import die_with_parent
 
@@ -35,6 +37,8 @@ def preload() -> None:
     buffers in that heap: `heap.use_system_arrow_pool`)."""
     heap.tune()
     heap.use_system_arrow_pool()
+    # deferred: the roles' modules (pyarrow and its Flight, Pillow, the role loops: ~0.5 s) load here by
+    # design: once, in the sidecar that forks, after heap.tune and the Arrow pool choice
     import numpy  # noqa: F401
     import PIL.Image  # noqa: F401
     import pyarrow.parquet  # noqa: F401
@@ -43,7 +47,6 @@ def preload() -> None:
     import overlord.constructor.process  # noqa: F401
     import overlord.loader.process  # noqa: F401
     import overlord.planner.process  # noqa: F401
-    import overlord.sidecar.role  # noqa: F401
     import overlord.transforms  # noqa: F401
 
     gc.collect()
@@ -93,8 +96,6 @@ class RoleProcess:
 
 def _set_name(name: str) -> None:
     """Name the process (/proc/PID/comm, shown by ps and top) after its role."""
-    import ctypes
-
     libc = ctypes.CDLL(None)
     libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
@@ -124,9 +125,7 @@ def fork_role(role: str, index: int, run_dir: Path, redis_url: str, attempt: int
         # the child reads the URL without its password; the password travels beside it
         os.environ["OVERLORD_REDIS_URL"] = split_redis_password(redis_url)[0]
         os.environ.update(password_env(redis_url))
-        from overlord.sidecar.role import main
-
-        code = main([role, "--run-dir", str(run_dir), "--index", str(index), "--attempt", str(attempt)])
+        code = role_main([role, "--run-dir", str(run_dir), "--index", str(index), "--attempt", str(attempt)])
     except BaseException:  # noqa: BLE001 - the child must never return into the sidecar's code
         traceback.print_exc()
     finally:
