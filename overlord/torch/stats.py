@@ -14,6 +14,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from overlord.status import redis_url_of
+from overlord.store import Keys, connect
+from overlord.store.schema import trainer_stats_field
+
 PUBLISH_S = 1.0
 
 
@@ -30,10 +34,6 @@ class StatsPublisher:
         self._thread.start()
 
     def _run(self) -> None:
-        from overlord.status import redis_url_of
-        from overlord.store import Keys, connect
-        from overlord.store.schema import trainer_stats_field
-
         key, field = Keys(self.job.name).stats, trainer_stats_field(self.rank)
         r = None
         stopping = False
