@@ -21,48 +21,55 @@ planner checkpoints persist in the embedded Redis's append-only file.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import subprocess
-import sys
 import time
 import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import redis
 import torch
 
 from overlord.config import Job
-from overlord.errors import (
-    ConfigError,
-    OverlordError,
-    PeerDied,
-    RemoteRoleError,
-    RingClosed,
-    RingError,
-    RingTimeout,
-)
-from overlord.runtime.layout import client_ring
+from overlord.errors import ConfigError, OverlordError, RemoteRoleError
 from overlord.shm import Ring, decode_batch
-from overlord.shm import pid_alive as alive
-from overlord.shm._lease import LeasedReader
-from overlord.sidecar import mode
-from overlord.sidecar.sidecar import sidecar_running
-from overlord.store.client import password_env
+from overlord.store import Keys
 from overlord.torch import compat, launch
 from overlord.torch import state as states
-from overlord.torch.nodes import _SLICE_S, NodeReader
+from overlord.torch.control import Control
+from overlord.torch.local import Leases, LocalReader
+from overlord.torch.nodes import ServingNodeReader
+from overlord.torch.remote import FlightReader
+from overlord.torch.sidecar import NodeSidecar
+from overlord.torch.stats import StatsPublisher, totals_of
+from overlord.torch.watchdog import Watchdog
 
-if TYPE_CHECKING:  # typing only: pyarrow.flight loads when a rank first reads over Flight
-    from overlord.remote.flight import RemoteReader
-    from overlord.torch.stats import StatsPublisher
+
+class Reader(Protocol):
+    """How a DataLoader reaches its rank's records: from its ring on this node
+    (overlord.torch.local), from a sidecar at a given location over Flight
+    (overlord.torch.remote), or from whichever node serves it on a job of several nodes
+    (overlord.torch.nodes)."""
+
+    ring: Ring | None  # the ring on this node read now, if any
+    sidecar_pid: int | None  # the sidecar that made that ring
+
+    def read(self, after: tuple[int, int], *, final: bool, resuming: bool) -> Any:
+        """The next record's view, or None at the end of the job. `after`: the last batch
+        delivered ((-1, -1): none), `final`: whether it was the job's last, `resuming`:
+        whether a state was loaded or a sidecar died (a sidecar must resume for it)."""
+        ...
+
+    def drop_ring(self) -> None:
+        """Detach from the ring on this node, if any; the next read attaches again."""
+        ...
+
+    def close(self) -> None: ...
 
 
-class DataLoader(NodeReader):
+class DataLoader:
     """Iterate the micro-batches Overlord delivers to this rank.
 
     Args:
@@ -96,9 +103,6 @@ class DataLoader(NodeReader):
     batches than the ring can lease gets those copied out (counted in `copies`, the
     metrics and `overlord status`), never overwritten bytes and never a deadlock.
     """
-
-    _leases: LeasedReader | None = None  # reading the local ring, one per ring
-    _copies_before = 0  # copies made by the leasing readers of earlier rings
 
     def __init__(
         self,
@@ -139,186 +143,50 @@ class DataLoader(NodeReader):
         self.spawn_sidecar = spawn_sidecar
         self.last_meta: dict[str, Any] = {}
         self.batches = 0
-        self.sidecar_pid: int | None = None
-        self._ring: Ring | None = None
-        self._redis = None  # opened by report_metrics and resumption only
-        self._resume_at: tuple[int, int] | None = None  # (step, micro-batch) of the next batch
         self._loaded = (-1, -1)  # (step, micro-batch) of the last batch before a resume
         self._position = states.Position()  # the loaded state's (or the start's) position
         self._total: int | None = None  # micro-batches of a finite job per rank, once counted
         self._last = (-1, -1)  # (step, micro-batch) of the last batch delivered
         self.dropped = 0  # micro-batches received twice (after a restart upstream) and dropped
-        self.recoveries = 0  # sidecars this loader started again after one died
         self.wait_s = 0.0  # time spent in __next__ waiting for batches
         self._stats: StatsPublisher | None = None  # from the first batch on
-        self._redis_gone: float | None = None  # monotonic: when this rank found the job's Redis unreachable
-        self._probe_redis = None  # see _probe
-        self._outage_grace = False  # whether the roles had their extra timeout_s after the last outage
-        m = self.job.mesh
-        self._mesh = [m.dp, m.pp, m.cp, m.tp]
         self._done = False
         self.remote = remote or os.environ.get("OVERLORD_REMOTE") or None
-        self._remote_reader: RemoteReader | None = None
-        # several nodes: the Data Constructor host of this rank's DP group, and where it runs
+        # the Data Constructor host of this rank's DP group (several nodes: where it runs
+        # says which node serves the rank)
         first = self.job.mesh.ranks_of_dp(self.coords["dp"])[0]
-        self._host = self.job.node_ids.index(self.job.node_of_rank(first))
-        self.serving_node: str | None = None  # the node this rank reads from now
-        self.switches = 0  # times it changed nodes (its sidecar died, or came back)
-        self._drained: set[int] = set()  # dead sidecars whose ring for this rank was read to its end
-
-    # -- connecting ----------------------------------------------------------------------
-
-    def _control(self):
-        """The job's Redis, opened on first use (never on the data path of one node)."""
-        from overlord.status import redis_url_of
-        from overlord.store import connect
-
-        if self._redis is None:
-            self._redis = connect(redis_url_of(self.job), timeout_s=5)
-        return self._redis
-
-    def _probe(self):
-        """A client of the job's Redis that answers within 1 s (no ride-through): a stalled
-        rank says itself how long Redis has been away."""
-        from overlord.status import redis_url_of
-        from overlord.store import connect
-
-        if self._probe_redis is None:
-            self._probe_redis = connect(redis_url_of(self.job), timeout_s=1, ride_through_s=0)
-        return self._probe_redis
-
-    def _spawn(self) -> None:
-        """Start a detached sidecar unless one runs; one rank wins, the others wait."""
-        run_dir = self.job.make_run_path()
-        with open(run_dir / "spawn.lock", "a+") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)
-            if sidecar_running(self.job):
-                return
-            config = run_dir / "spawned-job.json"
-            config.write_text(self.job.to_json())
-            with open(run_dir / "sidecar.log", "ab") as log:
-                proc = subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "overlord.cli",
-                        "sidecar",
-                        "--config",
-                        str(config),
-                        "--exit-when-idle",
-                        *(["--resume"] if self._resume_at is not None else []),
-                    ],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    # a loader may restart it (a rewind); the Redis password, cut from the config
-                    # file, travels in the environment
-                    env={**os.environ, **password_env(self.job.redis_url), mode.SPAWNED_BY: str(os.getpid())},
-                    start_new_session=True,  # outlives this rank: the other ranks still need it
-                )
-            deadline = time.monotonic() + self.timeout_s
-            while not sidecar_running(self.job):
-                if proc.poll() is not None:
-                    said = [
-                        line
-                        for line in (run_dir / "sidecar.log").read_text(errors="replace").splitlines()
-                        if line.startswith("overlord sidecar: ")
-                    ]
-                    raise RemoteRoleError(
-                        f"rank {self.rank}: the sidecar this rank started (pid {proc.pid}) exited with "
-                        f"{proc.returncode}"
-                        + (f": {said[-1][len('overlord sidecar: ') :]}" if said else "")
-                        + f"; see {run_dir / 'sidecar.log'}"
-                    )
-                if time.monotonic() > deadline:
-                    raise RemoteRoleError(
-                        f"rank {self.rank}: the sidecar (pid {proc.pid}) did not start within {self.timeout_s:g}s"
-                    )
-                time.sleep(0.05)
-
-    def _connect(self) -> Ring:
-        name = client_ring(self.job, self.rank)
-        if self._resume_at is not None:
-            self._resumable_sidecar()
-        elif self.spawn_sidecar and not sidecar_running(self.job):
-            self._spawn()
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                ring = Ring.attach(name, timeout=min(_SLICE_S, max(0.01, deadline - time.monotonic())))
-            except RingTimeout:
-                ring = None
-            if ring is not None and alive(ring.creator_pid):
-                break
-            if ring is not None:
-                ring.close()  # left by a dead sidecar; the next one replaces it
-            if self.spawn_sidecar and not sidecar_running(self.job):
-                self._spawn()  # the sidecar seen at first was on its way out (the job before a resume)
-            if time.monotonic() > deadline:
-                raise RemoteRoleError(
-                    f"rank {self.rank}: no sidecar served job {self.job.name!r} on node {self.job.node!r} "
-                    f"within {self.timeout_s:g}s (ring {name}); start one with "
-                    "`overlord sidecar --config JOB.yaml` or pass spawn_sidecar=True "
-                    f"(a sidecar that failed to start says why in its log; spawned ones in {self.job.run_path}/sidecar.log)"
-                )
-        try:
-            ring.claim_consumer()
-        except RingError:
-            other = ring.consumer_pid
-            ring.close()
-            raise ConfigError(
-                f"rank {self.rank} of job {self.job.name!r} is already read by another live process (pid {other}); "
-                f"this process (pid {os.getpid()}) took rank {self.rank} from {self.launcher.how}. Two trainers claim "
-                "one rank: check what the launcher sets (RANK, or NODE_RANK/LOCAL_WORLD_SIZE/LOCAL_RANK), or pass "
-                "DataLoader(rank=...)"
-            ) from None
-        self.sidecar_pid = ring.creator_pid
-        if self._resume_at is not None:
-            self._report_position()
-        return ring
-
-    def _resumable_sidecar(self) -> None:
-        """Before attaching with a loaded state: make sure the sidecar will serve the
-        batches after it. One that still waits for the trainers' positions (started with
-        --resume) will; none running: start one with --resume; one that already serves a
-        run (fresh, or a resume that chose its step) delivers only what follows its own
-        position, so a DataLoader that spawned it stops it and starts it again with
-        --resume (a rewind), or the load is refused (overlord.sidecar.mode)."""
-        if not sidecar_running(self.job):
-            if self.spawn_sidecar:
-                self._spawn()
-            return  # else the attach loop waits for one started with --resume
-        found = mode.current(self.job, self.timeout_s)
-        if found is None or found.awaiting:
-            return  # gone (the attach loop starts another), or waiting for this rank
-        at = self._resume_at
-        if at is None:
-            return  # nothing was loaded: nothing to go back to
-        step, mb = at
-        if not self.spawn_sidecar:
-            raise ConfigError(
-                f"rank {self.rank} of job {self.job.name!r}: the state resumes at step {step} micro-batch {mb}, but "
-                f"the sidecar (pid {found.pid}) already serves the job from its own position and cannot go back, "
-                "and this DataLoader may not start another (spawn_sidecar=False). Stop it, start it with "
-                "`overlord sidecar --config JOB.yaml --resume`, and load the state on every rank before iterating"
-            )
-        mode.rewind(self.job, self._control(), found, self.rank, at, self.timeout_s)
-        warnings.warn(
-            f"rank {self.rank}: stopped the sidecar of job {self.job.name!r} (pid {found.pid}) that served "
-            f"later batches; starting one that resumes at step {step} micro-batch {mb}",
-            stacklevel=4,
+        host = self.job.node_ids.index(self.job.node_of_rank(first))
+        # its collaborators, none of which refers back to it (a dropped DataLoader is
+        # freed at once, and detaches)
+        self._control = Control(self.job)  # the job's Redis, opened on first use
+        self._watchdog = Watchdog(self.job, self._control, host=host, timeout_s=self.timeout_s)
+        self._sidecar = NodeSidecar(
+            self.job, self.rank, self._control, timeout_s=self.timeout_s, may_spawn=spawn_sidecar
         )
-        self._redis = self._probe_redis = None  # its embedded Redis stopped with it
-        self._spawn()
-
-    def _report_position(self) -> None:
-        """Tell a resuming sidecar where this rank stopped (it waits for every rank)."""
-        from overlord.store import Keys
-        from overlord.store.schema import encode_position, position_field
-
-        if self._resume_at is not None:
-            self._control().hset(
-                Keys(self.job.name).resume, position_field(self.rank), encode_position(self._resume_at)
+        self._leases = Leases()
+        self._reader: Reader
+        if self.remote is not None:
+            self._reader = FlightReader(self.job, self.rank, self.remote, timeout_s=self.timeout_s)
+        elif self.job.multi_node:
+            self._reader = ServingNodeReader(
+                self.job,
+                self.rank,
+                host=host,
+                control=self._control,
+                sidecar=self._sidecar,
+                leases=self._leases,
+                watchdog=self._watchdog,
+                timeout_s=self.timeout_s,
+            )
+        else:
+            self._reader = LocalReader(
+                self.job,
+                self.rank,
+                sidecar=self._sidecar,
+                leases=self._leases,
+                watchdog=self._watchdog,
+                timeout_s=self.timeout_s,
+                how=self.launcher.how,
             )
 
     # -- iterating -----------------------------------------------------------------------
@@ -327,36 +195,20 @@ class DataLoader(NodeReader):
         """This loader (one pass over the whole job). Nothing is attached until the first
         batch is asked for, so `load_state_dict()` may still follow (Lightning checks
         that a loader is iterable before it loads the checkpoint's state)."""
-        if self._done and self._position.end and self._resume_at is not None and self._ring is None:
-            self._report_end()
+        if self._done and self._position.end and self._sidecar.resume_at is not None and self._reader.ring is None:
+            self._sidecar.report_end(local=isinstance(self._reader, LocalReader))
         return self
-
-    def _report_end(self) -> None:
-        """A state saved after the job's last batch: nothing to wait for, but a sidecar
-        that waits for every rank's position (to serve ranks a step behind) hears it."""
-        if self.remote is None and not self.job.multi_node and sidecar_running(self.job):
-            found = mode.current(self.job, self.timeout_s)  # at once unless it is starting
-            if found is not None and found.awaiting:
-                self._report_position()
-        self._resume_at = None  # reported once
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._done:
             raise StopIteration
         started = time.perf_counter()
         if self._stats is None:
-            from overlord.torch.stats import StatsPublisher, totals_of
-
-            self._stats = StatsPublisher(self.job, self.rank, totals_of(weakref.ref(self)))
-        if self.remote is None and not self.job.multi_node and self._ring is None:
-            self._ring = self._connect()
+            self._stats = self._watchdog.stats = StatsPublisher(self.job, self.rank, totals_of(weakref.ref(self)))
         while True:
-            if self.remote is not None:
-                view = self._read_remote()
-            elif self.job.multi_node:
-                view = self._read_nodes()
-            else:
-                view = self._read()
+            view = self._reader.read(
+                self._last, final=bool(self.last_meta.get("last")), resuming=self._sidecar.resume_at is not None
+            )
             if view is None:
                 self._finish()
                 raise StopIteration
@@ -365,7 +217,7 @@ class DataLoader(NodeReader):
             if position > self._last:
                 break
             self.dropped += 1  # a restarted Data Constructor sent it again
-        if self.job.multi_node and position > (self._next_of(self._last) if self._last >= (0, 0) else (0, 0)):
+        if self.job.multi_node and position > states.Position(*self._last).next(self.job.batch.micro_batches):
             raise RemoteRoleError(
                 f"rank {self.rank} of job {self.job.name!r}: after step {self._last[0]} micro-batch {self._last[1]} "
                 f"the next batch from node {self.serving_node!r} is step {position[0]} micro-batch {position[1]}: "
@@ -374,8 +226,9 @@ class DataLoader(NodeReader):
         self._last = position
         self.last_meta = meta
         self.batches += 1
-        if self._ring is not None:  # the Data Constructor tells the Planner how far trainers are
-            self._ring.set_consumer_mark(position[0] + 1)
+        ring = self._reader.ring
+        if ring is not None:  # the Data Constructor tells the Planner how far trainers are
+            ring.set_consumer_mark(position[0] + 1)
         self.wait_s += time.perf_counter() - started
         # Zero-copy: the tensors lease the ring record they view until the last of them
         # (or anything made from them) is freed; see overlord.shm._lease.
@@ -386,194 +239,42 @@ class DataLoader(NodeReader):
             return {k: v.clone() for k, v in batch.items()}
         return batch
 
-    def _read(self):
-        """The next record's view, or None at the end of the job."""
-        ring = self._ring
-        deadline = time.monotonic() + self.timeout_s
-        origin = f"rank {self.rank} (dp={self.coords['dp']}) of job {self.job.name!r}"
-        if ring is None:
-            raise RemoteRoleError(f"{origin}: read before this DataLoader attached to its ring")
-        while True:
-            try:
-                return self._leases_for(ring).read(timeout=min(_SLICE_S, max(0.001, deadline - time.monotonic())))
-            except RingClosed:
-                return None
-            except (RingTimeout, PeerDied) as exc:
-                if ring.creator_pid and not alive(ring.creator_pid) and not ring.error:
-                    if self.spawn_sidecar:  # killed outright: start another that resumes here
-                        ring = self._recover()
-                        deadline = time.monotonic() + self.timeout_s
-                        continue
-                    raise RemoteRoleError(
-                        f"{origin}: the sidecar (pid {ring.creator_pid}) died; see {self.job.run_path}/sidecar.log "
-                        "and the role logs there"
-                    ) from None
-                if isinstance(exc, PeerDied):
-                    if ring.error or time.monotonic() > deadline:
-                        detail = ring.error or str(exc)
-                        raise RemoteRoleError(
-                            f"{origin}: the Data Constructor feeding this rank died: {detail}"
-                        ) from None
-                    time.sleep(0.01)  # the sidecar restarts it; it sends the unfinished step again
-                    continue
-                if time.monotonic() > deadline:
-                    deadline = self._slow_or_hung(
-                        origin, f"sidecar pid {ring.creator_pid}", "see the logs in the run directory"
-                    )
-            except RingError as exc:
-                raise RemoteRoleError(f"{origin}: {exc}") from None
-
-    def _read_remote(self):
-        """The next record over Flight, or None at the end of the job."""
-        from overlord.remote.flight import RemoteReader, job_token
-
-        if self.remote is None:
-            raise ConfigError("_read_remote needs DataLoader(remote=...) or $OVERLORD_REMOTE")
-        if self._remote_reader is None:
-            if self._resume_at is not None:
-                raise ConfigError(
-                    "load_state_dict() with a remote DataLoader is not supported yet; read from the local ring"
-                )
-            self._remote_reader = RemoteReader(
-                self.job, self.remote, self.rank, token=job_token(self.job), after=self._last, timeout_s=self.timeout_s
-            )
-        try:
-            return next(self._remote_reader)
-        except StopIteration:
-            return None
-        except Exception as exc:  # noqa: BLE001 - pyarrow.flight errors, with their message
-            raise RemoteRoleError(
-                f"rank {self.rank} of job {self.job.name!r}: reading from {self.remote} over Flight failed: {exc}"
-            ) from None
-
-    def _recover(self) -> Ring:
-        """Start the dead sidecar again, resuming at the batch after the last one delivered."""
-        step, mb = max(self._last, self._loaded)
-        self._resume_at = (0, 0) if step < 0 else self._next_of((step, mb))
-        dead = self._ring.creator_pid if self._ring is not None else "?"
-        warnings.warn(
-            f"rank {self.rank}: the sidecar (pid {dead}) died; starting another that resumes "
-            f"at step {self._resume_at[0]} micro-batch {self._resume_at[1]}",
-            stacklevel=2,
-        )
-        if self._ring is not None:
-            self._ring.close()  # batches the trainer still holds keep their mapping
-        self._ring = None
-        self._redis = self._probe_redis = None
-        self.recoveries += 1
-        self._ring = self._connect()
-        return self._ring
-
-    def _slow_or_hung(self, origin: str, serving: str, look: str) -> float:
-        """After `timeout_s` without a batch: a new deadline when the Data Constructor host
-        feeding this rank turned its loop within that time (slow, not hung: it waits on
-        roles that answer for themselves the same way, so a hang upstream still reaches
-        the trainer as an error), else RemoteRoleError naming what serves the rank. When
-        the job's Redis does not answer, waits on up to `Job.redis_outage_s` (the roles wait
-        for it too), then RemoteRoleError naming Redis; back without the job's state, at once."""
-        from overlord.runtime.flow import alive_within
-        from overlord.store import Keys
-
-        keys = Keys(self.job.name)
-        try:
-            r = self._probe()
-            turning = alive_within(r, keys, "constructor", self._host, self.timeout_s)
-            job_known = r.exists(keys.job_config)
-        except (OverlordError, redis.RedisError) as exc:
-            self._probe_redis = None  # a fresh client, and a fresh ping, next time
-            return self._redis_away(origin, exc)
-        was_away = self._redis_gone is not None or self._missed_redis_lately()
-        self._redis_gone = None
-        if not job_known:
-            raise RemoteRoleError(
-                f"{origin}: the job's Redis at {self._redis_url()} no longer holds the state of job "
-                f"{self.job.name!r} (its key {keys.job_config!r} is gone: Redis restarted without persistence, "
-                "or was flushed); plans, cursors and checkpoints are lost. Restart the job (its trainers resume "
-                "from their state_dict), and give Redis an append-only file (appendonly yes) or a replica"
-            ) from None
-        if turning:
-            self._outage_grace = False
-            warnings.warn(f"{origin}: no batch for {self.timeout_s:g}s; the pipeline is slow, not hung", stacklevel=2)
-            return time.monotonic() + self.timeout_s
-        if was_away and not self._outage_grace:
-            # Redis just came back: the roles could not beat while it was away, so their
-            # heartbeats are as old as the outage. One more timeout_s for them to turn
-            # their loops (once per outage: a role that stays silent is then an error).
-            self._outage_grace = True
-            warnings.warn(
-                f"{origin}: no batch for {self.timeout_s:g}s: the job's Redis at {self._redis_url()} answers "
-                f"again after an outage; waiting up to {self.timeout_s:g}s more for constructor{self._host} "
-                "to turn its loop",
-                stacklevel=2,
-            )
-            return time.monotonic() + self.timeout_s
-        raise RemoteRoleError(
-            f"{origin}: no batch within {self.timeout_s:g}s ({serving}) and its Data Constructor host "
-            f"(constructor{self._host}) has not turned its loop for as long: run `overlord status` and {look}"
-        ) from None
-
-    def _missed_redis_lately(self) -> bool:
-        """Whether this trainer's stats thread failed to reach Redis within the last
-        timeout_s (an outage this rank's probes did not see: it was reading batches)."""
-        missed = self._stats.missed if self._stats is not None else None
-        return missed is not None and time.monotonic() - missed < 2 * self.timeout_s
-
-    def _redis_url(self) -> str:
-        from overlord.status import redis_url_of  # deferred as in _control
-        from overlord.store import redact
-
-        return redact(redis_url_of(self.job))
-
-    def _redis_away(self, origin: str, exc: BaseException) -> float:
-        """No batch, and the job's Redis does not answer: wait on (the roles wait for it too)
-        up to `Job.redis_outage_s` since it was last reached, then RemoteRoleError naming it."""
-        now = time.monotonic()
-        if self._redis_gone is None:
-            reached = self._stats.reached if self._stats is not None else None  # written once a second
-            self._redis_gone = reached if reached is not None else now
-        gone, budget = now - self._redis_gone, self.job.redis_outage_s
-        if gone >= budget:
-            raise RemoteRoleError(
-                f"{origin}: the job's Redis at {self._redis_url()} has been unreachable for {gone:.0f}s, past "
-                f"Job.redis_outage_s={budget:g} ({type(exc).__name__}: {exc}); no batch within {self.timeout_s:g}s "
-                "since the roles wait on it. Bring Redis back (or fail it over), or raise Job.redis_outage_s"
-            ) from None
-        warnings.warn(
-            f"{origin}: no batch for {self.timeout_s:g}s: the job's Redis at {self._redis_url()} is "
-            f"unreachable ({gone:.0f}s so far); waiting for it up to Job.redis_outage_s={budget:g}",
-            stacklevel=2,
-        )
-        return now + min(self.timeout_s, max(0.5, budget - gone))
-
     def _finish(self) -> None:
         self._done = True
         if self._stats is not None:
             self._stats.stop()
-            self._stats = None
-        if self._remote_reader is not None:
-            self._remote_reader.close()
-            self._remote_reader = None
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
+            self._stats = self._watchdog.stats = None
+        self._reader.close()
 
     def close(self) -> None:
         """Detach from the ring (the sidecar keeps serving other ranks). Batches the
         trainer still holds stay valid: their mapping lives as long as they do."""
         self._finish()
 
-    def _leases_for(self, ring: Ring) -> LeasedReader:
-        """The leasing reader of `ring` (a new one for a new ring: a sidecar came back)."""
-        if self._leases is None or self._leases.ring is not ring:
-            if self._leases is not None:
-                self._copies_before += self._leases.copies
-            self._leases = LeasedReader(ring)
-        return self._leases
-
     @property
     def copies(self) -> int:
         """Batches copied out of the ring because the trainer held more than it can lease."""
-        return self._copies_before + (self._leases.copies if self._leases is not None else 0)
+        return self._leases.copies
+
+    @property
+    def sidecar_pid(self) -> int | None:
+        """The pid of the sidecar whose ring on this node this rank read last (None before)."""
+        return self._reader.sidecar_pid
+
+    @property
+    def recoveries(self) -> int:
+        """Sidecars this loader started again after one died (a job on one node)."""
+        return self._reader.recoveries if isinstance(self._reader, LocalReader) else 0
+
+    @property
+    def serving_node(self) -> str | None:
+        """The node this rank reads from now (a job on several nodes; else None)."""
+        return self._reader.serving_node if isinstance(self._reader, ServingNodeReader) else None
+
+    @property
+    def switches(self) -> int:
+        """Times this rank changed nodes: its sidecar died, or came back (several nodes)."""
+        return self._reader.switches if isinstance(self._reader, ServingNodeReader) else 0
 
     def __len__(self) -> int:
         """Micro-batches this rank gets from a finite job (`Job.epochs` set) from its start,
@@ -609,13 +310,11 @@ class DataLoader(NodeReader):
         A `mixing: {kind: dynamic}` schedule reads them (mean over ranks) to set the
         weights of later steps. One small Redis write; never on the data path.
         """
-        from overlord.store import Keys
-
         record = {
             "step": self.last_meta.get("step", -1) if step is None else step,
             "metrics": {k: float(v) for k, v in metrics.items()},
         }
-        self._control().hset(Keys(self.job.name).metrics, str(self.rank), json.dumps(record))
+        self._control.client().hset(Keys(self.job.name).metrics, str(self.rank), json.dumps(record))
 
     # -- checkpointing -------------------------------------------------------------------
 
@@ -676,13 +375,11 @@ class DataLoader(NodeReader):
                 "load_state_dict() on a job on several nodes is not supported yet: a node that "
                 "restarts rejoins the running job by itself; restart a stopped job fresh"
             )
-        if self._ring is not None:  # attached by a next() that yielded nothing: attach again
-            self._ring.close()
-            self._ring = None
+        self._reader.drop_ring()  # attached by a next() that yielded nothing: attach again
         self._position = position
         self._loaded = self._last = position.last
         self.batches = position.batches
-        self._resume_at = position.next(self.job.batch.micro_batches) if position.batches else None
+        self._sidecar.resume_at = position.next(self.job.batch.micro_batches) if position.batches else None
         self._done = position.end
 
     def __del__(self) -> None:

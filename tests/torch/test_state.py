@@ -129,9 +129,9 @@ def test_iter_then_load_any_number_of_times_and_the_last_wins(files, tmp_path):
     assert iter(lo) is lo  # attaches nothing yet: Lightning checks iterability first
     lo.load_state_dict(states.make(job, 0, states.Position(7, 1, 16)))
     lo.load_state_dict(states.make(job, 0, states.Position(2, 0, 5)))
-    assert lo.state_dict()["batches"] == 5 and lo._resume_at == (2, 1) and lo.remaining == 15
+    assert lo.state_dict()["batches"] == 5 and lo._sidecar.resume_at == (2, 1) and lo.remaining == 15
     lo.load_state_dict(states.make(job, 0, states.Position()))  # a fresh start's state
-    assert lo._resume_at is None and lo.remaining == 20
+    assert lo._sidecar.resume_at is None and lo.remaining == 20
 
 
 def test_a_state_after_the_last_batch_ends_at_once(files, tmp_path):
