@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import numpy as np
+from PIL import Image, UnidentifiedImageError
 
 from overlord.errors import ConfigError
 
@@ -170,8 +171,6 @@ def image_text(row: dict[str, object]) -> dict[str, np.ndarray]:
 
 def _decode_patches(data: bytes, where: str) -> tuple[np.ndarray, int, int]:
     """Encoded image -> (uint8 [hp * wp, 768] patches, hp, wp), as `image_text` describes."""
-    from PIL import Image, UnidentifiedImageError  # imported here: text-only workers skip it
-
     try:
         with Image.open(io.BytesIO(data)) as opened:
             img = opened.convert("RGB")
@@ -197,8 +196,6 @@ def image_text_deferred(row: dict[str, object]) -> dict[str, np.ndarray]:
         ``{"input_ids": int32 [n], "image_bytes": uint8 [encoded size],
         "image_grid": int32 [1, 2]}``.
     """
-    from PIL import Image, UnidentifiedImageError
-
     caption = _column(row, "caption", str, "image_text_deferred")
     data = bytes(_column(row, "image", (bytes, bytearray, memoryview), "image_text_deferred"))
     try:

@@ -48,7 +48,7 @@ DTYPES = {"int32": np.int32, "int64": np.int64}
 def _load(path: str):
     """The tokenizers.Tokenizer in `path` (a tokenizer.json, or a directory holding one)."""
     try:
-        # imported here: tokenizers is an optional extra, needed only by sources that use it
+        # deferred: tokenizers, an optional extra (overlord[hf]), needed only by the sources that use it
         from tokenizers import Tokenizer
     except ImportError:
         raise ConfigError(

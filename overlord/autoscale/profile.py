@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from overlord.autoscale.partition import SourceCost
 from overlord.loader.profile import Profile
+from overlord.loader.source_loader import SourceLoader
 
 
 def costs_from(profiles: dict[str, Profile], job) -> dict[str, SourceCost]:
@@ -38,8 +39,6 @@ def journaled(r, keys) -> dict[str, Profile]:
 
 def measure(job, samples: int = 64) -> dict[str, SourceCost]:
     """Profile `samples` samples of every source in this process (real files and transforms)."""
-    from overlord.loader.source_loader import SourceLoader
-
     profiles = {}
     for src in job.sources:
         loader = SourceLoader(

@@ -135,7 +135,8 @@ class Source:
         Raises:
             SourceReadError: a path or glob matches no file, or cannot be listed.
         """
-        from overlord.loader.formats import locations  # pyarrow is heavy for a config module
+        # cycle: overlord.loader imports overlord.config; deferred too: loader.formats brings pyarrow (~0.3 s)
+        from overlord.loader.formats import locations
 
         return [loc.uri for loc in locations(self.name, self.format, self.paths)]
 

@@ -61,6 +61,7 @@ import numpy as np
 from overlord.config import Mesh
 from overlord.constructor.packing import IGNORE_INDEX
 from overlord.errors import BatchFormatError, ConfigError
+from overlord.plan.tree import ClientPlaceTree
 
 IMAGE_FIELDS = frozenset({"pixel_values", "image_grid", "image_doc"})
 CP_FIELDS = frozenset({"cu_seqlens_global", "max_seqlen_global", "cp_rank", "cp_size"})
@@ -373,6 +374,5 @@ def needs_bytes(mesh: Mesh, rank: int, broadcast_tp: bool) -> bool:
     Raises:
         ConfigError: rank outside the mesh.
     """
-    from overlord.plan.tree import ClientPlaceTree  # the tree owns who receives what
-
+    # the tree owns who receives what
     return ClientPlaceTree(mesh, {"TP"} if broadcast_tp else set()).needs_bytes(rank)

@@ -12,6 +12,7 @@ import threading
 from overlord.constructor.constructor import DataConstructor
 from overlord.errors import OverlordError
 from overlord.remote.bridge import Bridge, Directory
+from overlord.remote.flight import job_token
 from overlord.runtime.flow import Stopped
 from overlord.store import connect
 
@@ -21,8 +22,6 @@ def run_constructors(ctx) -> None:
     failures: list[tuple[int, BaseException]] = []
     bridges: dict[int, dict[int, Bridge]] = {dp: {} for dp in hosted}
     if ctx.job.multi_node:  # loaders on other nodes reach these constructors over Flight
-        from overlord.remote.flight import job_token
-
         directory = Directory(ctx.r, ctx.keys, ctx.stop)
         token = job_token(ctx.job, r=ctx.r)
         bridges = {

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from PIL import Image, ImageDraw
 
 from overlord.errors import ConfigError
 
@@ -140,8 +141,6 @@ def _draw_texts(rng: np.random.Generator, lengths: np.ndarray) -> list[str]:
 
 def _draw_jpeg(rng: np.random.Generator, max_side: int) -> tuple[bytes, int, int]:
     """A cheap synthetic picture: a two-colour gradient with a few shapes, as JPEG."""
-    from PIL import Image, ImageDraw
-
     w, h = (int(v) for v in rng.integers(32, max_side + 1, size=2))
     angle = rng.uniform(0, 2 * np.pi)
     xs, ys = np.linspace(0, 1, w)[None, :], np.linspace(0, 1, h)[:, None]

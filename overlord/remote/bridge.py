@@ -28,6 +28,7 @@ import queue
 import threading
 
 from overlord.errors import RingTimeout
+from overlord.remote.flight import RemoteReader
 from overlord.store.schema import built_field, replay_field, replay_request
 
 log = logging.getLogger("overlord.bridge")
@@ -120,8 +121,6 @@ class Bridge:
     # -- the stream --------------------------------------------------------------------
 
     def _run(self) -> None:
-        from overlord.remote.flight import RemoteReader
-
         unit = f"loader{self.loader}"
         while not self.stop.is_set():
             node = self.directory.node_of(unit)

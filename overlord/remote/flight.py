@@ -57,8 +57,10 @@ import pyarrow.flight as flight
 
 from overlord.config import Job
 from overlord.errors import ConfigError, PeerDied, RingClosed, RingTimeout
+from overlord.runtime import service
 from overlord.runtime.layout import client_ring, sample_ring
 from overlord.shm import Ring, decode_batch
+from overlord.store import Keys, connect
 from overlord.store.client import password_env
 
 log = logging.getLogger("overlord.remote")
@@ -80,8 +82,6 @@ def job_token(job: Job, *, create: bool = False, r=None) -> str:
     if token:
         return token
     if job.multi_node:
-        from overlord.store import Keys, connect
-
         if r is None:
             if job.redis_url is None:
                 raise ConfigError(f"job {job.name!r} runs on several nodes without Job.redis_url; set it")
@@ -382,8 +382,6 @@ def start_server_process(job: Job, token: str, run_dir: Path) -> subprocess.Pope
     """Run the node's Flight endpoint in a process of its own (overlord.runtime.service:
     a forked role that used gRPC after its parent started gRPC threads would crash); the
     token travels in its environment, never in argv."""
-    from overlord.runtime import service
-
     return service.start(
         "overlord.remote.server", run_dir, "flight.log", {TOKEN_ENV: token, **password_env(job.redis_url)}
     )

