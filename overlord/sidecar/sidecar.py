@@ -45,9 +45,12 @@ from typing import TextIO
 
 import redis
 
+from overlord.autoscale.apply import autoscale
 from overlord.config import Job
 from overlord.errors import OverlordError
 from overlord.loader.inflight import inflight_path, last_samples
+from overlord.logs import log_context
+from overlord.metrics import metrics_host, start_metrics_process
 from overlord.plan.checkpoint import Checkpoints
 from overlord.runtime.flow import HEARTBEAT_S, set_on_signal
 from overlord.runtime.layout import Layout, client_ring, sample_ring
@@ -60,8 +63,8 @@ from overlord.sidecar.membership import NodeMember
 from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload
 from overlord.store import EmbeddedRedis, Keys, connect, redact
+from overlord.store.schema import PLANNER_DONE, PLANNER_UPDATED, RESUME_STEP, encode_record, skip_field
 from overlord.store.schema import positions as read_positions
-from overlord.store.schema import skip_field
 
 log = logging.getLogger("overlord.sidecar")
 
@@ -181,11 +184,7 @@ class Sidecar(NodeMember):
         pipe.set(self.keys.job_config, self.job.to_json())
         pipe.set(self.keys.layout, layout.to_json())
         pipe.set(self.keys.ckpt_layout, json.dumps(_streams_of(layout)))
-        pipe.hset(
-            self.keys.nodes,
-            self.job.node,
-            json.dumps(self._membership()),
-        )
+        pipe.hset(self.keys.nodes, self.job.node, encode_record(self._membership()))
         pipe.execute()
 
     def _beat(self) -> None:
@@ -241,7 +240,7 @@ class Sidecar(NodeMember):
         if later:
             self.r.hdel(self.keys.ckpt, *later)
             self.r.hdel(self.keys.ckpt_delta, *later)
-        mapping = {"step": step, **{skip_field(r): (p[0] - step) * mb + p[1] for r, p in positions.items()}}
+        mapping = {RESUME_STEP: step, **{skip_field(r): (p[0] - step) * mb + p[1] for r, p in positions.items()}}
         self.r.hset(self.keys.resume, mapping=mapping)
         mode.write(self.job, resume=True, decided=True, spawned=mode.spawned_here())
         log.info(
@@ -260,7 +259,7 @@ class Sidecar(NodeMember):
         log.info(
             "resuming job %r after its last step: nothing left to deliver; the trainers' iteration ends", self.job.name
         )
-        self.r.hset(self.keys.planner, mapping={"done": 1, "updated": time.time()})
+        self.r.hset(self.keys.planner, mapping={PLANNER_DONE: 1, PLANNER_UPDATED: time.time()})
         for ring in self.client_rings.values():
             ring.close_writer()
 
@@ -279,14 +278,10 @@ class Sidecar(NodeMember):
         """Size the loaders (autoscale) and lay the job out."""
         partitioning = None
         if self.job.autoscale is not None:
-            from overlord.autoscale.apply import autoscale
-
             self.job, partitioning = autoscale(self.job, self.r, self.keys, resume=self.resume)
         return Layout.plan(self.job, partitioning)
 
     def start(self) -> None:
-        from overlord.logs import log_context
-
         log_context(self.job.name, self.job.node)
         check_sources(self.job)  # before anything starts: a wrong path is the commonest mistake
         check_transforms(self.job)  # a transform that does not import is named now, not at the first batch
@@ -319,13 +314,12 @@ class Sidecar(NodeMember):
         preload()
         self.url, self.layout = url, layout
         if self.job.flight_port:
+            # deferred: pyarrow.flight (gRPC) is loaded only by jobs that serve rings to other nodes
             from overlord.remote.flight import job_token, start_server_process
 
             token = job_token(self.job, create=True, r=self.r)
             self._serve("the Flight endpoint", lambda: start_server_process(self.job, token, self.run_dir))
         if self.job.metrics_port:
-            from overlord.metrics import start_metrics_process
-
             self._serve("the metrics endpoint", lambda: start_metrics_process(self.job, self.run_dir, url))
         self.r.connection_pool.disconnect()  # children open their own connections
         self._spawn("planner", 0, url)  # on several nodes: one per node, one leads
@@ -346,8 +340,6 @@ class Sidecar(NodeMember):
                 " (TLS)" if self.job.flight_cert else "",
             )
         if self.job.metrics_port:
-            from overlord.metrics import metrics_host
-
             log.info(
                 "serving Prometheus metrics on %s port %d (/metrics)", metrics_host(self.job), self.job.metrics_port
             )

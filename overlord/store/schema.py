@@ -1,9 +1,13 @@
 """The Redis schema: every key, hash field, stream entry field and value encoding Overlord uses.
 
-Key names are built by `overlord.store.keys.Keys`; the hash fields whose names carry a
-number or a name (`c<dp>`, `skip:<rank>`, `rank<r>`, ...) and the values with a format of
-their own (replay requests, trainer positions, rewind requests) are built and parsed
-here, and nowhere else. `SCHEMA` describes every key as data: `tools/redis_reference.py`
+Key names are built by `overlord.store.keys.Keys`; every hash field, stream entry field
+and value encoding is named, built and parsed here, and nowhere else: the fixed names
+as constants grouped per key (`PLANNER_STEP`, `RESUME_STEP`, `COUNTER_DROPPED_LAST`,
+...), the fields that carry a number or a name (`c<dp>`, `skip:<rank>`, `loader<k>`,
+...) by a function per field, the values with a format of their own (JSON records,
+replay requests, trainer positions, rewind requests, checkpoints) by an encoder and a
+decoder, and each stream's entries by a function that builds one. `SCHEMA` describes
+every key as data, its fields spelled by the same constants: `tools/redis_reference.py`
 renders it into docs/reference/redis.md, the table a `redis-cli` user reads, and a test
 fails when that file is stale.
 
@@ -16,23 +20,125 @@ import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-# -- the `progress` hash ---------------------------------------------------------------
+from overlord.store.keys import Keys
+
+
+def _text(field: bytes | str) -> str:
+    return field.decode() if isinstance(field, bytes) else field
+
+
+def _entry(names: tuple[str, ...], *values: Any) -> dict[str, Any]:
+    """A stream entry: `names` (its fields, in the order Redis keeps them) with `values`."""
+    return dict(zip(names, values, strict=True))
+
+
+def _now(now: float | None) -> float:
+    return time.time() if now is None else now
+
+
+# -- the `planner` hash ------------------------------------------------------------------
+
+PLANNER_STEP = "step"  # int: the last step planned
+PLANNER_UPDATED = "updated"  # float (unix time): when it was
+PLANNER_DONE = "done"  # 1: the last step is planned (or the job ended)
+PLANNER_TOKEN = "token"  # int: the leading Planner's generation (fence); loaders tag reports with it
+PLANNER_LEASE = "lease"  # int: the leader's lease token
+PLANNER_LEADER_SINCE = "leader_since"  # float (unix time): when it took the lead
+PLANNER_PRESSURE = "pressure"  # float: transform CPU demand over the loaders' budget
+PLANNER_NODE_PRESSURE = "node_pressure"  # JSON {node: float}: the same per node (several nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerState:
+    """The `planner` hash, decoded (`planner_state`)."""
+
+    step: int | None  # None: nothing planned yet
+    done: bool
+    token: int | None
+    pressure: float | None
+    node_pressure: dict[str, float]
+
+
+def planner_state(planner: Mapping[bytes, bytes]) -> PlannerState:
+    """The `planner` hash from its HGETALL."""
+    fields = {_text(k): _text(v) for k, v in planner.items()}
+    return PlannerState(
+        step=int(fields[PLANNER_STEP]) if PLANNER_STEP in fields else None,
+        done=bool(fields.get(PLANNER_DONE)),
+        token=int(fields[PLANNER_TOKEN]) if PLANNER_TOKEN in fields else None,
+        pressure=float(fields[PLANNER_PRESSURE]) if PLANNER_PRESSURE in fields else None,
+        node_pressure=json.loads(fields.get(PLANNER_NODE_PRESSURE) or "{}"),
+    )
+
+
+def planner_step(r, keys: Keys) -> int | None:
+    """The last step planned; None before the first."""
+    raw = r.hget(keys.planner, PLANNER_STEP)
+    return int(raw) if raw is not None else None
+
+
+def planner_done(r, keys: Keys) -> bool:
+    """Whether the job's last step is planned (or the job ended)."""
+    return bool(r.hget(keys.planner, PLANNER_DONE))
+
+
+def encode_node_pressure(pressure: Mapping[str, float]) -> str:
+    """A `node_pressure` value: JSON {node: pressure}, sorted by node, to 3 decimals."""
+    return json.dumps({n: round(p, 3) for n, p in sorted(pressure.items())})
+
+
+# -- the `plans` stream ------------------------------------------------------------------
+
+PLANS_FIELDS = ("step", "last")  # int: the step published; 0/1: it is the job's last
+
+
+def plans_entry(step: int, last: bool) -> dict[str, Any]:
+    """The `plans` entry announcing the plan of `step`."""
+    return _entry(PLANS_FIELDS, step, int(last))
+
+
+def plans_entry_id(step: int) -> str:
+    """The id of that entry: `<step+1>-0`, so a reader waiting for step t cannot miss it."""
+    return f"{step + 1}-0"
+
+
+def plans_after(step: int) -> str:
+    """The id an XREAD waiting for the plan of `step` reads after: `<step>-0`."""
+    return f"{step}-0"
+
+
+# -- the `progress` hash and the `progressed` stream -------------------------------------
+
+BUILT = "c"  # `progress` c<dp>; a `progressed` entry {c: dp}: Data Constructor dp wrote a step
+CONSUMED = "t"  # `progress` t<dp>; a `progressed` entry {t: dp}: the trainers' mark of group dp rose
+REPLAY = "r"  # `progress` r<dp>: Data Constructor dp, restarted, asks the loaders to resend
 
 
 def built_field(dp: int) -> str:
     """`progress` field: the last step Data Constructor `dp` wrote to its clients' rings."""
-    return f"c{dp}"
+    return f"{BUILT}{dp}"
 
 
 def consumed_field(dp: int) -> str:
     """`progress` field: the trainers' mark of DP group `dp` (overlord.constructor.marks)."""
-    return f"t{dp}"
+    return f"{CONSUMED}{dp}"
 
 
 def replay_field(dp: int) -> str:
     """`progress` field: the replay request of Data Constructor `dp`, restarted."""
-    return f"r{dp}"
+    return f"{REPLAY}{dp}"
+
+
+def built_entry(dp: int) -> dict[str, int]:
+    """The `progressed` entry of a rise of `c<dp>`."""
+    return {BUILT: dp}
+
+
+def consumed_entry(dp: int) -> dict[str, int]:
+    """The `progressed` entry of a rise of `t<dp>`."""
+    return {CONSUMED: dp}
 
 
 def replay_request(pid: int, step: int) -> str:
@@ -56,39 +162,60 @@ def replay(progress: Mapping[bytes, bytes], dp: int) -> bytes | None:
     return progress.get(replay_field(dp).encode())
 
 
-def is_built_field(field: bytes) -> bool:
-    return field.startswith(b"c")
+def is_built_field(field: bytes | str) -> bool:
+    return _text(field).startswith(BUILT)
 
 
-def is_replay_field(field: bytes) -> bool:
-    return field.startswith(b"r")
+def is_replay_field(field: bytes | str) -> bool:
+    return _text(field).startswith(REPLAY)
+
+
+def dp_of(field: bytes | str) -> int:
+    """The DP group a `c<dp>`, `t<dp>` or `r<dp>` field names."""
+    return int(_text(field)[1:])
 
 
 # -- the `resume` hash -------------------------------------------------------------------
 
+RESUME_STEP = "step"  # int: the step the job resumes at (the sidecar decides it)
+POSITION = "position:"  # + rank
+SKIP = "skip:"  # + rank
+REWIND = "rewind:"  # + rank
+
+
+def resume_step(r, keys: Keys) -> int | None:
+    """The step the sidecar chose to resume the job at; None for a fresh start."""
+    raw = r.hget(keys.resume, RESUME_STEP)
+    return int(raw) if raw is not None else None
+
+
+def resume_fields(resume: Mapping[bytes, bytes]) -> dict[str, Any]:
+    """Every field of a `resume` HGETALL, decoded (each value is JSON: a number, a list or an object)."""
+    return {_text(k): json.loads(v) for k, v in resume.items()}
+
 
 def position_field(rank: int) -> str:
     """`resume` field: where trainer `rank` resumes (JSON [step, micro-batch])."""
-    return f"position:{rank}"
+    return f"{POSITION}{rank}"
 
 
 def skip_field(rank: int) -> str:
     """`resume` field: batches of the resume step trainer `rank` already had."""
-    return f"skip:{rank}"
+    return f"{SKIP}{rank}"
 
 
 def rewind_field(rank: int) -> str:
     """`resume` field: trainer `rank` asks a spawned sidecar to restart at an earlier state."""
-    return f"rewind:{rank}"
+    return f"{REWIND}{rank}"
 
 
-def is_rewind_field(field: bytes) -> bool:
-    return field.startswith(b"rewind:")
+def is_rewind_field(field: bytes | str) -> bool:
+    return _text(field).startswith(REWIND)
 
 
-def rank_of(field: bytes) -> int:
+def rank_of(field: bytes | str) -> int:
     """The rank a `position:`, `skip:` or `rewind:` field names."""
-    return int(field.split(b":")[1])
+    return int(_text(field).split(":")[1])
 
 
 def encode_position(at: tuple[int, int] | list[int]) -> str:
@@ -111,21 +238,147 @@ def encode_rewind(pid: int, at: tuple[int, int] | list[int]) -> str:
     return json.dumps({"pid": pid, "at": list(at)})
 
 
-# -- the `stats` hash and counters -------------------------------------------------------
+def rewinds(resume: Mapping[bytes, bytes]) -> dict[int, int]:
+    """rank -> pid of each trainer that asks for a rewind, from a `resume` HGETALL."""
+    return {rank_of(k): json.loads(v)["pid"] for k, v in resume.items() if is_rewind_field(k)}
+
+
+# -- the `stats` hash --------------------------------------------------------------------
+
+LOADER_STATS = "loader"  # + loader process index
+TRAINER_STATS = "rank"  # + rank
+
+
+def loader_stats_field(index: int) -> str:
+    """`stats` field: loader process `index`'s running totals (JSON)."""
+    return f"{LOADER_STATS}{index}"
 
 
 def trainer_stats_field(rank: int) -> str:
     """`stats` field: trainer `rank`'s running totals (JSON)."""
-    return f"rank{rank}"
+    return f"{TRAINER_STATS}{rank}"
 
 
-def is_trainer_stats_field(field: bytes) -> bool:
-    return field.startswith(b"rank")
+def is_loader_stats_field(field: bytes | str) -> bool:
+    return _text(field).startswith(LOADER_STATS)
+
+
+def is_trainer_stats_field(field: bytes | str) -> bool:
+    return _text(field).startswith(TRAINER_STATS)
+
+
+def stats_rank(field: bytes | str) -> int:
+    """The rank a `rank<r>` field names."""
+    return int(_text(field)[len(TRAINER_STATS) :])
+
+
+def encode_record(record: Mapping[str, Any]) -> str:
+    """A JSON record: a `stats` value (running totals), a `nodes` value (a member)."""
+    return json.dumps(record)
+
+
+def decode_record(raw: bytes | str) -> dict[str, Any]:
+    return json.loads(raw)
+
+
+def json_records(raw: Mapping[bytes, bytes]) -> dict[str, dict[str, Any]]:
+    """field -> record, from the HGETALL of a hash of JSON records (`stats`, `nodes`)."""
+    return {_text(k): json.loads(v) for k, v in raw.items()}
+
+
+# -- the `counters` hash -----------------------------------------------------------------
+
+COUNTER_DROPPED_LAST = "dropped_last"  # int: samples a finite job's end left undelivered
+COUNTER_OVER_BUDGET = "over_budget_intervals"  # int: scaling intervals over the loaders' CPU budget
+TRUNCATED = "truncated:c"  # + dp
+SKIPPED = "skipped:"  # + stream: rows the stream skipped (every cause)
+SKIPPED_FILE = "skipped_file:"  # + stream + ":" + uri: 1, the file is skipped whole
+SKIPPED_GROUPS = "skipped_groups:"  # + stream + ":" + uri: row groups of the file skipped
+SKIPPED_ROWS = "skipped_rows:"  # + stream + ":" + uri: rows of the file skipped
+SKIPPED_PER_FILE = {SKIPPED_FILE: "whole", SKIPPED_GROUPS: "groups", SKIPPED_ROWS: "rows"}
 
 
 def truncated_field(dp: int) -> str:
     """`counters` field: samples Data Constructor `dp` truncated to fit."""
-    return f"truncated:c{dp}"
+    return f"{TRUNCATED}{dp}"
+
+
+def skipped_field(stream: str) -> str:
+    """`counters` field: rows `stream` skipped (on_error: skip)."""
+    return f"{SKIPPED}{stream}"
+
+
+def skipped_file_field(stream: str, uri: str) -> str:
+    """`counters` field: `stream` skips file `uri` whole."""
+    return f"{SKIPPED_FILE}{stream}:{uri}"
+
+
+def skipped_groups_field(stream: str, uri: str) -> str:
+    """`counters` field: row groups of file `uri` that `stream` skipped (each unreadable)."""
+    return f"{SKIPPED_GROUPS}{stream}:{uri}"
+
+
+def skipped_rows_field(stream: str, uri: str) -> str:
+    """`counters` field: rows of file `uri` that `stream` skipped (those of its skipped row groups too)."""
+    return f"{SKIPPED_ROWS}{stream}:{uri}"
+
+
+def skipped_file_of(field: bytes | str) -> tuple[str, str, str] | None:
+    """(what, stream, uri) of a per-file skip field ("whole", "groups" or "rows"); None for another field."""
+    text = _text(field)
+    prefix = next((p for p in SKIPPED_PER_FILE if text.startswith(p)), None)
+    if prefix is None:
+        return None
+    stream, uri = text[len(prefix) :].split(":", 1)  # source names hold no ':'
+    return SKIPPED_PER_FILE[prefix], stream, uri
+
+
+def counter_values(raw: Mapping[bytes, bytes]) -> dict[str, int]:
+    """field -> count, from a `counters` HGETALL."""
+    return {_text(k): int(v) for k, v in raw.items()}
+
+
+# -- the `ckpt` and `ckpt-delta` hashes --------------------------------------------------
+
+
+def encode_checkpoint(state: Mapping[str, Any]) -> str:
+    """A `ckpt` or `ckpt-delta` value: compact JSON."""
+    return json.dumps(state, separators=(",", ":"))
+
+
+def decode_checkpoint(raw: bytes | str) -> dict[str, Any]:
+    return json.loads(raw)
+
+
+# -- the Planner's logs: `promotions`, `placements` and `scaling` streams ----------------
+
+PROMOTION_FIELDS = ("loader", "pid", "node", "previous", "time", "reason")
+MOVE_FIELDS = ("unit", "from", "to", "reason", "time")
+SCALING_FIELDS = ("step", "source", "workers", "rate", "demand", "cost_ms", "time")
+
+
+def promotion_entry(
+    loader: int, pid: int, node: str, previous: bytes | str, reason: str, now: float | None = None
+) -> dict[str, Any]:
+    """The `promotions` entry of a Shadow Loader (`pid` on `node`) promoted over `previous`."""
+    return _entry(PROMOTION_FIELDS, loader, pid, node, previous, _now(now), reason)
+
+
+def move_entry(unit: str, before: str, to: str, reason: str, now: float | None = None) -> dict[str, Any]:
+    """The `placements` entry of `unit` moved from node `before` ("" when unplaced) to `to`."""
+    return _entry(MOVE_FIELDS, unit, before, to, reason, _now(now))
+
+
+def scaling_entry(
+    step: int, source: str, workers: int, rate: float, demand: float, cost_ms: float, now: float | None = None
+) -> dict[str, Any]:
+    """The `scaling` entry of `source`'s transform workers set at `step`."""
+    return _entry(SCALING_FIELDS, step, source, workers, rate, demand, cost_ms, _now(now))
+
+
+def log_entries(entries: Iterable[tuple[bytes, Mapping[bytes, bytes]]]) -> list[dict[str, str]]:
+    """The entries of an XRANGE of one of these streams, as text."""
+    return [{_text(k): _text(v) for k, v in fields.items()} for _, fields in entries]
 
 
 # -- the schema as data, for the reference ----------------------------------------------
@@ -182,14 +435,16 @@ SCHEMA: tuple[Key, ...] = (
         "Planner, sidecar (done)",
         "loaders, sidecar, status",
         fields=(
-            Field("step", "int", "last step planned"),
-            Field("updated", "float (unix time)", "when it was"),
-            Field("done", "1", "the last step is planned (or the job ended)"),
-            Field("token", "int", "fencing token of the leading Planner"),
-            Field("lease", "str", "the leader's lease value"),
-            Field("leader_since", "float (unix time)", "when it took the lead"),
-            Field("pressure", "float", "transform CPU demand over budget"),
-            Field("node_pressure", "JSON {node: float}", "per node, several nodes"),
+            Field(PLANNER_STEP, "int", "last step planned"),
+            Field(PLANNER_UPDATED, "float (unix time)", "when it was"),
+            Field(PLANNER_DONE, "1", "the last step is planned (or the job ended)"),
+            Field(
+                PLANNER_TOKEN, "int", "planning generation of the leading Planner (fence); loaders tag reports with it"
+            ),
+            Field(PLANNER_LEASE, "int", "the leader's lease token"),
+            Field(PLANNER_LEADER_SINCE, "float (unix time)", "when it took the lead"),
+            Field(PLANNER_PRESSURE, "float", "transform CPU demand over budget"),
+            Field(PLANNER_NODE_PRESSURE, "JSON {node: float}", "per node, several nodes"),
         ),
         example="HGETALL",
     ),
@@ -210,7 +465,7 @@ SCHEMA: tuple[Key, ...] = (
         "one entry per plan, id <step+1>-0",
         "Planner",
         "loaders (XREAD to wake)",
-        fields=(Field("step", "int", "the step published"),),
+        fields=(Field(", ".join(PLANS_FIELDS), "int, 0 | 1", "the step published; whether it is the job's last"),),
         example="XREVRANGE {k} + - COUNT 5",
     ),
     Key(
@@ -230,9 +485,13 @@ SCHEMA: tuple[Key, ...] = (
         "Data Constructors, trainers' marks",
         "Planner, loaders, status",
         fields=(
-            Field("c<dp>", "int", "last step Data Constructor dp wrote to its clients' rings"),
-            Field("t<dp>", "int", "trainers' mark: 1 + the step of the last batch every rank of the group was handed"),
-            Field("r<dp>", "<pid>.<time>:<step>", "replay request of a restarted Data Constructor"),
+            Field(f"{BUILT}<dp>", "int", "last step Data Constructor dp wrote to its clients' rings"),
+            Field(
+                f"{CONSUMED}<dp>",
+                "int",
+                "trainers' mark: 1 + the step of the last batch every rank of the group was handed",
+            ),
+            Field(f"{REPLAY}<dp>", "<pid>.<time>:<step>", "replay request of a restarted Data Constructor"),
         ),
         example="HGETALL",
     ),
@@ -240,10 +499,10 @@ SCHEMA: tuple[Key, ...] = (
         "progressed",
         "progressed",
         "stream",
-        "one entry per rise of a c<dp> or t<dp>; the Planner blocks on it",
+        f"one entry per rise of a {BUILT}<dp> or {CONSUMED}<dp>; the Planner blocks on it",
         "Data Constructors, marks",
         "Planner",
-        fields=(Field("c | t", "int (dp)", "which field rose"),),
+        fields=(Field(f"{BUILT} | {CONSUMED}", "int (dp)", "which field rose"),),
         example="XLEN",
     ),
     Key(
@@ -289,10 +548,13 @@ SCHEMA: tuple[Key, ...] = (
         "loaders, constructors, Planner",
         "status, metrics",
         fields=(
-            Field("skipped:<stream>", "int", "samples skipped (on_error)"),
-            Field("truncated:c<dp>", "int", "samples Data Constructor dp truncated"),
-            Field("dropped_last", "int", "samples a finite job's end left undelivered"),
-            Field("over_budget_intervals", "int", "scaling intervals over budget"),
+            Field(f"{SKIPPED}<stream>", "int", "rows the stream skipped, every cause (on_error: skip)"),
+            Field(f"{SKIPPED_FILE}<stream>:<uri>", "1", "the stream skips the file whole"),
+            Field(f"{SKIPPED_GROUPS}<stream>:<uri>", "int", "row groups of the file skipped (each unreadable)"),
+            Field(f"{SKIPPED_ROWS}<stream>:<uri>", "int", "rows of the file skipped"),
+            Field(f"{TRUNCATED}<dp>", "int", "samples Data Constructor dp truncated"),
+            Field(COUNTER_DROPPED_LAST, "int", "samples a finite job's end left undelivered"),
+            Field(COUNTER_OVER_BUDGET, "int", "scaling intervals over budget"),
         ),
         example="HGETALL",
     ),
@@ -375,7 +637,7 @@ SCHEMA: tuple[Key, ...] = (
         "one entry per Shadow Loader promoted",
         "Planner",
         "status",
-        fields=(Field("loader, pid, node, previous, reason, time", "str", ""),),
+        fields=(Field(", ".join(PROMOTION_FIELDS), "str", ""),),
         example="XRANGE {k} - +",
     ),
     Key(
@@ -426,7 +688,7 @@ SCHEMA: tuple[Key, ...] = (
         "one entry per scaling decision",
         "Planner",
         "status",
-        fields=(Field("step, source, workers, share, rate, cost_ms, time", "str", ""),),
+        fields=(Field(", ".join(SCALING_FIELDS), "str", ""),),
         example="XREVRANGE {k} + - COUNT 10",
     ),
     Key(
@@ -437,10 +699,10 @@ SCHEMA: tuple[Key, ...] = (
         "trainers, sidecar",
         "sidecar, constructors, Planner",
         fields=(
-            Field("step", "int", "the step the job resumes at (sidecar)"),
-            Field("position:<rank>", "JSON [step, micro-batch]", "where trainer rank resumes (trainer)"),
-            Field("skip:<rank>", "int", "batches of that step trainer rank already had (sidecar)"),
-            Field("rewind:<rank>", "JSON {pid, at}", "a trainer asking a spawned sidecar to restart earlier"),
+            Field(RESUME_STEP, "int", "the step the job resumes at (sidecar)"),
+            Field(f"{POSITION}<rank>", "JSON [step, micro-batch]", "where trainer rank resumes (trainer)"),
+            Field(f"{SKIP}<rank>", "int", "batches of that step trainer rank already had (sidecar)"),
+            Field(f"{REWIND}<rank>", "JSON {pid, at}", "a trainer asking a spawned sidecar to restart earlier"),
         ),
         example="HGETALL",
     ),
@@ -461,7 +723,7 @@ SCHEMA: tuple[Key, ...] = (
         "one entry per unit the Planner moved",
         "Planner",
         "status",
-        fields=(Field("unit, from, to, reason, time", "str", ""),),
+        fields=(Field(", ".join(MOVE_FIELDS), "str", ""),),
         example="XREVRANGE {k} + - COUNT 10",
     ),
     Key(
@@ -492,13 +754,13 @@ SCHEMA: tuple[Key, ...] = (
         "top, status, metrics",
         fields=(
             Field(
-                "loader<k>",
+                f"{LOADER_STATS}<k>",
                 "JSON {node, pid, time, step, kept_bytes, arrow_bytes, streams}",
                 "totals of loader process k, once a second",
             ),
             Field(
-                "rank<r>",
-                "JSON {node, pid, time, batches, wait_s, dropped, step, done}",
+                f"{TRAINER_STATS}<r>",
+                "JSON {node, pid, time, batches, wait_s, dropped, copies, step, done}",
                 "totals of trainer rank r, once a second",
             ),
         ),
