@@ -8,11 +8,25 @@ import time
 from typing import Any
 
 from overlord.config import Job
-from overlord.loader.skips import FILE_FIELDS, per_file
+from overlord.loader.skips import per_file
 from overlord.plan.checkpoint import Checkpoints
 from overlord.runtime.lease import holder
 from overlord.store import Keys, connect
-from overlord.store.schema import is_built_field, is_replay_field, is_trainer_stats_field, replay_step
+from overlord.store.schema import (
+    RESUME_STEP,
+    counter_values,
+    dp_of,
+    is_built_field,
+    is_replay_field,
+    is_trainer_stats_field,
+    json_records,
+    log_entries,
+    planner_state,
+    replay_step,
+    resume_fields,
+    skipped_file_of,
+    stats_rank,
+)
 from overlord.store.server import SOCKET_NAME
 
 
@@ -24,7 +38,7 @@ def collect(job: Job) -> dict[str, Any]:
     """The job's status as plain data."""
     r = connect(redis_url_of(job), timeout_s=5)
     keys = Keys(job.name)
-    planner = {k.decode(): v.decode() for k, v in r.hgetall(keys.planner).items()}
+    planner = planner_state(r.hgetall(keys.planner))
     ckpts = Checkpoints(keys)
     newest = ckpts.newest(r)
     state = ckpts.load(r, newest) if newest is not None else {}
@@ -42,33 +56,29 @@ def collect(job: Job) -> dict[str, Any]:
             }
     return {
         "job": job.name,
-        "step": int(planner["step"]) if "step" in planner else None,
+        "step": planner.step,
         "cursors": state.get("cursors", {}),
         "roles": roles,
         "progress": {k.decode(): int(v) for k, v in r.hgetall(keys.progress).items() if is_built_field(k)},
         "replays": {k.decode(): replay_step(v) for k, v in r.hgetall(keys.progress).items() if is_replay_field(k)},
         "leader": holder(r, keys),
-        "generation": int(planner["token"]) if "token" in planner else None,
+        "generation": planner.token,
         "active_loaders": {k.decode(): int(v) for k, v in r.hgetall(keys.active).items()},
-        "promotions": [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrange(keys.promotions)],
+        "promotions": log_entries(r.xrange(keys.promotions)),
         "restarts": {k.decode(): int(v) for k, v in r.hgetall(keys.restarts).items()},
         "workers": {k.decode(): int(v) for k, v in r.hgetall(keys.workers).items()},
-        "pressure": float(planner["pressure"]) if "pressure" in planner else None,
-        "node_pressure": json.loads(planner.get("node_pressure") or "{}"),
-        "scaling": [
-            {k.decode(): v.decode() for k, v in fields.items()} for _, fields in r.xrevrange(keys.scaling, count=10)
-        ][::-1],
+        "pressure": planner.pressure,
+        "node_pressure": planner.node_pressure,
+        "scaling": log_entries(r.xrevrange(keys.scaling, count=10))[::-1],
         "autoscale": json.loads(r.get(keys.autoscale) or "null"),
-        "counters": {k.decode(): int(v) for k, v in r.hgetall(keys.counters).items()},
-        "nodes": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.nodes).items()},
+        "counters": counter_values(r.hgetall(keys.counters)),
+        "nodes": json_records(r.hgetall(keys.nodes)),
         "placement": {k.decode(): v.decode() for k, v in r.hgetall(keys.placement).items()},
-        "moves": [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrevrange(keys.placements, count=10)][
-            ::-1
-        ],
+        "moves": log_entries(r.xrevrange(keys.placements, count=10))[::-1],
         "errors": [json.loads(e)["message"] for e in r.lrange(keys.errors, 0, -1)],
         "checkpoints": _checkpoints(r, keys),
-        "resume": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.resume).items()},
-        "trainers": {k.decode(): json.loads(v) for k, v in r.hgetall(keys.stats).items() if is_trainer_stats_field(k)},
+        "resume": resume_fields(r.hgetall(keys.resume)),
+        "trainers": {k: v for k, v in json_records(r.hgetall(keys.stats)).items() if is_trainer_stats_field(k)},
     }
 
 
@@ -117,7 +127,7 @@ def render(status: dict[str, Any]) -> str:
         lines.append(
             "constructors (last step written): " + ", ".join(f"{k}={v}" for k, v in sorted(status["progress"].items()))
         )
-    for name, t in sorted(status.get("trainers", {}).items(), key=lambda kv: int(kv[0][4:])):
+    for name, t in sorted(status.get("trainers", {}).items(), key=lambda kv: stats_rank(kv[0])):
         lines.append(
             f"trainer {name}: {t.get('batches', 0)} batches, waited {t.get('wait_s', 0):.1f}s, "
             f"{t.get('copies', 0)} copied out of the ring (held more than it can lease)"
@@ -162,9 +172,9 @@ def render(status: dict[str, Any]) -> str:
             f"({e['rate']} samples/s x {e['cost_ms']} ms = {e['demand']} busy workers)"
         )
     for dp, step in sorted(status.get("replays", {}).items()):
-        lines.append(f"replay: Data Constructor {dp[1:]} restarted at step {step}")
-    if status["resume"].get("step") is not None:
-        lines.append(f"resumed at step {status['resume']['step']}")
+        lines.append(f"replay: Data Constructor {dp_of(dp)} restarted at step {step}")
+    if status["resume"].get(RESUME_STEP) is not None:
+        lines.append(f"resumed at step {status['resume'][RESUME_STEP]}")
     for (source, uri), n in sorted(per_file(status["counters"]).items()):
         what = (
             "skipped whole (not readable, or lacks a declared column)"
@@ -173,7 +183,7 @@ def render(status: dict[str, Any]) -> str:
         )
         lines.append(f"skipped (on_error: skip): source {source!r} file {uri!r}: {what}; the loader log says why")
     for k, v in sorted(status["counters"].items()):
-        if not k.startswith(FILE_FIELDS):
+        if skipped_file_of(k) is None:
             lines.append(f"counter {k} = {v}")
     for e in status["errors"]:
         lines.append(f"ERROR {e}")

@@ -37,7 +37,7 @@ from overlord.plan.waiting import resume_point, wait_plan
 from overlord.runtime.flow import Beat, Stopped, alive_within, push
 from overlord.runtime.layout import Layout, client_ring, sample_ring
 from overlord.shm import Ring, decode_batch
-from overlord.store.schema import built_field, replay_field, replay_request, skips, truncated_field
+from overlord.store.schema import built_entry, built_field, replay_field, replay_request, skips, truncated_field
 from overlord.transforms import resolve
 
 log = logging.getLogger("overlord.constructor")
@@ -154,7 +154,7 @@ class DataConstructor:
                     return
                 pipe = self.r.pipeline(transaction=False)
                 pipe.hset(self.keys.progress, built_field(self.dp), plan.step)
-                pipe.xadd(self.keys.progressed, {"c": self.dp}, maxlen=STREAM_MAXLEN, approximate=True)
+                pipe.xadd(self.keys.progressed, built_entry(self.dp), maxlen=STREAM_MAXLEN, approximate=True)
                 if self.truncated:
                     pipe.hset(self.keys.counters, truncated_field(self.dp), self.truncated)
                 pipe.execute()

@@ -46,7 +46,7 @@ from overlord.plan.waiting import resume_point
 from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import sample_ring
 from overlord.shm import Ring
-from overlord.store.schema import built, replay
+from overlord.store.schema import PLANNER_TOKEN, built, encode_record, loader_stats_field, plans_after, replay
 
 log = logging.getLogger("overlord.loader")
 
@@ -167,7 +167,7 @@ class LoaderProcess:
                 pipe = self.r.pipeline(transaction=False)
                 pipe.get(self.keys.plan(self.step))
                 pipe.hgetall(self.keys.progress)
-                pipe.hget(self.keys.planner, "token")
+                pipe.hget(self.keys.planner, PLANNER_TOKEN)
                 pipe.hget(self.keys.active, ctx.index)
                 pipe.hgetall(self.keys.workers)
                 raw_plan, progress, token, active_pid, workers = pipe.execute()
@@ -195,7 +195,7 @@ class LoaderProcess:
                 if not self._refill():
                     # a shadow wakes often: its promotion must not wait for a plan to arrive
                     block = 200 if self.active else 20
-                    self.r.xread({self.keys.plans: f"{self.step}-0"}, block=block, count=1)
+                    self.r.xread({self.keys.plans: plans_after(self.step)}, block=block, count=1)
                     self.demand = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.demand).items()}
         except Stopped:
             return
@@ -449,7 +449,7 @@ class LoaderProcess:
             "streams": streams,
         }
         try:
-            self.r.hset(self.keys.stats, f"loader{self.ctx.index}", json.dumps(record))
+            self.r.hset(self.keys.stats, loader_stats_field(self.ctx.index), encode_record(record))
         except redis.RedisError:
             pass  # statistics wait for the next second; the data path does not
 

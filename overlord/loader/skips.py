@@ -11,7 +11,7 @@ in the order; the file indices of the other files (in sample keys) do not move.
 
 Each unit is logged once with a warning naming source, file (and row group) and why,
 counted, and published by the active loader process into the job's `counters` hash
-(integers, like every counter there):
+(integers, like every counter there; the fields are named in overlord.store.schema):
 
     skipped:<stream>                 rows the stream skipped (every cause)
     skipped_file:<stream>:<uri>      1: the file is skipped whole
@@ -32,10 +32,15 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-log = logging.getLogger("overlord.loader")
+from overlord.store.schema import (
+    skipped_field,
+    skipped_file_field,
+    skipped_file_of,
+    skipped_groups_field,
+    skipped_rows_field,
+)
 
-ROWS_FIELD = "skipped:"  # + stream
-FILE_FIELDS = ("skipped_file:", "skipped_groups:", "skipped_rows:")  # + stream + ":" + uri
+log = logging.getLogger("overlord.loader")
 
 
 @dataclass(slots=True)
@@ -119,14 +124,14 @@ class Skips:
     def fields(self) -> dict[str, int]:
         """This stream's fields of the `counters` hash."""
         with self._lock:
-            out = {f"{ROWS_FIELD}{self.stream}": self.rows}
+            out = {skipped_field(self.stream): self.rows}
             for f in self.files.values():
                 if f.whole is not None:
-                    out[f"skipped_file:{self.stream}:{f.uri}"] = 1
+                    out[skipped_file_field(self.stream, f.uri)] = 1
                 if f.groups:
-                    out[f"skipped_groups:{self.stream}:{f.uri}"] = len(f.groups)
+                    out[skipped_groups_field(self.stream, f.uri)] = len(f.groups)
                 if f.rows:
-                    out[f"skipped_rows:{self.stream}:{f.uri}"] = f.rows
+                    out[skipped_rows_field(self.stream, f.uri)] = f.rows
         return out
 
     def summary(self) -> str:
@@ -148,13 +153,13 @@ def per_file(counters: dict[str, int]) -> dict[tuple[str, str], dict[str, int]]:
     skipped by every partition, and counts once)."""
     out: dict[tuple[str, str], dict[str, int]] = {}
     for name, value in counters.items():
-        prefix = next((p for p in FILE_FIELDS if name.startswith(p)), None)
-        if prefix is None:
+        skipped = skipped_file_of(name)
+        if skipped is None:
             continue
-        stream, uri = name[len(prefix) :].split(":", 1)  # source names hold no ':'
+        what, stream, uri = skipped
         into = out.setdefault((stream.rsplit(".", 1)[0], uri), {"whole": 0, "groups": 0, "rows": 0})
-        if prefix == "skipped_file:":
+        if what == "whole":
             into["whole"] = 1
         else:
-            into[prefix[len("skipped_") : -1]] += int(value)
+            into[what] += int(value)
     return out

@@ -24,7 +24,6 @@ lead to them.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import redis
@@ -32,6 +31,7 @@ import redis.client
 
 from overlord.errors import PlanError
 from overlord.store import Keys
+from overlord.store.schema import decode_checkpoint, encode_checkpoint
 
 SNAPSHOT_EVERY = 64
 KEEP_STEPS = 1024  # how far behind the newest step a trainer may resume
@@ -70,9 +70,9 @@ class Checkpoints:
                 always when `delta` is None (the first state a Planner writes).
         """
         if delta is not None:
-            pipe.hset(self.keys.ckpt_delta, step, json.dumps(delta, separators=(",", ":")))
+            pipe.hset(self.keys.ckpt_delta, step, encode_checkpoint(delta))
         if delta is None or step % self.every == 0:
-            pipe.hset(self.keys.ckpt, step, json.dumps(full(), separators=(",", ":")))
+            pipe.hset(self.keys.ckpt, step, encode_checkpoint(full()))
             if step % self.every == 0:
                 old = step - self.keep - self.every
                 if old >= 0:  # the snapshot and the deltas leading up to the next one
@@ -107,7 +107,7 @@ class Checkpoints:
                 f"no planner checkpoint at or before step {step} (snapshots kept: {sorted(snaps)[:1]}..{sorted(snaps)[-1:]}); "
                 "the state to resume from is older than what Redis kept"
             )
-        state: dict[str, Any] = json.loads(r.hget(self.keys.ckpt, base))
+        state = decode_checkpoint(r.hget(self.keys.ckpt, base))
         if step == base:
             return state
         raw = r.hmget(self.keys.ckpt_delta, list(range(base + 1, step + 1)))
@@ -117,5 +117,5 @@ class Checkpoints:
                     f"planner checkpoint delta of step {s} is missing (snapshot {base}), so step {step} cannot be "
                     "rebuilt; resume from a trainer state at or after the next snapshot, or start the job fresh"
                 )
-            state = apply(state, json.loads(delta))
+            state = apply(state, decode_checkpoint(delta))
         return state

@@ -17,6 +17,7 @@ from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.dgraph import Plan
 from overlord.runtime.flow import Beat, Stopped, alive_within
 from overlord.store import Keys
+from overlord.store.schema import plans_after, resume_step
 
 
 def fetch_plan(r: redis.Redis, keys: Keys, step: int) -> Plan | None:
@@ -51,13 +52,13 @@ def wait_plan(
                 f"no plan for step {step} after {timeout_s:g}s and the Planner's loop has not turned "
                 f"for as long: it is hung or dead (see `overlord status` and the planner log), or raise Job.timeout_s"
             )
-        # entry ids are <step+1>-0: ask for anything after <step>-0, so nothing is missed
-        r.xread({keys.plans: f"{step}-0"}, block=block_ms, count=1)
+        # the entry of `step` has id <step+1>-0: read what comes after <step>-0, so nothing is missed
+        r.xread({keys.plans: plans_after(step)}, block=block_ms, count=1)
 
 
 def resume_point(r: redis.Redis, keys: Keys) -> tuple[int, dict[str, Any]] | None:
     """(step, planner state) the sidecar chose to resume at, or None for a fresh start."""
-    step = r.hget(keys.resume, "step")
+    step = resume_step(r, keys)
     if step is None:
         return None
-    return int(step), Checkpoints(keys).load(r, int(step))
+    return step, Checkpoints(keys).load(r, step)

@@ -24,6 +24,7 @@ from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.core import PlannerCore
 from overlord.runtime.lease import Lease, Superseded, WriteUncertain
 from overlord.store import Keys
+from overlord.store.schema import PLANNER_DONE, PLANNER_LEADER_SINCE, PLANNER_LEASE, PLANNER_TOKEN, planner_done
 
 log = logging.getLogger("overlord.planner")
 
@@ -45,19 +46,22 @@ class Leadership:
             step is already planned (nothing to lead; `done` is set).
         """
         r, keys = self.r, self.keys
-        if r.hget(keys.planner, "done"):
+        if planner_done(r, keys):
             return None  # took the lease after the last step was planned
         newest = ckpts.newest(r)
         if newest is not None:
             core.restore(ckpts.load(r, newest))
             if core.done:  # the checkpoint is after the job's last step: nothing to plan, never wait
-                r.hset(keys.planner, "done", 1)
+                r.hset(keys.planner, PLANNER_DONE, 1)
                 log.info("the newest checkpoint (step %d) is after the job's last step; planner done", core.step)
                 return None
         generation = int(r.incr(keys.fence))
 
         def announce(pipe) -> None:
-            pipe.hset(keys.planner, mapping={"token": generation, "lease": self.token, "leader_since": time.time()})
+            pipe.hset(
+                keys.planner,
+                mapping={PLANNER_TOKEN: generation, PLANNER_LEASE: self.token, PLANNER_LEADER_SINCE: time.time()},
+            )
             if newest is None:
                 ckpts.write(pipe, 0, None, core.state)
 
@@ -89,7 +93,7 @@ def wait_done(r: redis.Redis, keys: Keys, stop: threading.Event, standing_by: Ca
     lead leave with the job."""
     while not stop.wait(DONE_POLL_S):
         try:
-            if standing_by() and r.hget(keys.planner, "done"):
+            if standing_by() and planner_done(r, keys):
                 stop.set()
         except redis.RedisError:
             pass

@@ -28,6 +28,7 @@ import redis
 from overlord.runtime.lease import Lease, WriteUncertain
 from overlord.runtime.placement import Use, place, pressure, relieve
 from overlord.store import Keys
+from overlord.store.schema import PLANNER_NODE_PRESSURE, encode_node_pressure, json_records, move_entry
 
 log = logging.getLogger("overlord.planner")
 
@@ -89,7 +90,7 @@ class Placer:
         raw_members, raw_current, *beats = pipe.execute()
         registered = {k.decode() for k in raw_members}
         live = {n for n, alive in zip(self.nodes, beats) if alive}
-        members = {k.decode(): json.loads(v) for k, v in raw_members.items()}
+        members = json_records(raw_members)
         cpus = {n: float(m.get("cpus") or 1) for n, m in members.items()}
         current = {k.decode(): v.decode() for k, v in raw_current.items()}
         placed = place(self.home, current, live, registered, cpus)
@@ -115,12 +116,7 @@ class Placer:
             for unit, node in moved.items():
                 before = current.get(unit, "")
                 reason = why.get(unit) or ("home" if node == self.home[unit] else f"node {before} down")
-                pipe.xadd(
-                    keys.placements,
-                    {"unit": unit, "from": before, "to": node, "reason": reason, "time": time.time()},
-                    maxlen=1000,
-                    approximate=True,
-                )
+                pipe.xadd(keys.placements, move_entry(unit, before, node, reason), maxlen=1000, approximate=True)
 
         try:
             self.lease.fenced(write)
@@ -155,5 +151,5 @@ class Placer:
         }
         now = {n: pressure(n, current, self.use, self.budget) for n in live}
         self.over_for = {n: self.over_for.get(n, 0) + 1 if p > 1 else 0 for n, p in now.items()}
-        r.hset(keys.planner, "node_pressure", json.dumps({n: round(p, 3) for n, p in sorted(now.items())}))
+        r.hset(keys.planner, PLANNER_NODE_PRESSURE, encode_node_pressure(now))
         return {n for n, count in self.over_for.items() if count >= PATIENCE}

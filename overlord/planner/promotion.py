@@ -21,6 +21,7 @@ import redis
 from overlord.runtime.flow import HEARTBEAT_S
 from overlord.runtime.lease import Lease, WriteUncertain
 from overlord.store import Keys
+from overlord.store.schema import promotion_entry
 
 log = logging.getLogger("overlord.planner")
 
@@ -93,14 +94,7 @@ class Promoter:
                 pipe.hset(keys.active, k, shadow["pid"])
                 pipe.xadd(
                     keys.promotions,
-                    {
-                        "loader": k,
-                        "pid": shadow["pid"],
-                        "node": shadow["node"],
-                        "previous": previous or b"",
-                        "time": time.time(),
-                        "reason": "active heartbeat lapsed",
-                    },
+                    promotion_entry(k, shadow["pid"], shadow["node"], previous or b"", "active heartbeat lapsed"),
                     maxlen=1000,
                     approximate=True,
                 )

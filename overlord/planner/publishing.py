@@ -32,7 +32,18 @@ from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.dgraph import Plan
 from overlord.runtime.lease import Lease, Superseded, WriteUncertain
 from overlord.store import Keys
-from overlord.store.schema import built_field, consumed_field
+from overlord.store.schema import (
+    COUNTER_DROPPED_LAST,
+    PLANNER_DONE,
+    PLANNER_STEP,
+    PLANNER_UPDATED,
+    built_field,
+    consumed_field,
+    planner_step,
+    plans_entry,
+    plans_entry_id,
+    resume_step,
+)
 
 PLAN_TTL_S = 3600  # a backstop: plans are deleted once far behind the slowest constructor
 PLAN_KEEP_STEPS = 1024  # plans kept behind the slowest Data Constructor: a restarted loader or
@@ -65,7 +76,7 @@ class Publisher:
         self.r, self.keys, self.lease, self.ckpts, self.dp = r, keys, lease, ckpts, dp
         self.first = first
         # the job's first step: where trainers that consumed nothing yet stand
-        self.start = int(r.hget(keys.resume, "step") or 0)
+        self.start = resume_step(r, keys) or 0
         self.pruned = max(0, first - PLAN_KEEP_STEPS - PRUNE_MAX)  # plans below were deleted (older ones expire)
         self.progressed = "0-0"  # the last `progressed` entry seen
 
@@ -110,17 +121,21 @@ class Publisher:
             pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
             pipe.xadd(
                 keys.plans,
-                {"step": plan.step, "last": int(plan.last)},
-                id=f"{plan.step + 1}-0",
+                plans_entry(plan.step, plan.last),
+                id=plans_entry_id(plan.step),
                 maxlen=1000,
                 approximate=True,
             )
             pipe.hset(
                 keys.planner,
-                mapping={"step": plan.step, "updated": time.time(), **({"done": 1} if plan.last else {})},
+                mapping={
+                    PLANNER_STEP: plan.step,
+                    PLANNER_UPDATED: time.time(),
+                    **({PLANNER_DONE: 1} if plan.last else {}),
+                },
             )
             if plan.dropped:
-                pipe.hset(keys.counters, "dropped_last", plan.dropped)
+                pipe.hset(keys.counters, COUNTER_DROPPED_LAST, plan.dropped)
             self.ckpts.write(pipe, plan.step + 1, delta, state)  # where a resume at the next step starts
 
         self._once(write, plan.step)
@@ -133,6 +148,7 @@ class Publisher:
                 self.lease.fenced(write)
                 return
             except WriteUncertain:
-                if int(self.r.hget(self.keys.planner, "step") or -1) >= step:
+                landed = planner_step(self.r, self.keys)
+                if landed is not None and landed >= step:
                     return  # it landed before the cut
         raise Superseded(f"could not publish step {step} under the lease in {PUBLISH_TRIES} tries")

@@ -30,6 +30,7 @@ from overlord.config import Autoscale, Job
 from overlord.plan.dgraph import Plan
 from overlord.runtime.layout import Layout
 from overlord.store import Keys
+from overlord.store.schema import COUNTER_OVER_BUDGET, PLANNER_PRESSURE, scaling_entry
 
 log = logging.getLogger("overlord.planner")
 
@@ -111,9 +112,9 @@ class Scaling:
         if (plan.step + 1) % scaler.interval == 0:
             pressure = round(scaler.pressure, 3)
             pipe = r.pipeline(transaction=False)
-            pipe.hset(keys.planner, "pressure", pressure)
+            pipe.hset(keys.planner, PLANNER_PRESSURE, pressure)
             if pressure > 1:
-                pipe.hincrby(keys.counters, "over_budget_intervals", 1)
+                pipe.hincrby(keys.counters, COUNTER_OVER_BUDGET, 1)
                 if not self.warned:
                     log.warning(
                         "step %d: the sources demand %.1fx the loaders' CPU budget (%.1f CPUs); trainers "
@@ -138,15 +139,14 @@ class Scaling:
         for name, workers in changed.items():
             pipe.xadd(
                 keys.scaling,
-                {
-                    "step": plan.step,
-                    "source": name,
-                    "workers": workers,
-                    "rate": round(scaler.rate.get(name, 0.0), 2),
-                    "demand": round(scaler.demand(name), 3),
-                    "cost_ms": round(scaler.costs_ms.get(name, 0.0), 4),
-                    "time": time.time(),
-                },
+                scaling_entry(
+                    plan.step,
+                    name,
+                    workers,
+                    rate=round(scaler.rate.get(name, 0.0), 2),
+                    demand=round(scaler.demand(name), 3),
+                    cost_ms=round(scaler.costs_ms.get(name, 0.0), 4),
+                ),
                 maxlen=10000,
                 approximate=True,
             )

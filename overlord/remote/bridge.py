@@ -21,7 +21,6 @@ what it receives twice.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -29,7 +28,7 @@ import threading
 
 from overlord.errors import RingTimeout
 from overlord.remote.flight import RemoteReader
-from overlord.store.schema import built_field, replay_field, replay_request
+from overlord.store.schema import built_field, json_records, replay_field, replay_request
 
 log = logging.getLogger("overlord.bridge")
 
@@ -55,7 +54,7 @@ class Directory:
         pipe.hgetall(self.keys.nodes)
         placement, nodes = pipe.execute()
         self.placement = {k.decode(): v.decode() for k, v in placement.items()}
-        self.nodes = {k.decode(): json.loads(v) for k, v in nodes.items()}
+        self.nodes = json_records(nodes)
 
     def _forever(self) -> None:
         while not self.stop.wait(REFRESH_S):

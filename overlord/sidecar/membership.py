@@ -22,16 +22,20 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+from overlord.autoscale.apply import budget_of
 from overlord.config import Job
 from overlord.errors import OverlordError
 from overlord.runtime.layout import Layout, client_ring
 from overlord.runtime.lease import release_dead
+from overlord.runtime.placement import homes
 from overlord.shm import Ring, pid_alive, unlink_segment
 from overlord.store import Keys
+from overlord.store.schema import encode_record, planner_step
 
 log = logging.getLogger("overlord.membership")
 
@@ -94,10 +98,6 @@ class NodeMember:
 
     def _membership(self) -> dict:
         """What this node offers the job (`nodes` hash): ranks, Flight address, budget."""
-        import socket
-
-        from overlord.autoscale.apply import budget_of
-
         budget = budget_of(self.job)
         host = os.environ.get("OVERLORD_FLIGHT_HOST") or socket.gethostname()  # the address other nodes dial
         return {
@@ -119,8 +119,6 @@ class NodeMember:
         """Several nodes: start the job (the first sidecar up) or join it. One sidecar
         at a time decides, under the `boot` lock; a joiner takes the job's sources
         (partitions may have been sized by autoscale) and layout from Redis."""
-        from overlord.runtime.placement import homes
-
         deadline = time.monotonic() + self.job.timeout_s
         while not self.r.set(self.keys.boot, self.job.node, nx=True, px=BOOT_LOCK_MS):
             if time.monotonic() > deadline:
@@ -145,11 +143,12 @@ class NodeMember:
                     )
                 self.job = dataclasses.replace(self.job, sources=job.sources, loader_processes=job.loader_processes)
                 layout = Layout.from_json(raw_layout)
-                self.r.hset(self.keys.nodes, self.job.node, json.dumps(self._membership()))
+                self.r.hset(self.keys.nodes, self.job.node, encode_record(self._membership()))
                 log.info("node %r joins job %r (live nodes: %s)", self.job.node, self.job.name, sorted(others))
             else:
                 layout = self._layout()
                 self._publish(self.r, layout)
+                # deferred: pyarrow.flight (gRPC) is loaded only when a job starts on several nodes
                 from overlord.remote.flight import job_token
 
                 job_token(self.job, create=True, r=self.r)  # before anyone can see the placement
@@ -195,7 +194,7 @@ class NodeMember:
 
     def _start_unit(self, unit: str) -> None:
         role, index = unit.rstrip("0123456789"), int(unit[len(unit.rstrip("0123456789")) :])
-        running = self.r.hget(self.keys.planner, "step") is not None  # the job began: recover from Redis
+        running = planner_step(self.r, self.keys) is not None  # the job began: recover from Redis
         if role == "constructor" and self.job.node_ids[index] != self.job.node:
             # another node's DP groups: their trainers read these rings over Flight
             rings = []

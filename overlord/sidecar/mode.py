@@ -32,7 +32,7 @@ from overlord.runtime.layout import client_ring
 from overlord.shm import Ring
 from overlord.shm import pid_alive as alive
 from overlord.store import Keys
-from overlord.store.schema import encode_rewind, is_rewind_field, rank_of, rewind_field
+from overlord.store.schema import encode_rewind, rewind_field, rewinds
 
 MODE_NAME = "sidecar-mode.json"
 SPAWNED_BY = "OVERLORD_SPAWNED_BY"  # environment: the pid of the DataLoader that started this sidecar
@@ -149,7 +149,7 @@ def rewind(job: Job, r, found: Mode, rank: int, at: tuple[int, int], timeout_s: 
     waiting: dict[int, int] = {}
     while alive(found.pid):
         try:
-            asked = {rank_of(k): json.loads(v)["pid"] for k, v in r.hgetall(keys.resume).items() if is_rewind_field(k)}
+            asked = rewinds(r.hgetall(keys.resume))
         except (redis.RedisError, OverlordError):
             time.sleep(0.05)  # on its way out
             continue

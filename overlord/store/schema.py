@@ -22,6 +22,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import redis
+
 from overlord.store.keys import Keys
 
 
@@ -73,13 +76,13 @@ def planner_state(planner: Mapping[bytes, bytes]) -> PlannerState:
     )
 
 
-def planner_step(r, keys: Keys) -> int | None:
+def planner_step(r: redis.Redis, keys: Keys) -> int | None:
     """The last step planned; None before the first."""
     raw = r.hget(keys.planner, PLANNER_STEP)
     return int(raw) if raw is not None else None
 
 
-def planner_done(r, keys: Keys) -> bool:
+def planner_done(r: redis.Redis, keys: Keys) -> bool:
     """Whether the job's last step is planned (or the job ended)."""
     return bool(r.hget(keys.planner, PLANNER_DONE))
 
@@ -107,6 +110,46 @@ def plans_entry_id(step: int) -> str:
 def plans_after(step: int) -> str:
     """The id an XREAD waiting for the plan of `step` reads after: `<step>-0`."""
     return f"{step}-0"
+
+
+# -- the `meta:<stream>` streams (overlord.plan.meta) ------------------------------------
+
+META_ARRAYS = {"seq": "<i8", "tokens": "<i4", "patches": "<i4", "nbytes": "<i8"}  # one item per sample
+META_EPOCH = "epoch"  # ASCII int: epoch of every sample in the chunk
+META_ENDED = "ended"  # ASCII JSON [[epoch, samples delivered in that epoch], ...]: epochs completed
+META_FINAL = "final"  # ASCII 0/1: the loader has read every configured epoch
+META_TOKEN = "token"  # ASCII int: the Planner generation the loader reported to
+
+
+def meta_entry(
+    arrays: Mapping[str, Any], epoch: int, ended: Iterable[Iterable[int]], final: bool, token: int
+) -> dict[str, bytes]:
+    """A `meta:<stream>` entry: the per-sample `arrays` (by the names of `META_ARRAYS`,
+    as little-endian bytes) and the chunk's scalars."""
+    out = {name: np.ascontiguousarray(arrays[name], dtype=dt).tobytes() for name, dt in META_ARRAYS.items()}
+    out[META_EPOCH] = str(epoch).encode()
+    out[META_ENDED] = json.dumps([list(e) for e in ended]).encode()
+    out[META_FINAL] = b"1" if final else b"0"
+    out[META_TOKEN] = str(token).encode()
+    return out
+
+
+def meta_fields(fields: Mapping[bytes, bytes]) -> dict[str, Any]:
+    """Inverse of `meta_entry` (field names as bytes, as redis-py returns them): field -> value.
+
+    Raises:
+        ValueError: the arrays disagree in length.
+    """
+    arrays = {name: np.frombuffer(fields[name.encode()], dtype=dt).astype(dt[1:]) for name, dt in META_ARRAYS.items()}
+    if len({len(a) for a in arrays.values()}) != 1:
+        raise ValueError(f"meta chunk arrays disagree in length: { {k: len(v) for k, v in arrays.items()} }")
+    return {
+        **arrays,
+        META_EPOCH: int(fields[META_EPOCH.encode()]),
+        META_ENDED: [tuple(e) for e in json.loads(fields[META_ENDED.encode()])],
+        META_FINAL: fields[META_FINAL.encode()] == b"1",
+        META_TOKEN: int(fields.get(META_TOKEN.encode(), b"0")),
+    }
 
 
 # -- the `progress` hash and the `progressed` stream -------------------------------------
@@ -183,7 +226,7 @@ SKIP = "skip:"  # + rank
 REWIND = "rewind:"  # + rank
 
 
-def resume_step(r, keys: Keys) -> int | None:
+def resume_step(r: redis.Redis, keys: Keys) -> int | None:
     """The step the sidecar chose to resume the job at; None for a fresh start."""
     raw = r.hget(keys.resume, RESUME_STEP)
     return int(raw) if raw is not None else None
@@ -278,7 +321,8 @@ def encode_record(record: Mapping[str, Any]) -> str:
 
 
 def decode_record(raw: bytes | str) -> dict[str, Any]:
-    return json.loads(raw)
+    record: dict[str, Any] = json.loads(raw)
+    return record
 
 
 def json_records(raw: Mapping[bytes, bytes]) -> dict[str, dict[str, Any]]:
@@ -347,7 +391,8 @@ def encode_checkpoint(state: Mapping[str, Any]) -> str:
 
 
 def decode_checkpoint(raw: bytes | str) -> dict[str, Any]:
-    return json.loads(raw)
+    state: dict[str, Any] = json.loads(raw)
+    return state
 
 
 # -- the Planner's logs: `promotions`, `placements` and `scaling` streams ----------------
@@ -472,9 +517,17 @@ SCHEMA: tuple[Key, ...] = (
         "meta",
         "meta:<stream>",
         "stream",
-        "buffer metadata of one Source Loader stream (overlord.plan.meta)",
+        "buffer metadata of one Source Loader stream (overlord.plan.meta): one entry per chunk of samples "
+        "that entered its read buffer, in its order",
         "Source Loader",
         "Planner",
+        fields=(
+            *(Field(name, f"bytes ({dt[1:]} little-endian, one per sample)", "") for name, dt in META_ARRAYS.items()),
+            Field(META_EPOCH, "ASCII int", "epoch of every sample in the chunk"),
+            Field(META_ENDED, "ASCII JSON [[epoch, samples delivered], ...]", "epochs completed"),
+            Field(META_FINAL, "0 | 1", "the loader has read every configured epoch"),
+            Field(META_TOKEN, "ASCII int", "the Planner generation (planner token) the loader reported to"),
+        ),
         example="XLEN",
     ),
     Key(

@@ -8,7 +8,6 @@ batches per second and the share of time a trainer stalls on data.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -16,7 +15,7 @@ from collections.abc import Callable
 
 from overlord.status import redis_url_of
 from overlord.store import Keys, connect
-from overlord.store.schema import trainer_stats_field
+from overlord.store.schema import encode_record, trainer_stats_field
 
 PUBLISH_S = 1.0
 
@@ -49,7 +48,7 @@ class StatsPublisher:
                     "time": time.time(),
                     **totals,
                 }
-                r.hset(key, field, json.dumps(record))
+                r.hset(key, field, encode_record(record))
                 self.reached = time.monotonic()
             except Exception:  # noqa: BLE001 - figures for operators must never fail training
                 r = None
