@@ -46,6 +46,7 @@ from overlord.plan.waiting import resume_point
 from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import sample_ring
 from overlord.shm import Ring
+from overlord.store.durable import Durability
 from overlord.store.schema import PLANNER_TOKEN, built, encode_record, loader_stats_field, plans_after, replay
 
 log = logging.getLogger("overlord.loader")
@@ -71,6 +72,10 @@ class LoaderProcess:
         self.ctx = ctx
         job, layout = ctx.job, ctx.layout
         self.job, self.layout, self.r, self.keys = job, layout, ctx.r, ctx.keys
+        # reports reach a replica before the loader counts them sent: a failover loses
+        # none of them (a report lost with a primary would leave the Planner waiting for
+        # samples the loader believes reported)
+        self.durable = Durability(self.r, timeout_s=job.redis_outage_s)
         self.hosted = [i for i, owner in enumerate(layout.loader_of) if owner == ctx.index]
         self.loaders: dict[int, SourceLoader] = {}
         for i in self.hosted:
@@ -400,7 +405,7 @@ class LoaderProcess:
         pipe = self._pipe
         if pipe is not None:
             self._pipe = None
-            pipe.execute()
+            self.durable.execute(pipe)
 
     def _scale(self, workers: dict) -> None:
         """Run each stream's transforms on the workers the Planner's scaler set."""

@@ -101,7 +101,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     if generation is None:
         return
     first = core.step
-    publisher = Publisher(r, keys, lease, ckpts, first=first, dp=job.mesh.dp)
+    publisher = Publisher(r, keys, lease, ckpts, first=first, dp=job.mesh.dp, durable_s=job.redis_outage_s)
     intake = Intake(r, keys, layout, generation, timeout_s=job.timeout_s, run_dir=ctx.run_dir)
     promoter = Promoter(r, keys, lease, layout.shadowed)
     online = job.autoscale is not None and job.autoscale.online

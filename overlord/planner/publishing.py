@@ -22,6 +22,7 @@ are deleted, a few per published step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,9 +33,12 @@ from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.dgraph import Plan
 from overlord.runtime.lease import Lease, Superseded, WriteUncertain
 from overlord.store import Keys
+from overlord.store.durable import Durability
 from overlord.store.schema import (
     COUNTER_DROPPED_LAST,
     PLANNER_DONE,
+    PLANNER_DURABLE,
+    PLANNER_DURABLE_MS,
     PLANNER_STEP,
     PLANNER_UPDATED,
     built_field,
@@ -50,6 +54,8 @@ PLAN_KEEP_STEPS = 1024  # plans kept behind the slowest Data Constructor: a rest
 # constructor, or a shadow, reads from its step on (as far back as a trainer may resume)
 PRUNE_MAX = 64  # old plans deleted per published step, at most
 PUBLISH_TRIES = 5
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +74,25 @@ class Bound:
 class Publisher:
     """Writes plans and checkpoints under the lease, within the job's bound."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, lease: Lease, ckpts: Checkpoints, *, first: int, dp: int) -> None:
+    def __init__(
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        lease: Lease,
+        ckpts: Checkpoints,
+        *,
+        first: int,
+        dp: int,
+        durable_s: float = 60.0,
+    ) -> None:
         """Args:
         first: the step this Planner starts planning at (0, or its checkpoint's).
         dp: the job's DP groups (each has a constructor mark and a trainer mark).
+        durable_s: how long a write may wait to be confirmed durable (Job.redis_outage_s:
+            a failover promotes a replica within it).
         """
+        self.durable = Durability(r, timeout_s=durable_s)
+        self.durable_ms = 0.0  # the last wait for a durable write
         self.r, self.keys, self.lease, self.ckpts, self.dp = r, keys, lease, ckpts, dp
         self.first = first
         # the job's first step: where trainers that consumed nothing yet stand
@@ -138,8 +158,27 @@ class Publisher:
                 pipe.hset(keys.counters, COUNTER_DROPPED_LAST, plan.dropped)
             self.ckpts.write(pipe, plan.step + 1, delta, state)  # where a resume at the next step starts
 
-        self._once(write, plan.step)
+        for _ in range(PUBLISH_TRIES):
+            self._once(write, plan.step)
+            mark = {PLANNER_DURABLE: plan.step, PLANNER_DURABLE_MS: f"{self.durable_ms:.3f}"}
+            self.durable_ms = self.durable.acknowledge(
+                lambda pipe, mark=mark: self.lease.queue_fenced_hset(pipe, keys.planner, mark)
+            )
+            if self._landed(plan.step):
+                break
+            # The primary failed over after EXEC and before its replica had the write: the
+            # promoted replica never saw this step. Its plan is the same again: publish it.
+            log.warning(
+                "the plan of step %d was lost in a Redis failover before a replica had it; publishing it again",
+                plan.step,
+            )
+        else:
+            raise Superseded(f"step {plan.step} did not stay written in {PUBLISH_TRIES} tries (Redis failing over?)")
         self.pruned = max(self.pruned, old.stop)
+
+    def _landed(self, step: int) -> bool:
+        landed = planner_step(self.r, self.keys)
+        return landed is not None and landed >= step
 
     def _once(self, write, step: int) -> None:
         """Write a step under the lease exactly once, though a try may be cut short."""

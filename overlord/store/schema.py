@@ -51,6 +51,8 @@ PLANNER_LEASE = "lease"  # int: the leader's lease token
 PLANNER_LEADER_SINCE = "leader_since"  # float (unix time): when it took the lead
 PLANNER_PRESSURE = "pressure"  # float: transform CPU demand over the loaders' budget
 PLANNER_NODE_PRESSURE = "node_pressure"  # JSON {node: float}: the same per node (several nodes)
+PLANNER_DURABLE = "durable"  # int: the last step whose plan and checkpoint Redis confirmed durable
+PLANNER_DURABLE_MS = "durable_ms"  # float: how long the wait for the step before it took
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,6 +492,8 @@ SCHEMA: tuple[Key, ...] = (
             Field(PLANNER_LEADER_SINCE, "float (unix time)", "when it took the lead"),
             Field(PLANNER_PRESSURE, "float", "transform CPU demand over budget"),
             Field(PLANNER_NODE_PRESSURE, "JSON {node: float}", "per node, several nodes"),
+            Field(PLANNER_DURABLE, "int", "last step whose plan and checkpoint are durable (WAITAOF / WAIT)"),
+            Field(PLANNER_DURABLE_MS, "float", "how long the previous step's durable wait took, ms"),
         ),
         example="HGETALL",
     ),

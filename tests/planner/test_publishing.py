@@ -42,6 +42,9 @@ class CutLease:
 
         return self.lease.fenced(touched)
 
+    def queue_fenced_hset(self, pipe, key, mapping) -> None:
+        self.lease.queue_fenced_hset(pipe, key, mapping)
+
 
 def leading(r) -> Lease:
     lease = Lease(r, KEYS, node="a", ttl_s=5)
@@ -126,3 +129,27 @@ def test_plans_far_behind_the_slowest_constructor_are_deleted(r):
     publisher.publish(plan, core.delta(), core.state, Bound(slowest=slowest, consumed=slowest))
     assert r.get(KEYS.plan(0)) is None and r.get(KEYS.plan(1)) is None and r.get(KEYS.plan(2)) == b"old"
     assert Plan.from_json(r.get(KEYS.plan(3))).step == 3 and publisher.pruned == 2 < PRUNE_MAX
+
+
+def test_a_published_step_is_marked_durable_once_the_server_fsynced_it(r):
+    """The embedded server keeps an append-only file: each step waits for WAITAOF and
+    the `planner` hash says which step is durable, and how long the previous wait took."""
+    core = fed_core()
+    publisher = Publisher(r, KEYS, leading(r), Checkpoints(KEYS), first=0, dp=2)
+    assert publisher.durable.want.local == 1 and publisher.durable.want.replicas == 0
+    for step in range(3):
+        publisher.publish(core.plan_step(), core.delta(), core.state, publisher.bound())
+        assert int(r.hget(KEYS.planner, "durable")) == step
+    assert float(r.hget(KEYS.planner, "durable_ms")) >= 0
+
+
+def test_a_superseded_planner_marks_nothing_durable(r):
+    lease = leading(r)
+    publisher = Publisher(r, KEYS, lease, Checkpoints(KEYS), first=0, dp=2)
+    r.set(KEYS.leader, b"another")  # the lease changed hands after the plan went out
+    pipe = r.pipeline(transaction=False)
+    lease.queue_fenced_hset(pipe, KEYS.planner, {"durable": 7})
+    assert pipe.execute() == [-1]
+    assert r.hget(KEYS.planner, "durable") is None
+    assert publisher.durable.acknowledge(lambda p: lease.queue_fenced_hset(p, KEYS.planner, {"durable": 8})) >= 0
+    assert r.hget(KEYS.planner, "durable") is None
