@@ -29,7 +29,9 @@ class Job:
         batch: what each step delivers.
         seed: job seed; with the step it fixes every batch's bytes.
         epochs: stop after this many passes over every source; None runs forever.
-        redis_url: external Redis (redis://, rediss://, unix://); None starts an embedded one.
+        redis_url: external Redis (redis://, rediss://, unix://, or
+            redis+sentinel://host:port,host:port,.../<service> for a primary behind Redis
+            Sentinel); None starts an embedded one.
             Its password never leaves the process that was given it: stored configs
             (`to_dict`/`to_json`: job.json in the run directory, the Redis job key,
             spawned-job.json) hold the URL without it, and processes take it from
@@ -148,9 +150,11 @@ class Job:
             object.__setattr__(self, "autoscale", Autoscale.of(self.autoscale))
         if self.epochs is not None and (not isinstance(self.epochs, int) or self.epochs < 1):
             raise ConfigError(f"Job.epochs={self.epochs!r} must be None (forever) or an int >= 1")
-        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://", "redis+sentinel://")
+        ):
             raise ConfigError(
-                f"Job.redis_url={self.redis_url!r} must start with redis://, rediss:// or unix://, "
+                f"Job.redis_url={self.redis_url!r} must start with redis://, rediss://, unix:// or redis+sentinel://, "
                 "or be null to start an embedded redis-server"
             )
         if not isinstance(self.strategy, str) or ":" not in self.strategy:

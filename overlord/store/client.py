@@ -12,6 +12,12 @@ in the lease's WriteUncertain check) or counters where a double count is harmles
 fencing token, a restart count), so a retried command that had in fact been applied
 does no harm.
 
+Behind Redis Sentinel, `redis+sentinel://[user[:password]@]host:port[,host:port...]/<service>[/db]`
+names the Sentinels and the primary's service name: the client asks them for the
+primary on every new connection, so a failover is an outage the retry above rides
+through (a client still talking to a demoted primary hears READONLY and reconnects).
+The password is the data servers'; Sentinels are asked without one.
+
 A TLS server (rediss://) is verified against the system's CAs, or against the CA file
 named by `OVERLORD_REDIS_CA` (set it for the sidecar and the trainer; forked roles inherit it).
 
@@ -29,10 +35,12 @@ import stat
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import unquote
 
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from overlord.config import split_redis_password
 from overlord.errors import ConfigError, StoreError
@@ -40,6 +48,7 @@ from overlord.errors import ConfigError, StoreError
 CA_ENV = "OVERLORD_REDIS_CA"
 PASSWORD_ENV = "OVERLORD_REDIS_PASSWORD"
 PASSWORD_FILE_ENV = "OVERLORD_REDIS_PASSWORD_FILE"
+SENTINEL_SCHEME = "redis+sentinel://"
 SOCKET_TIMEOUT_S = 10.0
 RIDE_THROUGH_S = 30.0
 _BACKOFF_CAP_S = 0.5
@@ -121,8 +130,8 @@ def connect(
     ride_through_s: float = RIDE_THROUGH_S,
     setting: str = "Job.redis_outage_s",
 ) -> redis.Redis:
-    """Open a Redis client for `url` (redis://, rediss://, unix://; ACL user and password in
-    the URL: `rediss://user:password@host:port/0`).
+    """Open a Redis client for `url` (redis://, rediss://, unix://, redis+sentinel://; ACL
+    user and password in the URL: `rediss://user:password@host:port/0`).
 
     Values stay bytes (plans and metadata are binary or JSON decoded by their owners).
     A rediss:// server's certificate must verify (and name the host): against the CA file
@@ -145,14 +154,17 @@ def connect(
     password = env_password(url)
     if password is not None:
         tls["password"] = password  # the URL's own options win over keyword arguments: it names none here
-    client = redis.Redis.from_url(
-        url,
+    options: dict[str, Any] = {
         **tls,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        health_check_interval=30,
-        retry=Retry(ExponentialBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-    )
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "health_check_interval": 30,
+        "retry": Retry(ExponentialBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+    }
+    if url.startswith(SENTINEL_SCHEME):
+        client = sentinel_client(url, options, timeout_s)
+    else:
+        client = redis.Redis.from_url(url, **options)
     try:
         client.ping()  # a server that is not there at all is a configuration error: say so now
     except redis.RedisError as exc:
@@ -162,6 +174,56 @@ def connect(
     else:
         client.set_retry(Retry(ExponentialBackoff(), 0, supported_errors=RETRIED))
     return client
+
+
+class FollowingConnection(SentinelManagedConnection):  # type: ignore[misc]  # redis-py is read untyped
+    """A connection to the primary the Sentinels name now, on every (re)connect.
+
+    redis-py 8 reconnects a dropped connection through `connect_check_health`, which
+    dials the host it had and retries that one host: a client whose primary died kept
+    dialling it, past the failover, until its outage budget ran out. Here each dial asks
+    the Sentinels first and tries once; the command's own retry (OutageRetry) asks again.
+    """
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if self._sock:
+            return
+        if self.connection_pool.is_master:  # MasterNotFoundError is a ConnectionError: retried
+            self.host, self.port = self.connection_pool.get_master_address()
+        super().connect_check_health(check_health=check_health, retry_socket_connect=False)
+
+
+def sentinel_client(url: str, options: dict[str, Any], timeout_s: float) -> redis.Redis:
+    """A client of the primary that the Sentinels in `url` name (see the module docstring).
+
+    Raises:
+        ConfigError: the URL names no Sentinel or no service.
+    """
+    rest = url[len(SENTINEL_SCHEME) :].split("?", 1)[0]
+    userinfo, _, hosts = rest.rpartition("@")
+    where, _, path = hosts.partition("/")
+    service, _, db = path.partition("/")
+    sentinels = []
+    for entry in filter(None, where.split(",")):
+        host, _, port = entry.rpartition(":")
+        if not host or not port.isdigit():
+            sentinels = []
+            break
+        sentinels.append((host.strip("[]"), int(port)))
+    if not sentinels or not service:
+        raise ConfigError(
+            f"Job.redis_url={redact(url)!r} names no Sentinel or no service: write "
+            "redis+sentinel://host:26379,host2:26379,host3:26379/<service>[/db]"
+        )
+    user, colon, secret = userinfo.partition(":")
+    if user:
+        options["username"] = unquote(user)
+    if colon:
+        options["password"] = unquote(secret)
+    ask = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    return Sentinel(sentinels, sentinel_kwargs=ask).master_for(
+        service, db=int(db or 0), connection_class=FollowingConnection, **options
+    )
 
 
 def env_password(url: str) -> str | None:
