@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import redis
 
@@ -162,7 +163,7 @@ class Publisher:
             self._once(write, plan.step)
             mark = {PLANNER_DURABLE: plan.step, PLANNER_DURABLE_MS: f"{self.durable_ms:.3f}"}
             self.durable_ms = self.durable.acknowledge(
-                lambda pipe, mark=mark: self.lease.queue_fenced_hset(pipe, keys.planner, mark)
+                partial(self.lease.queue_fenced_hset, key=keys.planner, mapping=mark)
             )
             if self._landed(plan.step):
                 break

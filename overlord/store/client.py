@@ -203,7 +203,7 @@ def sentinel_client(url: str, options: dict[str, Any], timeout_s: float) -> redi
     userinfo, _, hosts = rest.rpartition("@")
     where, _, path = hosts.partition("/")
     service, _, db = path.partition("/")
-    sentinels = []
+    sentinels: list[tuple[str, int]] = []
     for entry in filter(None, where.split(",")):
         host, _, port = entry.rpartition(":")
         if not host or not port.isdigit():
