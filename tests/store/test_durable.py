@@ -74,6 +74,19 @@ def test_the_embedded_servers_append_only_file_is_waited_for(r):
     assert r.hget("k", "durable") == b"1"
 
 
+def test_an_acl_user_without_info_probes_with_the_waits(r):
+    """INFO is in @dangerous, which a least-privilege user lacks: the waits themselves
+    tell what the server can confirm."""
+    r.execute_command("ACL", "SETUSER", "least", "on", ">pw", "~*", "+@all", "-@dangerous")
+    least = redis.Redis(unix_socket_path=r.connection_pool.connection_kwargs["path"], username="least", password="pw")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        least.info("persistence")
+    want = wanted(least)
+    assert (want.local, want.replicas) == (1, 0)
+    assert Durability(least, timeout_s=5).acknowledge(_mark("k", 3)) >= 0
+    assert r.hget("k", "durable") == b"3"
+
+
 def test_a_server_with_nothing_to_wait_for_is_named_once_in_the_log(servers, caplog):
     plain = servers("plain", "--appendonly", "no")
     durable = Durability(plain, timeout_s=5)
