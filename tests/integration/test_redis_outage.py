@@ -70,17 +70,14 @@ class TcpRedis:
             stdout=open(self.run_dir / "redis.log", "ab"),
             stderr=subprocess.STDOUT,
         )
-        r = connect(self.url, timeout_s=1, ride_through_s=0)
         deadline = time.monotonic() + 20
-        while True:
+        while True:  # connect() refuses a server not listening yet: it may still be starting
             try:
-                r.ping()
-                break
-            except Exception:
+                connect(self.url, timeout_s=1, ride_through_s=0).close()
+                return self
+            except StoreError:
                 assert time.monotonic() < deadline, (self.run_dir / "redis.log").read_text()
                 time.sleep(0.05)
-        r.close()
-        return self
 
     def stop(self) -> None:
         if self.proc is not None:
