@@ -1,5 +1,6 @@
-"""What a running sidecar serves, for a trainer that loads a state: a resume that still
-waits for the trainers' positions, or a run that already chose where each rank starts.
+"""What a running sidecar serves, for a trainer: whether one runs on this node (it holds
+the job's lock), and for a trainer that loads a state, a resume that still waits for
+the trainers' positions, or a run that already chose where each rank starts.
 
 The sidecar writes `<run dir>/sidecar-mode.json` (atomically, by rename) once its rings
 exist, and again when a resume has fixed its step:
@@ -17,6 +18,7 @@ one run by `overlord sidecar` or a service manager is not stopped by a trainer.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -76,10 +78,29 @@ def read(job: Job) -> Mode | None:
         return None
 
 
+def lock_path(job: Job) -> Path:
+    """The sidecar lock of the job on this node: one sidecar per job and node holds it."""
+    return job.run_path / LOCK_NAME
+
+
+def sidecar_running(job: Job) -> bool:
+    """Whether some process holds this job's sidecar lock on this node."""
+    path = lock_path(job)
+    if not path.exists():
+        return False
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return False
+
+
 def holder(job: Job) -> int | None:
     """The pid written in the sidecar lock (the running sidecar's, while it holds it)."""
     try:
-        text = (job.run_path / LOCK_NAME).read_text().strip()
+        text = lock_path(job).read_text().strip()
     except OSError:
         return None
     return int(text) if text.isdigit() else None

@@ -40,7 +40,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TextIO
 
 import redis
@@ -60,6 +59,8 @@ from overlord.shm import pid_alive as _alive
 from overlord.sidecar import mode
 from overlord.sidecar.checks import check_redis, check_shm, check_sources, check_transforms
 from overlord.sidecar.membership import NodeMember
+from overlord.sidecar.mode import lock_path
+from overlord.sidecar.mode import sidecar_running as sidecar_running  # where tests and tools look for it
 from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import RoleProcess, fork_role, preload
 from overlord.store import EmbeddedRedis, Keys, connect, redact
@@ -68,27 +69,8 @@ from overlord.store.schema import positions as read_positions
 
 log = logging.getLogger("overlord.sidecar")
 
-LOCK_NAME = "sidecar.lock"
 POLL_S = 0.02
 SHADOW_RESPAWN_S = 1.0  # after a promotion, when the replacement shadow starts
-
-
-def lock_path(job: Job) -> Path:
-    return job.run_path / LOCK_NAME
-
-
-def sidecar_running(job: Job) -> bool:
-    """Whether some process holds this job's sidecar lock on this node."""
-    path = lock_path(job)
-    if not path.exists():
-        return False
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fh, fcntl.LOCK_UN)
-        return False
 
 
 class Sidecar(NodeMember):

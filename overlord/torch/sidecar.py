@@ -20,7 +20,7 @@ import warnings
 from overlord.config import Job
 from overlord.errors import ConfigError, RemoteRoleError
 from overlord.sidecar import mode
-from overlord.sidecar.sidecar import sidecar_running
+from overlord.sidecar.mode import sidecar_running
 from overlord.store import Keys
 from overlord.store.client import password_env
 from overlord.store.schema import encode_position, position_field
