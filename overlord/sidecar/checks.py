@@ -30,9 +30,10 @@ import os
 import pyarrow as pa
 
 from overlord.config import Job, Source
-from overlord.errors import ConfigError, OverlordError, StartupError
+from overlord.errors import ConfigError, OverlordError, StartupError, StoreError
 from overlord.loader.formats import FORMATS, locations
 from overlord.shm import list_segments, segment_bytes
+from overlord.store import connect
 from overlord.transforms import build, resolve
 
 log = logging.getLogger("overlord.checks")
@@ -131,9 +132,6 @@ def check_shm_reservation(job: Job, loaders: int, path: str = SHM_PATH) -> None:
 
 
 def check_redis(url: str, timeout_s: float = 5.0) -> None:
-    from overlord.errors import StoreError
-    from overlord.store import connect
-
     try:
         connect(url, timeout_s=timeout_s, ride_through_s=0).close()
     except StoreError as exc:

@@ -10,10 +10,11 @@ dead (the trainer whose ring's creator died, or the sidecar started next) clears
 heartbeats of the dead processes of that node and drops a lease a dead Planner there
 held (`clear_dead`): the Planner moves the node's units within one placement check.
 
-`NodeMember` is the sidecar's side of it: registering the node, starting or joining
+`Membership` is the sidecar's side of it: registering the node, starting or joining
 the job under the `boot` lock, and starting the units the Planner placed here and
-stopping those it placed elsewhere. A unit starts only once no live process of it
-beats anywhere, so a role never runs twice.
+stopping those it placed elsewhere (through the sidecar's overlord.sidecar.supervision
+`Roles`). A unit starts only once no live process of it beats anywhere, so a role
+never runs twice.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from overlord.autoscale.apply import budget_of
 from overlord.config import Job
@@ -36,6 +37,9 @@ from overlord.runtime.placement import homes
 from overlord.shm import Ring, pid_alive, unlink_segment
 from overlord.store import Keys
 from overlord.store.schema import encode_record, planner_step
+
+if TYPE_CHECKING:  # typing only: trainers import this module (clear_dead), not the role processes
+    from overlord.sidecar.supervision import Roles
 
 log = logging.getLogger("overlord.membership")
 
@@ -74,29 +78,24 @@ def live_nodes(r, keys: Keys, nodes) -> set[str]:
     return {n for n, alive in zip(nodes, pipe.execute()) if alive}
 
 
-class NodeMember:
-    """The Sidecar's part in a job on several nodes (mixed into overlord.sidecar.Sidecar,
-    whose attributes and methods below it uses)."""
+class Membership:
+    """This node's part in a job on several nodes, for its sidecar.
 
-    # what the Sidecar provides (see Sidecar.__init__ and start)
-    job: Job
-    r: Any  # a redis client
-    keys: Keys
-    layout: Layout
-    url: str
-    children: dict[str, Any]  # role<index> -> RoleProcess
-    attempts: dict[str, int]
-    rings: list[Ring]
-    leaving: set[str]
-    fostered: dict[str, list[Ring]]
-    _placed_at: float
-    _errors_at: float
-    _spawn: Callable[..., Any]
-    _publish: Callable[[Any, Layout], None]
-    _layout: Callable[[], Layout]
-    _beat: Callable[[], None]
+    It reads only what neither autoscaling nor joining changes of `job` (its node, the
+    nodes, the mesh, the budget, ring sizes, Flight), and starts and stops units
+    through `roles`.
+    """
 
-    def _membership(self) -> dict:
+    def __init__(self, job: Job, keys: Keys, roles: Roles) -> None:
+        self.job, self.keys, self.roles = job, keys, roles
+        self.layout: Layout | None = None  # the job's, once booted
+        self.leaving: set[str] = set()  # units placed elsewhere now, stopping here
+        self.fostered: dict[str, list[Ring]] = {}  # constructor<h> of another node run here -> its client rings
+        self.made: list[Ring] = []  # every ring it created, for the sidecar to close on its way out
+        self._placed_at = 0.0
+        self._errors_at = 0.0
+
+    def offer(self) -> dict:
         """What this node offers the job (`nodes` hash): ranks, Flight address, budget."""
         budget = budget_of(self.job)
         host = os.environ.get("OVERLORD_FLIGHT_HOST") or socket.gethostname()  # the address other nodes dial
@@ -115,22 +114,32 @@ class NodeMember:
             "started": time.time(),
         }
 
-    def _boot(self) -> tuple[Layout, dict[str, str]]:
-        """Several nodes: start the job (the first sidecar up) or join it. One sidecar
-        at a time decides, under the `boot` lock; a joiner takes the job's sources
-        (partitions may have been sized by autoscale) and layout from Redis."""
+    def boot(
+        self,
+        r,
+        lay_out: Callable[[], Layout],
+        publish: Callable[[Layout], None],
+        beat: Callable[[], None],
+    ) -> tuple[Job | None, Layout, dict[str, str]]:
+        """Start the job (the first sidecar up: `lay_out` sizes and lays it out,
+        `publish` writes it) or join it. One sidecar at a time decides, under the `boot`
+        lock; a joiner takes the job's sources (partitions may have been sized by
+        autoscale) and layout from Redis. `beat` marks the node live before the lock
+        goes. Returns the job joined (None: this node started it), its layout and
+        the placement."""
         deadline = time.monotonic() + self.job.timeout_s
-        while not self.r.set(self.keys.boot, self.job.node, nx=True, px=BOOT_LOCK_MS):
+        while not r.set(self.keys.boot, self.job.node, nx=True, px=BOOT_LOCK_MS):
             if time.monotonic() > deadline:
                 raise OverlordError(
                     f"node {self.job.node!r}: another sidecar of job {self.job.name!r} held the "
                     f"boot lock ({self.keys.boot}) for {self.job.timeout_s:g}s"
                 )
             time.sleep(0.05)
+        joined = None
         try:
-            clear_dead(self.r, self.keys, self.job.node)  # what this node's previous sidecar left
-            others = live_nodes(self.r, self.keys, [n for n in self.job.node_ids if n != self.job.node])
-            stored, raw_layout = self.r.get(self.keys.job_config), self.r.get(self.keys.layout)
+            clear_dead(r, self.keys, self.job.node)  # what this node's previous sidecar left
+            others = live_nodes(r, self.keys, [n for n in self.job.node_ids if n != self.job.node])
+            stored, raw_layout = r.get(self.keys.job_config), r.get(self.keys.layout)
             if others and stored is not None and raw_layout is not None:
                 job = Job.from_dict(json.loads(stored))
                 if job.node_ids != self.job.node_ids or [s.name for s in job.sources] != [
@@ -141,35 +150,40 @@ class NodeMember:
                         f"sources {[s.name for s in self.job.sources]}, but the running job (nodes {sorted(others)}) has "
                         f"nodes {list(job.node_ids)} and sources {[s.name for s in job.sources]}; give every node the same config"
                     )
-                self.job = dataclasses.replace(self.job, sources=job.sources, loader_processes=job.loader_processes)
+                self.job = joined = dataclasses.replace(
+                    self.job, sources=job.sources, loader_processes=job.loader_processes
+                )
                 layout = Layout.from_json(raw_layout)
-                self.r.hset(self.keys.nodes, self.job.node, encode_record(self._membership()))
+                r.hset(self.keys.nodes, self.job.node, encode_record(self.offer()))
                 log.info("node %r joins job %r (live nodes: %s)", self.job.node, self.job.name, sorted(others))
             else:
-                layout = self._layout()
-                self._publish(self.r, layout)
-                # deferred: pyarrow.flight (gRPC) is loaded only when a job starts on several nodes
+                layout = lay_out()
+                publish(layout)
+                # deferred: pyarrow.flight is heavy; only the first sidecar of a job on several
+                # nodes needs it here (and trainers import this module, for clear_dead)
                 from overlord.remote.flight import job_token
 
-                job_token(self.job, create=True, r=self.r)  # before anyone can see the placement
-                self.r.delete(self.keys.placement)
-                self.r.hset(self.keys.placement, mapping=homes(self.job, layout))
+                job_token(self.job, create=True, r=r)  # before anyone can see the placement
+                r.delete(self.keys.placement)
+                r.hset(self.keys.placement, mapping=homes(self.job, layout))
                 log.info("node %r starts job %r on nodes %s", self.job.node, self.job.name, list(self.job.node_ids))
-            self._beat()  # live before the lock goes: the next sidecar joins
-            placement = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.placement).items()}
+            beat()  # live before the lock goes: the next sidecar joins
+            placement = {k.decode(): v.decode() for k, v in r.hgetall(self.keys.placement).items()}
         finally:
-            self.r.delete(self.keys.boot)
-        return layout, placement
+            r.delete(self.keys.boot)
+        self.layout = layout
+        return joined, layout, placement
 
-    def _follow_placement(self, placement: dict[str, str] | None = None) -> None:
-        """Start the units the Planner placed here, stop those it placed elsewhere."""
+    def follow(self, r, placement: dict[str, str] | None = None) -> None:
+        """Start the units the Planner placed here, stop those it placed elsewhere
+        (`placement`: as read at boot; else read now, at most every PLACEMENT_S)."""
         if placement is None:
             if time.monotonic() - self._placed_at < PLACEMENT_S:
                 return
-            placement = {k.decode(): v.decode() for k, v in self.r.hgetall(self.keys.placement).items()}
+            placement = {k.decode(): v.decode() for k, v in r.hgetall(self.keys.placement).items()}
         self._placed_at = time.monotonic()
         mine = {unit for unit, node in placement.items() if node == self.job.node}
-        for name, proc in list(self.children.items()):
+        for name, proc in list(self.roles.children.items()):
             if name != "planner0" and name not in mine and name not in self.leaving and proc.poll() is None:
                 log.warning(
                     "%s (pid %d) is placed on node %r now; stopping it here", name, proc.pid, placement.get(name)
@@ -177,25 +191,27 @@ class NodeMember:
                 proc.terminate()
                 self.leaving.add(name)
         for unit in sorted(mine):
-            if unit not in self.children and self._may_start(unit):
-                self._start_unit(unit)
+            if unit not in self.roles.children and self._may_start(r, unit):
+                self._start_unit(r, unit)
 
-    def _may_start(self, unit: str) -> bool:
+    def _may_start(self, r, unit: str) -> bool:
         """Whether `unit` is free to start here: no live process of it beats anywhere."""
         role, index = unit.rstrip("0123456789"), unit[len(unit.rstrip("0123456789")) :]
-        raw = self.r.get(self.keys.heartbeat(role, index))
+        raw = r.get(self.keys.heartbeat(role, index))
         if raw is None:
             return True
         beat = json.loads(raw)
         if beat.get("node") == self.job.node and not pid_alive(int(beat["pid"])):
-            self.r.delete(self.keys.heartbeat(role, index))  # this node's previous sidecar ran it
+            r.delete(self.keys.heartbeat(role, index))  # this node's previous sidecar ran it
             return True
         return False
 
-    def _start_unit(self, unit: str) -> None:
+    def _start_unit(self, r, unit: str) -> None:
         role, index = unit.rstrip("0123456789"), int(unit[len(unit.rstrip("0123456789")) :])
-        running = planner_step(self.r, self.keys) is not None  # the job began: recover from Redis
+        running = planner_step(r, self.keys) is not None  # the job began: recover from Redis
         if role == "constructor" and self.job.node_ids[index] != self.job.node:
+            if self.layout is None:
+                raise OverlordError(f"node {self.job.node!r}: {unit} placed here before the job was booted")
             # another node's DP groups: their trainers read these rings over Flight
             rings = []
             for dp in [d for d, h in enumerate(self.layout.constructor_of) if h == index]:
@@ -206,22 +222,26 @@ class NodeMember:
             for ring in self.fostered.pop(unit, []):
                 ring.close()
             self.fostered[unit] = rings
-            self.rings.extend(rings)
+            self.made.extend(rings)
             log.warning("running %s for node %r (its sidecar is down)", unit, self.job.node_ids[index])
-        self._spawn(role, index, self.url, attempt=max(self.attempts.get(unit, 0), int(running)))
+        self.roles.spawn(role, index, attempt=max(self.roles.attempts.get(unit, 0), int(running)))
 
-    def _retire(self, codes: dict[str, int | None]) -> None:
+    def fostered_rings(self) -> list[Ring]:
+        """The client rings of other nodes' Data Constructors run here."""
+        return [ring for rings in self.fostered.values() for ring in rings]
+
+    def retire(self, codes: dict[str, int | None]) -> None:
         """Forget units that stopped because they were placed elsewhere."""
         for name in [n for n in self.leaving if codes.get(n) is not None]:
             self.leaving.discard(name)
             codes.pop(name)
-            self.children.pop(name)
+            self.roles.forget(name)
 
-    def _remote_failure(self) -> str | None:
+    def remote_failure(self, r) -> str | None:
         """Several nodes: a role on another node failed with an error (every trainer
         must hear it, not only those of that node)."""
         if time.monotonic() - self._errors_at < 0.5:
             return None
         self._errors_at = time.monotonic()
-        raw = self.r.lindex(self.keys.errors, 0)
+        raw = r.lindex(self.keys.errors, 0)
         return json.loads(raw)["message"] if raw else None

@@ -6,23 +6,12 @@ remove shared-memory segments left by dead owners, start the embedded redis-serv
 ring, then start the Planner, the Source Loader processes and the Data Constructor
 host as child processes that die with the sidecar (PR_SET_PDEATHSIG).
 
-While running it watches the children. A child that fails has pushed its error record
-to Redis; the sidecar copies that message into every trainer's ring, so the trainer
-raises it with its origin, then stops the job. A child that was killed (a signal, not
-an error of its own) is restarted, up to `Job.max_restarts` times per role, and
-recovers from Redis:
-
-- the Planner: its lease is dropped at once, and the new one leads from the newest
-  checkpoint;
-- a Source Loader process with a shadow: its heartbeat is dropped, so the Planner
-  promotes the shadow; a new shadow is started behind it;
-- one without a shadow (or a shadow): started again, rebuilding its read buffers
-  from the planner checkpoint of the earliest unfinished step;
-- the Data Constructor host: started again at the step after the last one written.
-
-A loader process that dies inside a transform (its in-flight table,
-overlord/loader/inflight.py, names the sample) is reported with that sample's source,
-file and row; one killed twice in a row on the same sample is not restarted again.
+While running it watches the children (overlord.sidecar.supervision: a child killed by
+a signal is restarted within `Job.max_restarts` and recovers from Redis; one that
+failed ends the job). A failure's message goes into every trainer's ring, so the
+trainer raises it with its origin. On several nodes it follows the Planner's
+placement (overlord.sidecar.membership); with `--resume` it first waits for the
+trainers' positions (overlord.sidecar.resume).
 
 The embedded redis-server is restarted too (from its append-only file) if it dies;
 the roles ride through the gap (see overlord.store.client). On the way out every ring
@@ -47,33 +36,29 @@ import redis
 from overlord.autoscale.apply import autoscale
 from overlord.config import Job
 from overlord.errors import OverlordError
-from overlord.loader.inflight import inflight_path, last_samples
 from overlord.logs import log_context
 from overlord.metrics import metrics_host, start_metrics_process
-from overlord.plan.checkpoint import Checkpoints
 from overlord.runtime.flow import HEARTBEAT_S, set_on_signal
 from overlord.runtime.layout import Layout, client_ring, sample_ring
-from overlord.runtime.lease import release_dead
 from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.shm import pid_alive as _alive
-from overlord.sidecar import mode
+from overlord.sidecar import mode, resume
 from overlord.sidecar.checks import check_redis, check_shm, check_sources, check_transforms
-from overlord.sidecar.membership import NodeMember
+from overlord.sidecar.membership import Membership
 from overlord.sidecar.mode import lock_path
 from overlord.sidecar.mode import sidecar_running as sidecar_running  # where tests and tools look for it
 from overlord.sidecar.role import HEARTBEAT_TTL_S
-from overlord.sidecar.spawn import RoleProcess, fork_role, preload
+from overlord.sidecar.spawn import preload
+from overlord.sidecar.supervision import Roles
 from overlord.store import EmbeddedRedis, Keys, connect, redact
-from overlord.store.schema import PLANNER_DONE, PLANNER_UPDATED, RESUME_STEP, encode_record, skip_field
-from overlord.store.schema import positions as read_positions
+from overlord.store.schema import encode_record
 
 log = logging.getLogger("overlord.sidecar")
 
 POLL_S = 0.02
-SHADOW_RESPAWN_S = 1.0  # after a promotion, when the replacement shadow starts
 
 
-class Sidecar(NodeMember):
+class Sidecar:
     """Runs one job's roles on this node.
 
     Args:
@@ -96,10 +81,8 @@ class Sidecar(NodeMember):
         self.keys = Keys(job.name)
         self.run_dir = job.run_path
         self.redis: EmbeddedRedis | None = None
-        self.children: dict[str, RoleProcess] = {}
-        self.attempts: dict[str, int] = {}  # role<index> -> restarts so far
-        self.awaiting: dict[int, float] = {}  # loader process -> when its shadow's promotion was awaited
-        self.shadow_due: dict[int, float] = {}  # loader process -> when to start its new shadow
+        self.roles = Roles(job, self.keys, self.run_dir)  # the role processes it runs
+        self.membership = Membership(job, self.keys, self.roles)  # several nodes: its part in the job
         self.rings: list[Ring] = []
         self.client_rings: dict[int, Ring] = {}
         self.stop = threading.Event()
@@ -109,13 +92,6 @@ class Sidecar(NodeMember):
         self.services: dict[str, tuple[Callable[[], subprocess.Popen], subprocess.Popen]] = {}
         self._beaten = 0.0  # when the node heartbeat was last written (monotonic)
         self._state_checked = 0.0  # when Redis was last seen holding the job's state (monotonic)
-        # several nodes: which units run here follows the Planner's `placement` hash
-        self.leaving: set[str] = set()  # units placed elsewhere now, stopping here
-        self.fostered: dict[str, list[Ring]] = {}  # constructor<h> of another node run here -> its client rings
-        self._placed_at = 0.0
-        self._errors_at = 0.0
-        self.deaths: dict[int, tuple[tuple, str] | None] = {}  # pid of a dead loader process -> its sample
-        self.poisoned: dict[int, tuple] = {}  # loader process -> the sample its last death in a transform was on
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -140,8 +116,10 @@ class Sidecar(NodeMember):
         self.redis = EmbeddedRedis(self.run_dir).start()
         return self.redis.url
 
-    def _publish(self, r, layout: Layout) -> None:
-        # forget the last run's plans, metadata and errors; a resume keeps the checkpoints
+    def _publish(self, layout: Layout) -> None:
+        """Publish the job, its layout and this node, after forgetting the last run's
+        plans, metadata and errors (a resume keeps the checkpoints)."""
+        r = self.r
         keep = (
             {self.keys.ckpt.encode(), self.keys.ckpt_delta.encode(), self.keys.ckpt_layout.encode()}
             if self.resume
@@ -155,18 +133,12 @@ class Sidecar(NodeMember):
         if stale:
             r.delete(*stale)
         if self.resume:
-            previous = r.get(self.keys.ckpt_layout)
-            if previous is not None and json.loads(previous) != _streams_of(layout):
-                raise OverlordError(
-                    f"cannot resume job {self.job.name!r}: its sources or partitions changed since the "
-                    "checkpoints were written (their cursors are per source partition); start it fresh "
-                    "(without --resume)"
-                )
+            resume.check_layout(self.job, r, self.keys, layout)
         pipe = r.pipeline(transaction=True)
         pipe.set(self.keys.job_config, self.job.to_json())
         pipe.set(self.keys.layout, layout.to_json())
-        pipe.set(self.keys.ckpt_layout, json.dumps(_streams_of(layout)))
-        pipe.hset(self.keys.nodes, self.job.node, encode_record(self._membership()))
+        pipe.set(self.keys.ckpt_layout, json.dumps(resume.streams_of(layout)))
+        pipe.hset(self.keys.nodes, self.job.node, encode_record(self.membership.offer()))
         pipe.execute()
 
     def _beat(self) -> None:
@@ -193,66 +165,6 @@ class Sidecar(NodeMember):
             self.rings.append(ring)
             self.client_rings[rank] = ring
 
-    def _await_positions(self) -> bool:
-        """Wait for every trainer's `load_state_dict` position, then fix the resume step
-        (the earliest) and how many micro-batches each rank already consumed past it.
-        Returns whether every rank is past the last step of a finite job (nothing to run)."""
-        world, mb = self.job.mesh.world_size, self.job.batch.micro_batches
-        deadline = time.monotonic() + self.job.timeout_s
-        while True:
-            raw = self.r.hgetall(self.keys.resume)
-            positions = read_positions(raw, world)
-            if len(positions) == world:
-                break
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(world)) - set(positions))
-                raise OverlordError(
-                    f"resuming job {self.job.name!r}: rank(s) {missing} did not report a position within "
-                    f"{self.job.timeout_s:g}s; every trainer must call DataLoader.load_state_dict() before iterating"
-                )
-            time.sleep(POLL_S)
-        step = min(p[0] for p in positions.values())
-        kept = Checkpoints(self.keys).steps(self.r)
-        if step not in kept:
-            raise OverlordError(
-                f"resuming job {self.job.name!r} at step {step}: no planner checkpoint for it "
-                f"(kept: steps {kept[:1]}..{kept[-1:]}); the trainers' state is older than what Redis kept"
-            )
-        later = [s for s in kept if s > step]  # the old run's future: the resumed run writes its own
-        if later:
-            self.r.hdel(self.keys.ckpt, *later)
-            self.r.hdel(self.keys.ckpt_delta, *later)
-        mapping = {RESUME_STEP: step, **{skip_field(r): (p[0] - step) * mb + p[1] for r, p in positions.items()}}
-        self.r.hset(self.keys.resume, mapping=mapping)
-        mode.write(self.job, resume=True, decided=True, spawned=mode.spawned_here())
-        log.info(
-            "resuming job %r at step %d (micro-batches already consumed per rank: %s)",
-            self.job.name,
-            step,
-            {r: mapping[skip_field(r)] for r in positions},
-        )
-        # the state before `step` says the job's last step came before it
-        return bool(Checkpoints(self.keys).load(self.r, step).get("done"))
-
-    def _end_at_once(self) -> None:
-        """A resume after the last step of a finite job: start no role, mark the job done
-        and close every client ring, so each trainer's iteration ends at once (the ring
-        drains, then says closed) instead of waiting for batches no step will bring."""
-        log.info(
-            "resuming job %r after its last step: nothing left to deliver; the trainers' iteration ends", self.job.name
-        )
-        self.r.hset(self.keys.planner, mapping={PLANNER_DONE: 1, PLANNER_UPDATED: time.time()})
-        for ring in self.client_rings.values():
-            ring.close_writer()
-
-    def _spawn(self, role: str, index: int, url: str, attempt: int = 0) -> RoleProcess:
-        proc = fork_role(role, index, self.run_dir, url, attempt)
-        proc.role, proc.index = role, index
-        self.children[f"{role}{index}"] = proc
-        if role == "loader":
-            self.r.hset(self.keys.active, index, proc.pid)
-        return proc
-
     def _serve(self, name: str, start: Callable[[], subprocess.Popen]) -> None:
         self.services[name] = (start, start())
 
@@ -264,6 +176,9 @@ class Sidecar(NodeMember):
         return Layout.plan(self.job, partitioning)
 
     def start(self) -> None:
+        """Take the lock, start or reach the job's Redis, publish the job (or join it),
+        create the rings and start the roles (or, for a resume, wait for the trainers'
+        positions first)."""
         log_context(self.job.name, self.job.node)
         check_sources(self.job)  # before anything starts: a wrong path is the commonest mistake
         check_transforms(self.job)  # a transform that does not import is named now, not at the first batch
@@ -279,24 +194,27 @@ class Sidecar(NodeMember):
         # short: the watch loop goes on without Redis (restarting an embedded one that died);
         # its roles and trainers are the ones that wait up to Job.redis_outage_s
         self.r = connect(url, ride_through_s=1.0, setting="the sidecar's retry before its loop goes on")
+        self.url = url
+        self.roles.use(self.r, url)
         if self.job.multi_node:
-            layout, placement = self._boot()
+            joined, layout, placement = self.membership.boot(self.r, self._layout, self._publish, self._beat)
+            self.job = joined or self.job
         else:
             layout, placement = self._layout(), None
         check_shm(self.job, layout.loaders)
         (self.run_dir / "job.json").write_text(self.job.to_json())
         if placement is None:
-            self._publish(self.r, layout)
+            self._publish(layout)
         self._create_rings(layout)
         # what a trainer that loads a state finds here (overlord.sidecar.mode)
         mode.write(self.job, resume=self.resume, decided=False, spawned=mode.spawned_here())
-        if self.resume and self._await_positions():
-            self._end_at_once()
+        if self.resume and resume.await_positions(self.job, self.r, self.keys):
+            resume.end_at_once(self.job, self.r, self.keys, list(self.client_rings.values()))
             return
         preload()
-        self.url, self.layout = url, layout
         if self.job.flight_port:
-            # deferred: pyarrow.flight (gRPC) is loaded only by jobs that serve rings to other nodes
+            # deferred: pyarrow.flight (gRPC) is heavy; only a job that serves rings to
+            # other nodes loads it
             from overlord.remote.flight import job_token, start_server_process
 
             token = job_token(self.job, create=True, r=self.r)
@@ -304,17 +222,17 @@ class Sidecar(NodeMember):
         if self.job.metrics_port:
             self._serve("the metrics endpoint", lambda: start_metrics_process(self.job, self.run_dir, url))
         self.r.connection_pool.disconnect()  # children open their own connections
-        self._spawn("planner", 0, url)  # on several nodes: one per node, one leads
+        self.roles.spawn("planner", 0)  # on several nodes: one per node, one leads
         if placement is not None:
             self._beat()
-            self._follow_placement(placement)
+            self.membership.follow(self.r, placement)
         else:
             for i in range(layout.loaders):
-                self._spawn("loader", i, url)
+                self.roles.spawn("loader", i)
             for i in layout.shadowed:
-                self._spawn("shadow", i, url)
+                self.roles.spawn("shadow", i)
             for i in range(layout.constructor_hosts):
-                self._spawn("constructor", i, url)
+                self.roles.spawn("constructor", i)
         if self.job.flight_port:
             log.info(
                 "serving rings over Arrow Flight on port %d%s",
@@ -337,75 +255,6 @@ class Sidecar(NodeMember):
 
     # -- watching ------------------------------------------------------------------------
 
-    def _failure_message(self, name: str, code: int) -> str:
-        try:
-            raw = self.r.lindex(self.keys.errors, 0)
-        except Exception:  # noqa: BLE001 - Redis itself may be the casualty
-            raw = None
-        died = self._died_in_transform(name, code)
-        if code < 0 and self.attempts.get(name, 0) >= self.job.max_restarts:
-            proc = self.children[name]
-            return (
-                f"{name} (pid {proc.pid}) on node {self.job.node!r} was killed by signal {-code} after "
-                f"{self.attempts[name]} restarts (Job.max_restarts); see {self.run_dir / (name + '.log')}"
-                + (f"; it died {died[1].split(' died ', 1)[1]}" if died else "")
-            )
-        if raw:
-            return json.loads(raw)["message"]
-        if died:
-            return self._death_message(name, died[1], again=False)
-        proc = self.children[name]
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        return (
-            f"{name} (pid {proc.pid}) on node {self.job.node!r} {how} without reporting an error; "
-            f"see {self.run_dir / (name + '.log')}"
-        )
-
-    def _died_in_transform(self, name: str, code: int) -> tuple[tuple, str] | None:
-        """For a loader process (active or shadow) that died: (the sample, a sentence
-        naming it) when its in-flight table (overlord/loader/inflight.py) shows it was
-        inside a transform; None otherwise. Read once per death (the table goes)."""
-        proc = self.children[name]
-        if proc.pid in self.deaths:
-            return self.deaths[proc.pid]
-        found = None
-        if proc.role in ("loader", "shadow"):
-            path = inflight_path(self.run_dir, proc.pid)
-            samples = last_samples(path)
-            path.unlink(missing_ok=True)
-            if samples:
-                what, key, _ = samples[0]
-                how = f"by signal {-code} ({_signal_name(-code)})" if code < 0 else f"with status {code}"
-                found = (key, f"{name} (pid {proc.pid}) on node {self.job.node!r} died {how} while transforming {what}")
-        self.deaths[proc.pid] = found
-        return found
-
-    def _death_message(self, name: str, sentence: str, again: bool) -> str:
-        """The job's error for a loader process that died in a transform; also pushed as
-        the job's error record (what `overlord status` and trainers on other nodes read)."""
-        times = "twice in a row (not restarted again)" if again else "without reporting an error"
-        message = (
-            f"{sentence}, {times}; see {self.run_dir / (name + '.log')}. Fix the transform for that row (something "
-            "in it ends the process: os._exit, a signal, a crash in native code; or the OOM killer took it: see "
-            "dmesg). on_error: skip does not skip it: a skip is decided by the file's bytes alone, so that every "
-            "active, shadow and restarted loader makes it alike, and a death is not"
-        )
-        proc = self.children[name]
-        record = {
-            "role": proc.role,
-            "index": proc.index,
-            "node": self.job.node,
-            "pid": proc.pid,
-            "type": "LoaderDied",
-            "message": message,
-            "time": time.time(),
-        }
-        try:
-            self.r.rpush(self.keys.errors, json.dumps(record))
-        except redis.RedisError:
-            pass  # the trainers of this node hear it from their rings all the same
-        return message
-
     def _clients_gone(self) -> bool:
         """True once every client that attached has exited (and at least one attached)."""
         seen = [ring.consumer_pid for ring in self.client_rings.values() if ring.consumer_pid]
@@ -415,7 +264,7 @@ class Sidecar(NodeMember):
         """Every client ring is read to the end, or its trainer attached and exited."""
         return all(
             ring.pending() == 0 or (ring.consumer_pid and not _alive(ring.consumer_pid))
-            for ring in [*self.client_rings.values(), *(r for rings in self.fostered.values() for r in rings)]
+            for ring in [*self.client_rings.values(), *self.membership.fostered_rings()]
         )
 
     # -- recovery ------------------------------------------------------------------------
@@ -430,79 +279,6 @@ class Sidecar(NodeMember):
         self.redis.proc = None
         self.redis.start()
 
-    def _restartable(self, name: str, code: int) -> bool:
-        """A role killed by a signal is restarted (within its budget); one that failed
-        with an error of its own would fail again: that ends the job."""
-        return code < 0 and self.attempts.get(name, 0) < self.job.max_restarts
-
-    def _dying_again(self, killed: list[str], codes: dict) -> str | None:
-        """The error for a loader process killed inside a transform on the same sample
-        as its last death (a restart would die there again); remembers the others'."""
-        for name in killed:
-            died = self._died_in_transform(name, codes[name])
-            index = self.children[name].index
-            if died is None:
-                self.poisoned.pop(index, None)  # died elsewhere: "in a row" starts again
-                continue
-            if self.poisoned.get(index) == died[0]:
-                return self._death_message(name, died[1], again=True)
-            self.poisoned[index] = died[0]
-            log.warning("%s; restarting it once more", died[1])
-        return None
-
-    def _restart(self, name: str) -> None:
-        proc = self.children.pop(name)
-        role, index = proc.role, proc.index
-        attempt = self.attempts[name] = self.attempts.get(name, 0) + 1
-        self.r.hincrby(self.keys.restarts, name, 1)
-        beat = self.r.get(self.keys.heartbeat(role, str(index)))
-        if beat is not None and json.loads(beat).get("pid") == proc.pid:
-            self.r.delete(self.keys.heartbeat(role, str(index)))  # its heartbeat lapses now, not at its TTL
-        if role == "planner":
-            release_dead(self.r, self.keys, proc.pid, self.job.node)
-        shadow = self.children.get(f"shadow{index}")
-        if role == "loader" and shadow is not None and shadow.poll() is None:
-            log.warning("%s (pid %d) was killed; the Planner promotes its shadow (pid %d)", name, proc.pid, shadow.pid)
-            self.awaiting[index] = time.monotonic()
-            return
-        log.warning(
-            "%s (pid %d) was killed; restarting it (restart %d of %d)", name, proc.pid, attempt, self.job.max_restarts
-        )
-        self._spawn(role, index, self.url, attempt)
-
-    def _promoted(self) -> None:
-        """A shadow the Planner promoted is the active loader now: start a new shadow."""
-        for k, since in list(self.awaiting.items()):
-            shadow = self.children[f"shadow{k}"]
-            active = self.r.hget(self.keys.active, k)
-            if active is not None and int(active) == shadow.pid:
-                del self.awaiting[k]
-                shadow.role = "loader"
-                self.children[f"loader{k}"] = self.children.pop(f"shadow{k}")
-                # not at once: the new shadow's reading would take CPU from the promoted
-                # loader just when it catches up
-                self.shadow_due[k] = time.monotonic() + SHADOW_RESPAWN_S
-                log.info(
-                    "loader process %d: shadow pid %d promoted; a new shadow starts in %.0fs",
-                    k,
-                    shadow.pid,
-                    SHADOW_RESPAWN_S,
-                )
-            elif time.monotonic() - since > self.job.timeout_s:
-                del self.awaiting[k]
-                log.warning(
-                    "loader process %d: no promotion within %.0fs (is the Planner up?); restarting it",
-                    k,
-                    self.job.timeout_s,
-                )
-                self._spawn("loader", k, self.url, self.attempts.get(f"loader{k}", 1))
-
-    def _start_due_shadows(self) -> None:
-        for k, due in list(self.shadow_due.items()):
-            if time.monotonic() >= due:
-                del self.shadow_due[k]
-                self._spawn("shadow", k, self.url, self.attempts.get(f"loader{k}", 1))
-
     def watch(self) -> int:
         """Supervise until the job ends, a role fails, or a stop is requested; 0 on success."""
         started = time.monotonic()
@@ -515,39 +291,36 @@ class Sidecar(NodeMember):
                     log.warning("%s (pid %d) exited with %s; starting it again", name, proc.pid, proc.returncode)
                     self._serve(name, start)
             self._beat()
-            codes = {name: proc.poll() for name, proc in self.children.items()}
+            codes = self.roles.codes()
             lost = self._lost_state(failing=any(c not in (None, 0) for c in codes.values()))
             if lost is not None:
                 return self._fail(lost)
             try:
                 if self.job.multi_node:
-                    self._retire(codes)
-                    self._follow_placement()
-                    message = self._remote_failure()
+                    self.membership.retire(codes)
+                    self.membership.follow(self.r)
+                    message = self.membership.remote_failure(self.r)
                     if message is not None:
                         return self._fail(message)
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("Redis unreachable while following the placement (%s); retrying", exc)
                 continue
-            killed = [n for n, c in codes.items() if c is not None and c != 0 and self._restartable(n, c)]
-            again = self._dying_again(killed, codes)
+            killed = [n for n, c in codes.items() if c is not None and c != 0 and self.roles.restartable(n, c)]
+            again = self.roles.dying_again(killed, codes)
             if again is not None:
                 return self._fail(again)
             try:
                 for name in killed:
-                    self._restart(name)
+                    self.roles.restart(name)
                     codes.pop(name)
-                if self.awaiting:
-                    self._promoted()
-                if self.shadow_due:
-                    self._start_due_shadows()
+                self.roles.follow_promotions()
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 log.warning("Redis unreachable while recovering a role (%s); retrying", exc)
                 continue
             failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]
             if failed:
-                return self._fail(self._failure_message(*failed[0]))
-            if not self.awaiting and all(c == 0 for c in codes.values()):
+                return self._fail(self.roles.failure_message(*failed[0]))
+            if not self.roles.awaiting and all(c == 0 for c in codes.values()):
                 finished = finished or time.monotonic()
                 if self._drained() or time.monotonic() - finished > self.job.timeout_s:
                     return 0
@@ -582,7 +355,7 @@ class Sidecar(NodeMember):
 
     def _fail(self, message: str) -> int:
         log.error("%s", message)
-        for ring in [*self.client_rings.values(), *(r for rings in self.fostered.values() for r in rings)]:
+        for ring in [*self.client_rings.values(), *self.membership.fostered_rings()]:
             ring.set_error(message)
         self._grace_for_clients()
         return 1
@@ -608,17 +381,8 @@ class Sidecar(NodeMember):
                 service.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 service.kill()
-        for proc in self.children.values():
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 5.0
-        for proc in self.children.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
-                proc.kill()
-                proc.wait(timeout=5)
-        for ring in self.rings:
+        self.roles.stop()
+        for ring in [*self.rings, *self.membership.made]:
             ring.close()
         unlink_all(self.job.name, self.job.node)
         if self.redis is not None:
@@ -640,16 +404,3 @@ class Sidecar(NodeMember):
             # puts the default action back while it finalizes, so ignore these instead.
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def _streams_of(layout: Layout) -> dict:
-    """What planner checkpoints depend on: the streams (source partitions), not which
-    process hosts them or how many DP groups there are."""
-    return {"streams": layout.streams, "stream_source": layout.stream_source}
