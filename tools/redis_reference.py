@@ -1,4 +1,4 @@
-"""Render docs/reference/redis.md, the Redis reference, from `overlord.store.schema.SCHEMA`.
+"""Render docs/reference/redis.md, the Redis reference, from `overlord.store.catalog.SCHEMA`.
 
 One row per key of a job: pattern, type, fields and their encoding, writer, reader, TTL
 and a `redis-cli` command that shows it.
@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "reference" / "redis.md"
 sys.path.insert(0, str(ROOT))
 
+from overlord.store.catalog import SCHEMA, Key  # noqa: E402
 from overlord.store.keys import PREFIX  # noqa: E402  (after the path above)
-from overlord.store.schema import SCHEMA, Key  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/_reference.py, however this file is loaded
 import _reference  # noqa: E402

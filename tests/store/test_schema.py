@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from overlord.store import Keys, schema
+from overlord.store import Keys, catalog, schema
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,8 +32,8 @@ def test_redis_reference_is_current(tool, capsys):
 def test_schema_describes_every_key_and_matches_the_key_names():
     keys = Keys("j")
     built = {n for n in dir(Keys) if not n.startswith("_")} - {"job", "base", "pattern", "heartbeat_pattern"}
-    assert {k.attr for k in schema.SCHEMA} == built
-    for k in schema.SCHEMA:
+    assert {k.attr for k in catalog.SCHEMA} == built
+    for k in catalog.SCHEMA:
         value = getattr(keys, k.attr)
         if callable(value):  # fill the <placeholders> in order
             args = re.findall(r"<(\w+)>", k.suffix)
@@ -174,7 +174,7 @@ def test_value_encodings_are_byte_identical_to_what_runs_today():
 
 
 def test_the_reference_spells_fields_with_the_constants():
-    fields = {k.attr: [f.name for f in k.fields] for k in schema.SCHEMA}
+    fields = {k.attr: [f.name for f in k.fields] for k in catalog.SCHEMA}
     assert fields["planner"][0] == schema.PLANNER_STEP and schema.PLANNER_NODE_PRESSURE in fields["planner"]
     assert fields["plans"] == [", ".join(schema.PLANS_FIELDS)]
     assert fields["scaling"] == [", ".join(schema.SCALING_FIELDS)]

@@ -1,0 +1,443 @@
+"""The Redis schema as data: every key of a job, what it holds, who writes and reads it.
+
+`SCHEMA` spells each field with the names `overlord.store.schema` defines, so the table
+cannot drift from what runs: `tools/redis_reference.py` renders it into
+docs/reference/redis.md, and a test fails when that file is stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overlord.store.schema import (
+    BUILT,
+    CONSUMED,
+    COUNTER_DROPPED_LAST,
+    COUNTER_OVER_BUDGET,
+    LOADER_STATS,
+    META_ARRAYS,
+    META_ENDED,
+    META_EPOCH,
+    META_FINAL,
+    META_TOKEN,
+    MOVE_FIELDS,
+    PLANNER_DONE,
+    PLANNER_DURABLE,
+    PLANNER_DURABLE_MS,
+    PLANNER_LEADER_SINCE,
+    PLANNER_LEASE,
+    PLANNER_NODE_PRESSURE,
+    PLANNER_PRESSURE,
+    PLANNER_STEP,
+    PLANNER_TOKEN,
+    PLANNER_UPDATED,
+    PLANS_FIELDS,
+    POSITION,
+    PROMOTION_FIELDS,
+    REPLAY,
+    RESUME_STEP,
+    REWIND,
+    SCALING_FIELDS,
+    SKIP,
+    SKIPPED,
+    SKIPPED_FILE,
+    SKIPPED_GROUPS,
+    SKIPPED_ROWS,
+    TRAINER_STATS,
+    TRUNCATED,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One hash field or stream entry field and its encoding."""
+
+    name: str
+    encoding: str
+    doc: str
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One key of a job: its `Keys` attribute, pattern, type, fields, writer, reader, TTL."""
+
+    attr: str
+    suffix: str
+    type: str
+    doc: str
+    writer: str
+    reader: str
+    ttl: str = "none"
+    fields: tuple[Field, ...] = ()
+    example: str = ""
+
+
+SCHEMA: tuple[Key, ...] = (
+    Key(
+        "job_config",
+        "job",
+        "string",
+        "the job's config (JSON of `Job.to_dict()`)",
+        "sidecar",
+        "sidecars, trainers",
+        example="GET",
+    ),
+    Key(
+        "layout",
+        "layout",
+        "string",
+        "JSON: which loader process hosts which stream",
+        "sidecar",
+        "every role",
+        example="GET",
+    ),
+    Key(
+        "planner",
+        "planner",
+        "hash",
+        "the Planner's state",
+        "Planner, sidecar (done)",
+        "loaders, sidecar, status",
+        fields=(
+            Field(PLANNER_STEP, "int", "last step planned"),
+            Field(PLANNER_UPDATED, "float (unix time)", "when it was"),
+            Field(PLANNER_DONE, "1", "the last step is planned (or the job ended)"),
+            Field(
+                PLANNER_TOKEN, "int", "planning generation of the leading Planner (fence); loaders tag reports with it"
+            ),
+            Field(PLANNER_LEASE, "int", "the leader's lease token"),
+            Field(PLANNER_LEADER_SINCE, "float (unix time)", "when it took the lead"),
+            Field(PLANNER_PRESSURE, "float", "transform CPU demand over budget"),
+            Field(PLANNER_NODE_PRESSURE, "JSON {node: float}", "per node, several nodes"),
+            Field(PLANNER_DURABLE, "int", "last step whose plan and checkpoint are durable (WAITAOF / WAIT)"),
+            Field(PLANNER_DURABLE_MS, "float", "how long the previous step's durable wait took, ms"),
+        ),
+        example="HGETALL",
+    ),
+    Key(
+        "plan",
+        "plan:<step>",
+        "string",
+        "the step's plan (JSON: per DP group, per micro-batch, [stream, epoch, seq])",
+        "Planner",
+        "loaders, constructors",
+        ttl="1 h (PLAN_TTL_S)",
+        example="GET {k}",
+    ),
+    Key(
+        "plans",
+        "plans",
+        "stream",
+        "one entry per plan, id <step+1>-0",
+        "Planner",
+        "loaders (XREAD to wake)",
+        fields=(Field(", ".join(PLANS_FIELDS), "int, 0 | 1", "the step published; whether it is the job's last"),),
+        example="XREVRANGE {k} + - COUNT 5",
+    ),
+    Key(
+        "meta",
+        "meta:<stream>",
+        "stream",
+        "buffer metadata of one Source Loader stream (overlord.plan.meta): one entry per chunk of samples "
+        "that entered its read buffer, in its order",
+        "Source Loader",
+        "Planner",
+        fields=(
+            *(Field(name, f"bytes ({dt[1:]} little-endian, one per sample)", "") for name, dt in META_ARRAYS.items()),
+            Field(META_EPOCH, "ASCII int", "epoch of every sample in the chunk"),
+            Field(META_ENDED, "ASCII JSON [[epoch, samples delivered], ...]", "epochs completed"),
+            Field(META_FINAL, "0 | 1", "the loader has read every configured epoch"),
+            Field(META_TOKEN, "ASCII int", "the Planner generation (planner token) the loader reported to"),
+        ),
+        example="XLEN",
+    ),
+    Key(
+        "progress",
+        "progress",
+        "hash",
+        "how far each DP group got",
+        "Data Constructors, trainers' marks",
+        "Planner, loaders, status",
+        fields=(
+            Field(f"{BUILT}<dp>", "int", "last step Data Constructor dp wrote to its clients' rings"),
+            Field(
+                f"{CONSUMED}<dp>",
+                "int",
+                "trainers' mark: 1 + the step of the last batch every rank of the group was handed",
+            ),
+            Field(f"{REPLAY}<dp>", "<pid>.<time>:<step>", "replay request of a restarted Data Constructor"),
+        ),
+        example="HGETALL",
+    ),
+    Key(
+        "progressed",
+        "progressed",
+        "stream",
+        f"one entry per rise of a {BUILT}<dp> or {CONSUMED}<dp>; the Planner blocks on it",
+        "Data Constructors, marks",
+        "Planner",
+        fields=(Field(f"{BUILT} | {CONSUMED}", "int (dp)", "which field rose"),),
+        example="XLEN",
+    ),
+    Key(
+        "heartbeat",
+        "hb:<role>:<id>",
+        "string",
+        "heartbeat JSON {pid, node, time, loop_age (s since the main loop last turned), attempt, rss_mb}; roles planner, loader, shadow, constructor, sidecar",
+        "every role process, sidecar",
+        "sidecar, Planner, status",
+        ttl="5 s (HEARTBEAT_TTL_S)",
+        example="GET {k}",
+    ),
+    Key(
+        "nodes",
+        "nodes",
+        "hash",
+        "members of the job",
+        "sidecars",
+        "Planner, bridges, trainers",
+        fields=(
+            Field(
+                "<node>",
+                "JSON {pid, host, ranks, flight address, cpus, loader_cpus, memory_mb, started}",
+                "one per sidecar; its liveness is hb:sidecar:<node>",
+            ),
+        ),
+        example="HGETALL",
+    ),
+    Key(
+        "errors",
+        "errors",
+        "list",
+        "JSON error records {role, index, node, pid, message}",
+        "roles, sidecar",
+        "sidecar, status",
+        example="LRANGE {k} 0 -1",
+    ),
+    Key(
+        "counters",
+        "counters",
+        "hash",
+        "job-wide counts",
+        "loaders, constructors, Planner",
+        "status, metrics",
+        fields=(
+            Field(f"{SKIPPED}<stream>", "int", "rows the stream skipped, every cause (on_error: skip)"),
+            Field(f"{SKIPPED_FILE}<stream>:<uri>", "1", "the stream skips the file whole"),
+            Field(f"{SKIPPED_GROUPS}<stream>:<uri>", "int", "row groups of the file skipped (each unreadable)"),
+            Field(f"{SKIPPED_ROWS}<stream>:<uri>", "int", "rows of the file skipped"),
+            Field(f"{TRUNCATED}<dp>", "int", "samples Data Constructor dp truncated"),
+            Field(COUNTER_DROPPED_LAST, "int", "samples a finite job's end left undelivered"),
+            Field(COUNTER_OVER_BUDGET, "int", "scaling intervals over budget"),
+        ),
+        example="HGETALL",
+    ),
+    Key(
+        "metrics",
+        "metrics",
+        "hash",
+        "what the trainers reported",
+        "trainers",
+        "Planner (mixing feedback)",
+        fields=(Field("<rank>", "JSON {step, metrics}", "one per rank"),),
+        example="HGETALL",
+    ),
+    Key(
+        "demand",
+        "demand",
+        "hash",
+        "samples the Planner needs each stream to hold (when a step takes more than buffer_samples)",
+        "Planner",
+        "loaders",
+        fields=(Field("<stream>", "int", ""),),
+        example="HGETALL",
+    ),
+    Key(
+        "ckpt",
+        "ckpt",
+        "hash",
+        "full planner state (cursors, round robin, deferred, RNG, schedule) before a step's plan, every 64 steps (and the first), back to 1024 steps",
+        "Planner",
+        "Planner, sidecar",
+        fields=(Field("<step>", "JSON", ""),),
+        example="HKEYS",
+    ),
+    Key(
+        "ckpt_delta",
+        "ckpt-delta",
+        "hash",
+        "change of that state since the step before",
+        "Planner",
+        "Planner, sidecar",
+        fields=(Field("<step>", "JSON", ""),),
+        example="HKEYS",
+    ),
+    Key(
+        "ckpt_layout",
+        "ckpt-layout",
+        "string",
+        "the streams (JSON) the checkpoints belong to",
+        "sidecar",
+        "sidecar",
+        example="GET",
+    ),
+    Key(
+        "leader",
+        "leader",
+        "string",
+        "the Planner's lease (JSON {token, pid, node, since})",
+        "Planner",
+        "Planner, sidecar",
+        ttl="PX 3 s (LEASE_S)",
+        example="GET",
+    ),
+    Key(
+        "fence", "fence", "string", "fencing-token counter (INCR per lease taken)", "Planner", "Planner", example="GET"
+    ),
+    Key(
+        "active",
+        "active",
+        "hash",
+        "active Source Loader process per loader index",
+        "sidecar, Planner",
+        "loaders, status",
+        fields=(Field("<index>", "int (pid)", ""),),
+        example="HGETALL",
+    ),
+    Key(
+        "promotions",
+        "promotions",
+        "stream",
+        "one entry per Shadow Loader promoted",
+        "Planner",
+        "status",
+        fields=(Field(", ".join(PROMOTION_FIELDS), "str", ""),),
+        example="XRANGE {k} - +",
+    ),
+    Key(
+        "restarts",
+        "restarts",
+        "hash",
+        "times the sidecar restarted a role",
+        "sidecar",
+        "status, metrics",
+        fields=(Field("<role><index>", "int", ""),),
+        example="HGETALL",
+    ),
+    Key(
+        "profile",
+        "profile",
+        "hash",
+        "cost profile per stream, kept across runs",
+        "loaders",
+        "autoscale, cli",
+        fields=(
+            Field("<stream>", "JSON {samples, seconds, out_bytes, state_bytes, updated}", "what its samples cost"),
+        ),
+        example="HGETALL",
+    ),
+    Key(
+        "autoscale",
+        "autoscale",
+        "string",
+        "JSON {partitions per source, loader processes, costs_ms} chosen at start with autoscale",
+        "sidecar",
+        "Planner, status",
+        example="GET",
+    ),
+    Key(
+        "workers",
+        "workers",
+        "hash",
+        "transform workers the Planner's scaler set",
+        "Planner",
+        "loaders, status",
+        fields=(Field("<stream>", "int", ""),),
+        example="HGETALL",
+    ),
+    Key(
+        "scaling",
+        "scaling",
+        "stream",
+        "one entry per scaling decision",
+        "Planner",
+        "status",
+        fields=(Field(", ".join(SCALING_FIELDS), "str", ""),),
+        example="XREVRANGE {k} + - COUNT 10",
+    ),
+    Key(
+        "resume",
+        "resume",
+        "hash",
+        "where a resumed job starts",
+        "trainers, sidecar",
+        "sidecar, constructors, Planner",
+        fields=(
+            Field(RESUME_STEP, "int", "the step the job resumes at (sidecar)"),
+            Field(f"{POSITION}<rank>", "JSON [step, micro-batch]", "where trainer rank resumes (trainer)"),
+            Field(f"{SKIP}<rank>", "int", "batches of that step trainer rank already had (sidecar)"),
+            Field(f"{REWIND}<rank>", "JSON {pid, at}", "a trainer asking a spawned sidecar to restart earlier"),
+        ),
+        example="HGETALL",
+    ),
+    Key(
+        "placement",
+        "placement",
+        "hash",
+        "which node runs each unit (several nodes)",
+        "Planner, sidecar",
+        "sidecars, bridges, trainers",
+        fields=(Field("loader<k> | constructor<h>", "str (node)", ""),),
+        example="HGETALL",
+    ),
+    Key(
+        "placements",
+        "placements",
+        "stream",
+        "one entry per unit the Planner moved",
+        "Planner",
+        "status",
+        fields=(Field(", ".join(MOVE_FIELDS), "str", ""),),
+        example="XREVRANGE {k} + - COUNT 10",
+    ),
+    Key(
+        "flight_token",
+        "flight-token",
+        "string",
+        "the Flight token when $OVERLORD_FLIGHT_TOKEN is not set",
+        "first sidecar",
+        "sidecars",
+        example="EXISTS",
+    ),
+    Key(
+        "boot",
+        "boot",
+        "string",
+        "lock: one sidecar at a time decides fresh start or join",
+        "sidecar",
+        "sidecar",
+        ttl="PX 30 s (BOOT_LOCK_MS)",
+        example="GET",
+    ),
+    Key(
+        "stats",
+        "stats",
+        "hash",
+        "running totals for `overlord top` and /metrics",
+        "loaders, trainers",
+        "top, status, metrics",
+        fields=(
+            Field(
+                f"{LOADER_STATS}<k>",
+                "JSON {node, pid, time, step, kept_bytes, arrow_bytes, streams}",
+                "totals of loader process k, once a second",
+            ),
+            Field(
+                f"{TRAINER_STATS}<r>",
+                "JSON {node, pid, time, batches, wait_s, dropped, copies, step, done}",
+                "totals of trainer rank r, once a second",
+            ),
+        ),
+        example="HGETALL",
+    ),
+)
