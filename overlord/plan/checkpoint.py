@@ -24,6 +24,7 @@ lead to them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -59,7 +60,9 @@ class Checkpoints:
     def __init__(self, keys: Keys, *, every: int = SNAPSHOT_EVERY, keep: int = KEEP_STEPS) -> None:
         self.keys, self.every, self.keep = keys, every, max(keep, every)
 
-    def write(self, pipe: redis.client.Pipeline, step: int, delta: dict[str, Any] | None, full=None) -> None:
+    def write(
+        self, pipe: redis.client.Pipeline, step: int, delta: dict[str, Any] | None, full: Callable[[], dict[str, Any]]
+    ) -> None:
         """Queue the checkpoint of `step` (the state before its plan) on `pipe`.
 
         Args:
