@@ -159,8 +159,8 @@ class Membership:
             else:
                 layout = lay_out()
                 publish(layout)
-                # deferred: pyarrow.flight is heavy; only the first sidecar of a job on several
-                # nodes needs it here (and trainers import this module, for clear_dead)
+                # deferred: pyarrow.flight is heavy and trainers import this module (for
+                # clear_dead); a sidecar has it loaded already (its constructor host's bridge)
                 from overlord.remote.flight import job_token
 
                 job_token(self.job, create=True, r=r)  # before anyone can see the placement

@@ -38,6 +38,7 @@ from overlord.config import Job
 from overlord.errors import OverlordError
 from overlord.logs import log_context
 from overlord.metrics import metrics_host, start_metrics_process
+from overlord.remote.flight import job_token, start_server_process
 from overlord.runtime.flow import HEARTBEAT_S, set_on_signal
 from overlord.runtime.layout import Layout, client_ring, sample_ring
 from overlord.shm import Ring, cleanup_stale, unlink_all
@@ -213,10 +214,6 @@ class Sidecar:
             return
         preload()
         if self.job.flight_port:
-            # deferred: pyarrow.flight (gRPC) is heavy; only a job that serves rings to
-            # other nodes loads it
-            from overlord.remote.flight import job_token, start_server_process
-
             token = job_token(self.job, create=True, r=self.r)
             self._serve("the Flight endpoint", lambda: start_server_process(self.job, token, self.run_dir))
         if self.job.metrics_port:
