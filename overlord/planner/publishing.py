@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import redis
 
@@ -55,6 +56,7 @@ PLAN_KEEP_STEPS = 1024  # plans kept behind the slowest Data Constructor: a rest
 # constructor, or a shadow, reads from its step on (as far back as a trainer may resume)
 PRUNE_MAX = 64  # old plans deleted per published step, at most
 PUBLISH_TRIES = 5
+FSYNC_EVERY_S = 1.0  # how often a step waits for the primary's fsync (WAITAOF)
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class Publisher:
         """
         self.durable = Durability(r, timeout_s=durable_s)
         self.durable_ms = 0.0  # the last wait for a durable write
+        self.fsynced_at = 0.0  # monotonic: when the last step was confirmed in the fsynced append-only file
         self.r, self.keys, self.lease, self.ckpts, self.dp = r, keys, lease, ckpts, dp
         self.first = first
         # the job's first step: where trainers that consumed nothing yet stand
@@ -161,10 +164,21 @@ class Publisher:
 
         for _ in range(PUBLISH_TRIES):
             self._once(write, plan.step)
-            mark = {PLANNER_DURABLE: plan.step, PLANNER_DURABLE_MS: f"{self.durable_ms:.3f}"}
-            self.durable_ms = self.durable.acknowledge(
-                partial(self.lease.queue_fenced_hset, key=keys.planner, mapping=mark)
+            # the replicas every step (a failover loses what none has); the primary's
+            # fsync about once a second (WAITAOF waits for the server's next fsync,
+            # ~100 ms under appendfsync everysec) and on the last step
+            now = time.monotonic()
+            fsync = plan.last or now - self.fsynced_at >= FSYNC_EVERY_S or not self.durable.want.local
+            mark: dict[str, Any] = (
+                {PLANNER_DURABLE: plan.step, PLANNER_DURABLE_MS: f"{self.durable_ms:.3f}"}
+                if fsync
+                else {PLANNER_UPDATED: time.time()}
             )
+            ms = self.durable.acknowledge(
+                partial(self.lease.queue_fenced_hset, key=keys.planner, mapping=mark), local=fsync
+            )
+            if fsync:
+                self.durable_ms, self.fsynced_at = ms, now
             if self._landed(plan.step):
                 break
             # The primary failed over after EXEC and before its replica had the write: the
