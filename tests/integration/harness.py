@@ -15,7 +15,10 @@ from pathlib import Path
 
 from overlord.config import BatchSpec, Job, Mesh, Source
 from overlord.demo.corpus import IMAGE_TRANSFORM, TEXT_TRANSFORM
+from overlord.errors import StoreError
 from overlord.sidecar.sidecar import sidecar_running
+from overlord.status import redis_url_of
+from overlord.store import connect
 
 HERE = Path(__file__).parent
 TRAINER = HERE / "ledger_trainer.py"
@@ -111,6 +114,17 @@ class Cluster:
         if self.sidecar.poll() is None:
             self.sidecar.send_signal(signal.SIGTERM)
         return self.sidecar.wait(timeout=timeout)
+
+    def redis(self, timeout: float = 60):
+        """A client of the job's Redis, once it answers: the embedded server starts with the
+        sidecar, which a loaded machine may take seconds to reach."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return connect(redis_url_of(self.job))
+            except StoreError:
+                assert time.monotonic() < deadline, f"the job's Redis did not answer in {timeout:g}s\n{self.log()}"
+                time.sleep(0.1)
 
     def log(self) -> str:
         text = (

@@ -23,10 +23,9 @@ def _until_consuming(c, rank: int, batches: int = 3, timeout: float = 60) -> Non
     fixed sleep is too short for a trainer importing torch on a busy machine."""
     import json
 
-    from overlord.status import redis_url_of
-    from overlord.store import Keys, connect
+    from overlord.store import Keys
 
-    r, deadline = connect(redis_url_of(c.job)), time.monotonic() + timeout
+    r, deadline = c.redis(), time.monotonic() + timeout
     while True:
         raw = r.hget(Keys(c.job.name).stats, f"rank{rank}")
         if raw and json.loads(raw)["batches"] >= batches:

@@ -29,6 +29,7 @@ def first_all_books(batches: list[dict]) -> int | None:
     return min((s for s, keys in steps.items() if all(k.startswith("books:") for k in keys)), default=None)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 @pytest.mark.parametrize("plan_ahead", [1, 4])
 @pytest.mark.parametrize("ring_bytes", [1 << 20, 16 << 20])
 def test_a_reported_loss_shapes_the_plan_within_plan_ahead_steps(cluster, tmp_path, ring_bytes, plan_ahead):

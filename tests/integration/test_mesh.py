@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 BATCHES = 6  # micro-batches each rank records
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_2x2x2_mesh_gets_cp_slices_tp_markers_and_balanced_steps(cluster, tmp_path):
     mesh = Mesh(dp=2, cp=2, tp=2)
     c = cluster(
@@ -88,6 +89,7 @@ def _doc_tokens(cp_slice: dict) -> np.ndarray:
     return np.diff(cp_slice["cu_seqlens_global"]).astype(np.int64)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_vlm_encoder_world_delivers_each_image_to_one_encoder_rank(cluster, corpus, tmp_path):
     from dataclasses import replace
 

@@ -29,6 +29,7 @@ def s3_endpoint():
     server.stop()
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_sources_on_s3_as_parquet_and_jsonl_arrive_exactly_once(cluster, corpus, corpus_keys, s3_endpoint, monkeypatch):
     import boto3
 

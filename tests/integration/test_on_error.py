@@ -20,8 +20,7 @@ from harness import assert_delivered
 from overlord import BatchSpec, Mesh, Source
 from overlord.demo.corpus import TEXT_TRANSFORM
 from overlord.loader.skips import per_file
-from overlord.status import redis_url_of
-from overlord.store import Keys, connect
+from overlord.store import Keys
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -94,7 +93,7 @@ def test_skip_delivers_every_readable_row_once_and_counts_per_file(cluster, corp
     started = time.monotonic()
     c.start_trainers(timeout=30, sleep=0.1)  # ~60 batches: Redis is read while the job runs
     # the counts per file, in Redis and in `overlord status` (the sidecar ends with the job)
-    r, counters, got = connect(redis_url_of(c.job)), {}, {}
+    r, counters, got = c.redis(), {}, {}
     while got != expected:
         assert time.monotonic() - started < 60, f"skips counted so far: {counters}\n{c.log()}"
         time.sleep(0.2)
@@ -182,7 +181,7 @@ def test_a_source_whose_every_row_is_skipped_ends_with_its_counts(cluster, corpu
     ):
         assert words in end, (words, end)
     assert "no Source Loader reported" not in end
-    r = connect(redis_url_of(c.job))
+    r = c.redis()
     counters = {k.decode(): int(v) for k, v in r.hgetall(Keys(c.job.name).counters).items()}
     assert counters["skipped:bad.0"] == rows, counters  # published though the loader stopped
     files = {uri.rsplit("/", 1)[1]: n for (_, uri), n in per_file(counters).items()}

@@ -106,6 +106,7 @@ def _self_signed(tmp_path):
     return str(cert), str(key)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_flight_over_tls_serves_the_same_bytes_and_refuses_plain_text(cluster, tmp_path):
     cert, key = _self_signed(tmp_path)
     port = _free_port()

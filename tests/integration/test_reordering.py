@@ -35,6 +35,7 @@ def _run(cluster, sources=None):
     return out, images.out_bytes / images.samples
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_deferred_decode_gives_the_same_batches_with_compressed_bytes_in_the_rings(cluster, corpus):
     from harness import make_job
 

@@ -18,6 +18,7 @@ JOB = dict(
 )
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 @pytest.mark.parametrize("how", ["stop", "kill -9"])
 def test_resume_after_a_restart_gives_identical_bytes(cluster, tmp_path, how):
     reference = cluster(**JOB)

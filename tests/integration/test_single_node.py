@@ -35,6 +35,7 @@ def test_every_sample_exactly_once_across_four_dp_ranks(cluster, corpus_keys, la
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_same_seed_same_bytes_and_weights_respected(cluster, corpus):
     runs = []
     for _ in range(2):
@@ -55,6 +56,7 @@ def test_same_seed_same_bytes_and_weights_respected(cluster, corpus):
         assert abs(counts[name] / n - w) < 4 * math.sqrt(w * (1 - w) / n), (name, counts)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_another_seed_other_batches(cluster):
     digests = []
     for seed in (1, 2):
@@ -70,6 +72,7 @@ def test_another_seed_other_batches(cluster):
     assert digests[0] != digests[1]
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_bytes_do_not_depend_on_how_loaders_are_laid_out(cluster):
     digests = []
     for processes in (1, 2):

@@ -73,6 +73,7 @@ def reference(cluster, batches: int, **job) -> dict[int, dict]:
     return got
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_lightning_launcher_variables_give_each_process_its_own_rank(cluster):
     """Lightning's launcher sets LOCAL_RANK=1 WORLD_SIZE=2 and no RANK: before, both
     processes took rank 0 and the second died with RingError."""
@@ -299,6 +300,7 @@ def test_len_and_a_resume_at_the_end_of_a_finite_job(cluster, tmp_path):
     assert not sidecar_running(c.job)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_lightning_checkpoints_with_the_loader_resume_exactly(cluster, tmp_path):
     """The DataLoader passed straight to Lightning 2.6 (a finite job, so it has len() and
     Lightning's fetcher does not prefetch): ModelCheckpoint's state (on_train_batch_end,
