@@ -98,6 +98,7 @@ def test_missing_source_is_refused_at_start_and_a_spawning_trainer_hears_why(clu
         next(iter(DataLoader(c.job, rank=0, world_size=c.job.mesh.world_size, spawn_sidecar=True, timeout_s=30)))
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_batch_larger_than_ring_names_the_setting(cluster):
     c = cluster(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, context_length=8192, ring_bytes=1 << 16))
     c.start_sidecar()
@@ -129,6 +130,7 @@ def test_no_sidecar_times_out_with_a_clear_error(cluster):
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_a_trainer_pausing_longer_than_the_timeout_is_not_a_failure(cluster):
     """Waits time out on silence (a hung or dead role), not on back-pressure from a
     trainer that pauses, e.g. to save a checkpoint."""
@@ -147,6 +149,7 @@ def test_a_trainer_pausing_longer_than_the_timeout_is_not_a_failure(cluster):
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_a_slow_pipeline_is_waited_for_not_reported_as_a_stall(cluster, corpus):
     from overlord import Source
 

@@ -58,6 +58,7 @@ def test_a_reported_loss_shapes_the_plan_within_plan_ahead_steps(cluster, tmp_pa
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_a_rank_read_over_flight_is_bounded_too_and_does_not_stall_the_job(cluster, tmp_path):
     from harness import free_port
 

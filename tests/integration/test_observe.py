@@ -40,6 +40,7 @@ def _metric(samples: dict[str, float], name: str, **labels) -> list[float]:
     return [v for k, v in samples.items() if k.split("{")[0] == name and all(w in k for w in want)]
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_metrics_endpoint_top_and_json_logs_describe_a_running_job(cluster, monkeypatch):
     from harness import free_port
 

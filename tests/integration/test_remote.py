@@ -29,6 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_a_rank_over_flight_gets_the_bytes_of_the_local_ring(cluster, corpus_keys):
     local = cluster(**JOB)
     local.start_sidecar()
@@ -146,6 +147,7 @@ BAD_TICKETS = {  # ticket bytes -> what the answer must say
 }
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_malformed_tickets_are_answered_with_a_message_and_the_endpoint_keeps_serving(cluster, corpus_keys):
     port = _free_port()
     c = cluster(**JOB, flight_port=port)

@@ -53,6 +53,7 @@ def test_resume_after_a_restart_gives_identical_bytes(cluster, tmp_path, how):
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_resume_on_a_different_dp_size_continues_exactly_once(cluster, corpus_keys, tmp_path):
     from dataclasses import replace
 

@@ -89,6 +89,7 @@ def test_lightning_launcher_variables_give_each_process_its_own_rank(cluster):
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_two_processes_claiming_one_rank_get_an_error_naming_both_pids(cluster, tmp_path):
     c = cluster(**JOB)
     c.start_sidecar()
@@ -107,6 +108,7 @@ def test_two_processes_claiming_one_rank_get_an_error_naming_both_pids(cluster, 
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_rank_zeros_state_resumes_every_rank_in_any_call_order(cluster, tmp_path):
     """Frameworks keep rank 0's state only: rank 1 loading it resumed at batch 0 or was
     refused ('state is for ... rank 0'). iter() before load_state_dict() was refused,
@@ -150,6 +152,7 @@ def test_rank_zeros_state_resumes_every_rank_in_any_call_order(cluster, tmp_path
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_a_new_loader_in_the_same_process_goes_back_to_an_earlier_state(cluster, tmp_path):
     """Before, a second DataLoader that loaded an earlier state, its spawned sidecar still
     running, silently got the batches after the first loader's (here: batch 20 on)."""
@@ -260,6 +263,7 @@ def test_going_back_on_a_sidecar_no_loader_spawned_is_refused_with_what_to_do(cl
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_len_and_a_resume_at_the_end_of_a_finite_job(cluster, tmp_path):
     """len() raised TypeError for every job; a state saved after the last batch hung
     (or, with the sidecar's fix, still needed a sidecar started for nothing). len() is
