@@ -53,10 +53,6 @@ class Wanted:
     replicas: int  # replicas that must have received the write (WAIT)
     server: str  # what the server said it is, for the log
 
-    @property
-    def anything(self) -> bool:
-        return self.local > 0 or self.replicas > 0
-
 
 def wanted(r: redis.Redis) -> Wanted:
     """Read from INFO what a write can wait for on the server `r` talks to; an ACL user

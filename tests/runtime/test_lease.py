@@ -10,16 +10,7 @@ import pytest
 
 from overlord.plan.checkpoint import Checkpoints
 from overlord.runtime.lease import Lease, Superseded, holder, release_dead
-from overlord.store import EmbeddedRedis, Keys, connect
-
-
-@pytest.fixture
-def r(tmp_path):
-    server = EmbeddedRedis(tmp_path / "run").start()
-    try:
-        yield connect(server.url)
-    finally:
-        server.stop()
+from overlord.store import Keys
 
 
 def test_a_paused_leader_whose_lease_lapsed_cannot_write(r):
