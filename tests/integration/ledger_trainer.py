@@ -5,7 +5,9 @@
 
 Writes OUT (JSON): the sample keys of every batch in order, a sha256 of each batch's
 bytes (tensor names, dtypes, shapes and data), and how it ended ("stop", "limit" or
-the error class and message). With --save-every K it also saves the loader state to
+the error class and message), and when each batch arrived ("times", seconds since the
+epoch: one clock for every rank of a machine, so a test or bench sees a fault's stall
+against the median gap between batches). With --save-every K it also saves the loader state to
 OUT (with the loader state under "state") every K batches, atomically, as a trainer's
 checkpoint: after a kill -9 it holds what was consumed up to the last checkpoint.
 With --spawn 1 the loader starts (and after a kill -9, restarts) the sidecar itself.
@@ -27,7 +29,7 @@ def main() -> None:
     timeout = float(args["--timeout"]) if "--timeout" in args else None
     pause_at, pause_s = int(args.get("--pause-at", -1)), float(args.get("--pause", 0))
     every = int(args.get("--save-every", 0))
-    record = {"keys": [], "digests": [], "steps": [], "end": None}
+    record = {"keys": [], "digests": [], "steps": [], "times": [], "end": None}
     try:
         loader = DataLoader(
             config, spawn_sidecar=args.get("--spawn") == "1", timeout_s=timeout, remote=args.get("--remote")
@@ -36,6 +38,7 @@ def main() -> None:
             with open(args["--load-state"]) as fh:
                 loader.load_state_dict(json.load(fh))
         for batch in loader:
+            record["times"].append(time.time())
             record["keys"].append(loader.last_meta["keys"])
             record["steps"].append([loader.last_meta["step"], loader.last_meta["microbatch"]])
             record["digests"].append(batch_digest(batch))
