@@ -154,7 +154,7 @@ class DataConstructor:
                     return
                 pipe = self.r.pipeline(transaction=False)
                 pipe.hset(self.keys.progress, built_field(self.dp), plan.step)
-                pipe.xadd(self.keys.progressed, built_entry(self.dp), maxlen=STREAM_MAXLEN, approximate=True)
+                pipe.xadd(self.keys.progressed, built_entry(self.dp, plan.step), maxlen=STREAM_MAXLEN, approximate=True)
                 if self.truncated:
                     pipe.hset(self.keys.counters, truncated_field(self.dp), self.truncated)
                 pipe.execute()

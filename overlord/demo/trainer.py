@@ -1,6 +1,6 @@
 """A demo trainer rank: consumes batches through `overlord.torch.DataLoader`.
 
-    RANK=0 WORLD_SIZE=4 python -m overlord.demo.trainer --config job.json --steps 50 --out r0.json
+    RANK=0 WORLD_SIZE=4 python -m overlord.demo.trainer --config job.json --steps 50 --out r0.json [--step-ms 0]
 
 It does no model work (the demo measures the loader), counts samples, tokens and
 sources from each batch, and writes a JSON summary. Every 8 batches it rewrites
@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--config", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--step-ms", type=float, default=0.0, help="sleep per step, as a training step would take")
     args = parser.parse_args()
     started = time.monotonic()
     loader = DataLoader(args.config, spawn_sidecar=False)
@@ -43,6 +44,8 @@ def main() -> None:
         step_cost[loader.last_meta["step"]] += float(transformer_cost(batch["doc_lengths"].numpy()).sum())
         sources.update(k.split(":", 1)[0] for k in keys)
         batches += 1
+        if args.step_ms and loader.last_meta["microbatch"] == loader.job.batch.micro_batches - 1:
+            time.sleep(args.step_ms / 1e3)  # the training step
         if batches % 8 == 0:
             progress.write_text(str(batches))
         if batches >= want:

@@ -12,7 +12,8 @@ controllers, each in a file of its own, and turns them in order once per loop:
     intake      the loaders' metadata in; a stall told from back-pressure
 
 Per step that is O(1) Redis operations: one XREAD over every loader's metadata
-stream, one HGETALL of progress, and one fenced MULTI for the plan.
+stream, the XREADs of `progressed` it blocks on while ahead (whose entries carry the
+marks: no read of the `progress` hash per step), and one fenced MULTI for the plan.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from overlord.runtime.placement import homes
 
 log = logging.getLogger("overlord.planner")
 
-AHEAD_WAIT_MS = 50  # longest block on `progressed` while ahead (the loop's other checks run between)
+AHEAD_WAIT_MS = int(PROMOTE_CHECK_S * 1000)  # longest block on `progressed` while ahead (the loop's
+# other checks run between: the lease, shadows' promotion, placement)
 
 
 def run_planner(ctx) -> None:
@@ -118,7 +120,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
         bound = publisher.bound()
         if bound.ahead(core.step, job.plan_ahead):
             intake.progressed()  # waiting on trainers is not a stall
-            publisher.wait(int(PROMOTE_CHECK_S * 1000) if promoter.watching else AHEAD_WAIT_MS)
+            publisher.wait(AHEAD_WAIT_MS)
             continue
         feed(r, keys, core.schedule, core.step)
         plan = core.plan_step()

@@ -13,8 +13,10 @@ step is the least `progress` t<dp> - 1 (see overlord.constructor.marks), or the 
 first step (0, or the resume step) while a group has consumed nothing, so the first
 plan_ahead + 1 steps are planned before any trainer consumes and a metric reported at
 step t shapes the plan of step t + plan_ahead + 1 at the latest. While ahead the
-Planner blocks on the `progressed` stream (an entry per rise of a c<dp> or t<dp>)
-instead of polling (`Publisher.wait`).
+Planner blocks on the `progressed` stream (an entry per rise of a c<dp> or t<dp>,
+carrying its new value) instead of polling (`Publisher.wait`), and keeps the marks
+from the entries: the `progress` hash is read when it starts leading and, as a
+backstop, after MARKS_REFRESH_S without an entry, not once per step.
 
 Redis holds a bounded window of plans: those far behind the slowest Data Constructor
 are deleted, a few per published step.
@@ -45,9 +47,12 @@ from overlord.store.schema import (
     PLANNER_UPDATED,
     built_field,
     consumed_field,
+    is_built_field,
+    is_consumed_field,
     planner_step,
     plans_entry,
     plans_entry_id,
+    progressed_mark,
     resume_step,
 )
 
@@ -57,6 +62,7 @@ PLAN_KEEP_STEPS = 1024  # plans kept behind the slowest Data Constructor: a rest
 PRUNE_MAX = 64  # old plans deleted per published step, at most
 PUBLISH_TRIES = 5
 FSYNC_EVERY_S = 1.0  # how often a step waits for the primary's fsync (WAITAOF)
+MARKS_REFRESH_S = 1.0  # the `progress` hash is read again after this long without a `progressed` entry
 
 log = logging.getLogger(__name__)
 
@@ -103,26 +109,50 @@ class Publisher:
         self.start = resume_step(r, keys) or 0
         self.pruned = max(0, first - PLAN_KEEP_STEPS - PRUNE_MAX)  # plans below were deleted (older ones expire)
         self.progressed = "0-0"  # the last `progressed` entry seen
+        self.marks: dict[str, int] | None = None  # `progress` c<dp> and t<dp>, as the entries tell
+        self.marks_read = 0.0  # monotonic: when an entry or the hash last told them
 
     def bound(self) -> Bound:
-        """Read the constructors' and trainers' marks (one HGETALL)."""
-        progress = self.r.hgetall(self.keys.progress)
-        first, start = self.first, self.start
-        slowest = min(
-            (int(progress.get(built_field(d).encode(), first - 1)) for d in range(self.dp)), default=first - 1
-        )
-        consumed = max(
-            start,
-            min((int(progress.get(consumed_field(d).encode(), start + 1)) - 1 for d in range(self.dp)), default=start),
-        )
+        """The bound from the marks as last known (see `wait`); reads the `progress` hash
+        (one HGETALL) only when they are unknown or stale."""
+        if self.marks is None or time.monotonic() - self.marks_read > MARKS_REFRESH_S:
+            self._read_marks()
+        marks, first, start = self.marks or {}, self.first, self.start
+        slowest = min((marks.get(built_field(d), first - 1) for d in range(self.dp)), default=first - 1)
+        consumed = max(start, min((marks.get(consumed_field(d), start + 1) - 1 for d in range(self.dp)), default=start))
         return Bound(slowest=slowest, consumed=consumed)
+
+    def _read_marks(self) -> None:
+        """The `progress` hash, and where in `progressed` it stands: the entries after the
+        newest one seen here are applied on top (an entry read twice sets what it set)."""
+        newest = self.r.xrevrange(self.keys.progressed, count=1)
+        progress = self.r.hgetall(self.keys.progress)
+        self.marks = {
+            field.decode(): int(v) for field, v in progress.items() if is_built_field(field) or is_consumed_field(field)
+        }
+        if self.progressed == "0-0" and newest:
+            self.progressed = newest[0][0]  # older entries are in the hash already
+        self.marks_read = time.monotonic()
 
     def wait(self, block_ms: int) -> None:
         """Block until a constructor or a trainer moves, at most `block_ms` (the entry may
-        have come since the last `bound`: then it returns at once)."""
+        have come since the last `bound`: then it returns at once). Each entry carries the
+        field's new value: the marks follow the entries, in the order they were written,
+        without reading the hash."""
         reply = self.r.xread({self.keys.progressed: self.progressed}, block=block_ms, count=1000)
-        if reply:
-            self.progressed = reply[0][1][-1][0]
+        if not reply:
+            return
+        entries = reply[0][1]
+        self.progressed = entries[-1][0]
+        if self.marks is None:
+            return
+        for _, fields in entries:
+            field, value = progressed_mark(fields)
+            if value is None:  # a writer that does not carry the value: read the hash
+                self.marks = None
+                return
+            self.marks[field] = value
+        self.marks_read = time.monotonic()
 
     def publish(self, plan: Plan, delta: dict, state: Callable[[], dict], bound: Bound) -> None:
         """Write `plan` and the checkpoint of the step after it, once.

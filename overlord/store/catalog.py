@@ -33,6 +33,7 @@ from overlord.store.schema import (
     PLANNER_UPDATED,
     PLANS_FIELDS,
     POSITION,
+    PROGRESSED_VALUE,
     PROMOTION_FIELDS,
     REPLAY,
     RESUME_STEP,
@@ -173,10 +174,14 @@ SCHEMA: tuple[Key, ...] = (
         "progressed",
         "progressed",
         "stream",
-        f"one entry per rise of a {BUILT}<dp> or {CONSUMED}<dp>; the Planner blocks on it",
+        f"one entry per rise of a {BUILT}<dp> or {CONSUMED}<dp>, with its new value; the Planner blocks on it "
+        "and keeps the marks from the entries (the hash only when it starts, and after a second without one)",
         "Data Constructors, marks",
         "Planner",
-        fields=(Field(f"{BUILT} | {CONSUMED}", "int (dp)", "which field rose"),),
+        fields=(
+            Field(f"{BUILT} | {CONSUMED}", "int (dp)", "which field rose"),
+            Field(PROGRESSED_VALUE, "int", "its new value"),
+        ),
         example="XLEN",
     ),
     Key(

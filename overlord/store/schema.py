@@ -155,9 +155,10 @@ def meta_fields(fields: Mapping[bytes, bytes]) -> dict[str, Any]:
 
 # -- the `progress` hash and the `progressed` stream -------------------------------------
 
-BUILT = "c"  # `progress` c<dp>; a `progressed` entry {c: dp}: Data Constructor dp wrote a step
-CONSUMED = "t"  # `progress` t<dp>; a `progressed` entry {t: dp}: the trainers' mark of group dp rose
+BUILT = "c"  # `progress` c<dp>; a `progressed` entry {c: dp, v: step}: Data Constructor dp wrote a step
+CONSUMED = "t"  # `progress` t<dp>; a `progressed` entry {t: dp, v: mark}: the trainers' mark of group dp rose
 REPLAY = "r"  # `progress` r<dp>: Data Constructor dp, restarted, asks the loaders to resend
+PROGRESSED_VALUE = "v"  # a `progressed` entry's new value of the field it names
 
 
 def built_field(dp: int) -> str:
@@ -175,14 +176,29 @@ def replay_field(dp: int) -> str:
     return f"{REPLAY}{dp}"
 
 
-def built_entry(dp: int) -> dict[str, int]:
-    """The `progressed` entry of a rise of `c<dp>`."""
-    return {BUILT: dp}
+def built_entry(dp: int, step: int) -> dict[str, int]:
+    """The `progressed` entry of a rise of `c<dp>` to `step`."""
+    return {BUILT: dp, PROGRESSED_VALUE: step}
 
 
-def consumed_entry(dp: int) -> dict[str, int]:
-    """The `progressed` entry of a rise of `t<dp>`."""
-    return {CONSUMED: dp}
+def consumed_entry(dp: int, mark: int) -> dict[str, int]:
+    """The `progressed` entry of a rise of `t<dp>` to `mark`."""
+    return {CONSUMED: dp, PROGRESSED_VALUE: mark}
+
+
+def progressed_mark(fields: Mapping[bytes, bytes]) -> tuple[str, int | None]:
+    """(the `progress` field, its new value) from a `progressed` entry, as XREAD returns
+    it; the value is None in an entry of a writer that did not carry it (read the hash).
+
+    Raises:
+        ValueError: the entry names neither a `c<dp>` nor a `t<dp>`.
+    """
+    for name in (BUILT, CONSUMED):
+        dp = fields.get(name.encode())
+        if dp is not None:
+            value = fields.get(PROGRESSED_VALUE.encode())
+            return f"{name}{int(dp)}", None if value is None else int(value)
+    raise ValueError(f"a `progressed` entry names neither {BUILT} nor {CONSUMED}: {dict(fields)!r}")
 
 
 def replay_request(pid: int, step: int) -> str:
@@ -208,6 +224,10 @@ def replay(progress: Mapping[bytes, bytes], dp: int) -> bytes | None:
 
 def is_built_field(field: bytes | str) -> bool:
     return _text(field).startswith(BUILT)
+
+
+def is_consumed_field(field: bytes | str) -> bool:
+    return _text(field).startswith(CONSUMED)
 
 
 def is_replay_field(field: bytes | str) -> bool:

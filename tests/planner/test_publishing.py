@@ -11,10 +11,17 @@ from planner_helpers import chunk, small_core
 
 from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.dgraph import Plan
-from overlord.planner.publishing import FSYNC_EVERY_S, PLAN_KEEP_STEPS, PRUNE_MAX, Bound, Publisher
+from overlord.planner.publishing import (
+    FSYNC_EVERY_S,
+    MARKS_REFRESH_S,
+    PLAN_KEEP_STEPS,
+    PRUNE_MAX,
+    Bound,
+    Publisher,
+)
 from overlord.runtime.lease import Lease, Superseded, WriteUncertain
 from overlord.store import Keys
-from overlord.store.schema import built_field, consumed_field
+from overlord.store.schema import built_entry, built_field, consumed_entry, consumed_field
 
 KEYS = Keys("j")
 
@@ -93,6 +100,19 @@ def test_a_step_that_never_lands_is_given_up_as_superseded(r):
     assert r.get(KEYS.plan(0)) is None and not plans_stream(r)
 
 
+def rise(r, built: dict[int, int] | None = None, consumed: dict[int, int] | None = None) -> None:
+    """Move the marks as the Data Constructors and their MarkWatch threads do: the
+    `progress` field and a `progressed` entry carrying its new value."""
+    pipe = r.pipeline(transaction=False)
+    for dp, step in (built or {}).items():
+        pipe.hset(KEYS.progress, built_field(dp), step)
+        pipe.xadd(KEYS.progressed, built_entry(dp, step))
+    for dp, mark in (consumed or {}).items():
+        pipe.hset(KEYS.progress, consumed_field(dp), mark)
+        pipe.xadd(KEYS.progressed, consumed_entry(dp, mark))
+    pipe.execute()
+
+
 def test_the_bound_follows_the_trainers_and_the_slowest_constructor(r):
     publisher = Publisher(r, KEYS, leading(r), Checkpoints(KEYS), first=0, dp=2)
     plan_ahead = 2
@@ -101,13 +121,38 @@ def test_the_bound_follows_the_trainers_and_the_slowest_constructor(r):
     assert bound == Bound(slowest=-1, consumed=0)
     assert [s for s in range(6) if not bound.ahead(s, plan_ahead)] == [0, 1]
     # constructors built up to step 5; trainers of group 0 consumed step 3, group 1 step 1
-    r.hset(KEYS.progress, mapping={built_field(0): 5, built_field(1): 5, consumed_field(0): 4, consumed_field(1): 2})
+    rise(r, built={0: 5, 1: 5}, consumed={0: 4, 1: 2})
+    publisher.wait(1)
     bound = publisher.bound()
     assert bound == Bound(slowest=5, consumed=1)
     assert [s for s in range(8) if not bound.ahead(s, plan_ahead)] == [0, 1, 2, 3]
     # a slow constructor holds the Planner back as well
-    r.hset(KEYS.progress, mapping={built_field(1): 2, consumed_field(1): 9})
+    rise(r, built={1: 2}, consumed={1: 9})
+    publisher.wait(1)
     assert [s for s in range(10) if not publisher.bound().ahead(s, plan_ahead)] == [0, 1, 2, 3, 4]
+
+
+def test_the_marks_come_from_the_entries_not_a_read_of_the_hash_per_step(r):
+    """Per step the Planner reads the `progressed` entries it waits on, and the bound
+    from their values: the `progress` hash only when it starts, or after a quiet second."""
+    rise(r, built={0: 3, 1: 3}, consumed={0: 2, 1: 2})  # before this Planner leads
+    publisher = Publisher(r, KEYS, leading(r), Checkpoints(KEYS), first=0, dp=2)
+    assert publisher.bound() == Bound(slowest=3, consumed=1)
+    before = r.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0)
+    for step in range(4, 30):
+        rise(r, built={0: step, 1: step}, consumed={0: step - 1, 1: step - 1})
+        publisher.wait(1000)  # returns at once: the entries are there
+        assert publisher.bound() == Bound(slowest=step, consumed=step - 2)
+    assert r.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0) == before
+    # an entry without its value (a writer that does not carry it): the hash is read
+    r.hset(KEYS.progress, built_field(0), 40)
+    r.xadd(KEYS.progressed, {"c": 0})
+    publisher.wait(1000)
+    assert publisher.bound() == Bound(slowest=29, consumed=27)
+    # and a quiet second: read again (a backstop for an entry trimmed away)
+    r.hset(KEYS.progress, built_field(1), 41)
+    publisher.marks_read -= MARKS_REFRESH_S
+    assert publisher.bound() == Bound(slowest=40, consumed=27)
 
 
 def test_a_resumed_job_starts_its_bound_at_the_resume_step(r):

@@ -100,7 +100,9 @@ def test_fixed_fields_are_byte_identical_to_what_runs_today():
 
 def test_stream_entries_are_byte_identical_to_what_runs_today():
     s = schema
-    assert s.built_entry(2) == {"c": 2} and s.consumed_entry(2) == {"t": 2}
+    assert s.built_entry(2, 7) == {"c": 2, "v": 7} and s.consumed_entry(2, 8) == {"t": 2, "v": 8}
+    assert s.progressed_mark({b"c": b"2", b"v": b"7"}) == ("c2", 7)
+    assert s.progressed_mark({b"t": b"3"}) == ("t3", None)  # a writer that did not carry the value
     assert list(s.plans_entry(5, True).items()) == [("step", 5), ("last", 1)]
     assert s.plans_entry(5, False)["last"] == 0
     assert s.plans_entry_id(5) == "6-0" and s.plans_after(5) == "5-0"
