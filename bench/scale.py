@@ -88,7 +88,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from overlord.plan.dgraph import Plan
+    from overlord.plan.step_plan import Plan
     from overlord.plan.tree import ClientPlaceTree
 
 SPARE_FDS = 256  # file descriptors left for redis-py and the rest of this process
@@ -322,7 +322,7 @@ def main() -> None:
                         p.execute()
                     if plan is None:
                         raise RuntimeError("the simulated loaders fell behind the plan")
-                    encoded = plan.to_json()
+                    encoded = plan.encode()
                     delta = core.delta()
 
                     def publish(p, plan=plan, encoded=encoded, delta=delta) -> None:

@@ -120,19 +120,21 @@ class DataConstructor:
                 plan = wait_plan(self.r, self.keys, step, self.stop, self.job.timeout_s, beat=self.beat)
                 receivers = constructor_do_plan(plan, self.job.mesh, self.dp)  # rank -> bucket
                 buckets = sorted(set(receivers.values()))
-                wanted = [item for b in buckets for mb in plan.buckets[b] for item in mb]
-                if plan.encoder is not None:
-                    wanted += [item for rank in receivers for item in plan.encoder[rank]]
+                bins = self.job.batch.micro_batches
+                batches = {(b, mb): plan.micro_batch(b, mb) for b in buckets for mb in range(bins)}
+                wanted = [item for items in batches.values() for item in items]
+                if plan.encoder_items is not None:
+                    wanted += [item for rank in receivers for item in map(tuple, plan.encoder_rows(rank).tolist())]
                 samples = self._collect(plan.step, wanted)
-                encoded = self._encoder_batches(plan, receivers, samples) if plan.encoder is not None else {}
+                encoded = self._encoder_batches(plan, receivers, samples) if plan.encoder_items is not None else {}
                 # a plan without a sample only ends the job (see overlord.plan.dgraph): no rank
                 # is ever handed an empty micro-batch
-                for mb in range(self.job.batch.micro_batches if plan.samples() else 0):
+                for mb in range(bins if plan.samples() else 0):
                     for b in buckets:
-                        batch_samples = [samples[item] for item in plan.buckets[b][mb]]
+                        batch_samples = [samples[item] for item in batches[b, mb]]
                         arrays, truncated = transform([a for a, _ in batch_samples], self.job.batch.context_length)
                         self.truncated += truncated
-                        if plan.encoder is not None:  # the pixels travel to their encoder ranks instead
+                        if plan.encoder_items is not None:  # the pixels travel to their encoder ranks instead
                             arrays.pop("pixel_values", None)
                         meta = {
                             "step": plan.step,
@@ -196,7 +198,7 @@ class DataConstructor:
         out = {}
         for rank in receivers:
             pix, grid, where = [], [], []
-            for item in plan.encoder[rank]:
+            for item in map(tuple, plan.encoder_rows(rank).tolist()):
                 arrays = samples[item][0]
                 g = np.asarray(arrays["image_grid"], dtype=np.int32).reshape(-1, 2)
                 pix.append(arrays["pixel_values"].reshape(len(arrays["pixel_values"]), -1))

@@ -95,7 +95,9 @@ class MarkWatch:
                 if mark > self.published:
                     pipe = self.r.pipeline(transaction=False)
                     pipe.hset(self.keys.progress, consumed_field(self.dp), mark)
-                    pipe.xadd(self.keys.progressed, consumed_entry(self.dp, mark), maxlen=STREAM_MAXLEN, approximate=True)
+                    pipe.xadd(
+                        self.keys.progressed, consumed_entry(self.dp, mark), maxlen=STREAM_MAXLEN, approximate=True
+                    )
                     pipe.execute()
                     self.published = mark
             except redis.RedisError as exc:  # the control path rides through outages; try again

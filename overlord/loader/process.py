@@ -40,8 +40,8 @@ from overlord.loader.profile import JOURNAL_EVERY_S
 from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.plan import meta
 from overlord.plan.checkpoint import Checkpoints
-from overlord.plan.dgraph import Plan
 from overlord.plan.lowlevel import loader_do_plan
+from overlord.plan.step_plan import Plan
 from overlord.plan.waiting import resume_point
 from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import sample_ring
@@ -191,7 +191,7 @@ class LoaderProcess:
                     ctx.stop.wait(0.05)
                     continue
                 if raw_plan is not None:
-                    plan = Plan.from_json(raw_plan)
+                    plan = Plan.decode(raw_plan)
                     self._serve(plan)
                     self.step += 1
                     if plan.last:

@@ -9,9 +9,10 @@ pure of processes: the Planner role that runs it each step is `overlord.planner`
 
 from overlord.plan.buffer import ITEM, NeedMetadata
 from overlord.plan.core import PlannerCore, resolve_strategy
-from overlord.plan.dgraph import DGraph, Plan, Planned, StepData
+from overlord.plan.dgraph import DGraph, Planned, StepData
 from overlord.plan.lowlevel import constructor_do_plan, loader_do_plan
 from overlord.plan.meta import MetaChunk
+from overlord.plan.step_plan import Plan
 from overlord.plan.tree import ClientPlaceTree
 
 __all__ = [

@@ -22,9 +22,10 @@ from numpy.typing import NDArray
 
 from overlord.errors import ConfigError, PlanError
 from overlord.plan.buffer import ITEM, Buffer, NeedMetadata, Stream
-from overlord.plan.dgraph import Plan, Planned, StepData, triples
+from overlord.plan.dgraph import Planned, StepData, triples
 from overlord.plan.meta import MetaChunk
 from overlord.plan.schedule import Constant, Schedule
+from overlord.plan.step_plan import Plan
 from overlord.plan.strategies import vanilla
 from overlord.plan.tree import ClientPlaceTree
 
@@ -221,8 +222,7 @@ class PlannerCore:
         """Exactly once: the plan holds each selected sample once, or defers it."""
         selected = [triples(self.deferred)]
         selected += [triples(self.streams[i].peek(n)) for i, n in planned.take.items()]
-        flat = [item for bucket in planned.plan.buckets for mb in bucket for item in mb]
-        planned_items = np.asarray(flat, dtype=np.int64).reshape(-1, 3)
+        planned_items = np.asarray(planned.plan.items, dtype=np.int64).reshape(-1, 3)
         given = _sorted(np.concatenate([planned_items, triples(planned.deferred)]))
         wanted = _sorted(np.concatenate(selected))
         duplicated = len(given) > 1 and bool((np.diff(given, axis=0) == 0).all(axis=1).any())

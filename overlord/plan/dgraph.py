@@ -41,7 +41,6 @@ hold less than one deliverable step is refused at step 0 (PlanError).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +51,7 @@ from overlord.plan.balance import assign, get_balancer
 from overlord.plan.buffer import ITEM, Buffer, NeedMetadata
 from overlord.plan.cost import CostFn, get_cost
 from overlord.plan.schedule import Schedule, Weights
+from overlord.plan.step_plan import Plan as Plan  # re-exported: strategies import it from here
 from overlord.plan.tree import ClientPlaceTree
 
 _MIX = 0x4D4958  # "MIX": domain separator of the mixing RNG
@@ -81,60 +81,6 @@ class StepData:
     def summary_buffer(self) -> dict[str, np.ndarray]:
         """Every reported, unplanned sample per stream (low-level interface)."""
         return self.buffer.summary()
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """One step's plan.
-
-    `buckets[b][m]` lists the (stream, epoch, seq) of micro-batch m of bucket b, where a
-    bucket is a node of the tree at `axis` (a DP group, a DPxCP rank, or a rank).
-    """
-
-    step: int
-    buckets: list[list[list[tuple[int, int, int]]]]
-    axis: str = "DP"
-    last: bool = False
-    broadcast: tuple[str, ...] = ()
-    deferred: int = 0
-    encoder: list[list[tuple[int, int, int]]] | None = None  # per WORLD rank: samples whose images it encodes
-    dropped: int = 0  # on the last step: samples left in the sources that no step delivers (see above)
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "step": self.step,
-                "axis": self.axis,
-                "last": self.last,
-                "broadcast": list(self.broadcast),
-                "deferred": self.deferred,
-                "buckets": self.buckets,
-                "encoder": self.encoder,
-                "dropped": self.dropped,
-            },
-            separators=(",", ":"),
-        ).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Plan:
-        obj = json.loads(data)
-        buckets = [[[tuple(item) for item in mb] for mb in bucket] for bucket in obj["buckets"]]
-        encoder = obj.get("encoder")
-        if encoder is not None:
-            encoder = [[tuple(item) for item in rank] for rank in encoder]
-        return cls(
-            step=obj["step"],
-            buckets=buckets,
-            axis=obj["axis"],
-            last=obj["last"],
-            broadcast=tuple(obj["broadcast"]),
-            deferred=obj["deferred"],
-            encoder=encoder,
-            dropped=obj.get("dropped", 0),
-        )
-
-    def samples(self) -> int:
-        return sum(len(mb) for bucket in self.buckets for mb in bucket)
 
 
 class DGraph:
@@ -469,24 +415,26 @@ class DGraph:
         placed = np.flatnonzero(bucket >= 0)
         # keep each micro-batch in selection order, so the bytes do not depend on the balancer's internals
         order = placed[np.lexsort((placed, mbin[placed], bucket[placed]))]
-        rows = list(map(tuple, triples(items[order]).tolist()))
-        bounds = np.searchsorted(bucket[order] * bins + mbin[order], np.arange(n_buckets * bins + 1)).tolist()
-        out = [[rows[bounds[b * bins + m] : bounds[b * bins + m + 1]] for m in range(bins)] for b in range(n_buckets)]
-        encoder = None
+        counts = np.bincount(bucket[order] * bins + mbin[order], minlength=n_buckets * bins)
+        encoder_items = encoder_bounds = None
         if encoder_rank is not None:
             ranks = self.tree.buckets(encoder_axis or "WORLD")
-            encoder = [
-                list(map(tuple, triples(items[np.flatnonzero(encoder_rank == r)]).tolist())) for r in range(ranks)
-            ]
+            encoded = np.flatnonzero(encoder_rank >= 0)
+            encoded = encoded[np.argsort(encoder_rank[encoded], kind="stable")]  # per rank, in selection order
+            encoder_items = triples(items[encoded])
+            encoder_bounds = _offsets(np.bincount(encoder_rank[encoded], minlength=ranks))
         deferred = items[bucket < 0]
         plan = Plan(
             step=self.data.step,
-            buckets=out,
+            items=triples(items[order]),
+            bounds=_offsets(counts),
+            micro_batches=bins,
             axis=self.axis,
             last=ends,
             broadcast=tuple(sorted(self.tree.broadcast)),
             deferred=0 if ends else len(deferred),
-            encoder=encoder,
+            encoder_items=encoder_items,
+            encoder_bounds=encoder_bounds,
             dropped=dropped,
         )
         return Planned(plan, self.take, self.round_robin, deferred)
@@ -525,6 +473,12 @@ def _fill_empty(bucket: NDArray[np.int64], mbin: NDArray[np.int64], n_buckets: i
         counts[donor] -= 1
         counts[cell] += 1
     return True
+
+
+def _offsets(counts: NDArray[np.int64]) -> NDArray[np.int64]:
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
 
 
 def triples(items: np.ndarray) -> NDArray[np.int64]:

@@ -14,7 +14,7 @@ import redis
 
 from overlord.errors import PlanError
 from overlord.plan.checkpoint import Checkpoints
-from overlord.plan.dgraph import Plan
+from overlord.plan.step_plan import Plan
 from overlord.runtime.flow import Beat, Stopped, alive_within
 from overlord.store import Keys
 from overlord.store.schema import plans_after, resume_step
@@ -22,7 +22,7 @@ from overlord.store.schema import plans_after, resume_step
 
 def fetch_plan(r: redis.Redis, keys: Keys, step: int) -> Plan | None:
     raw = r.get(keys.plan(step))
-    return Plan.from_json(raw) if raw is not None else None
+    return Plan.decode(raw) if raw is not None else None
 
 
 def wait_plan(

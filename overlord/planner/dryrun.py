@@ -16,7 +16,7 @@ from overlord.config import Job
 from overlord.loader.source_loader import SourceLoader
 from overlord.plan.core import PlannerCore, resolve_strategy
 from overlord.plan.cost import transformer_cost
-from overlord.plan.lowlevel import bucket_group
+from overlord.plan.lowlevel import bucket_groups
 from overlord.plan.meta import MetaChunk
 from overlord.plan.schedule import from_config, mixing_unit
 from overlord.plan.strategies import vanilla
@@ -135,4 +135,5 @@ def dry_run(job: Job, steps: int = 20) -> DryRun:
 
 def _group_of(plan, job: Job, dp: int):
     """Every micro-batch that DP group `dp` trains on in this plan."""
-    return [mb for b, bucket in enumerate(plan.buckets) if bucket_group(plan, job.mesh, b) == dp for mb in bucket]
+    groups = bucket_groups(plan, job.mesh)
+    return [plan.micro_batch(b, m) for b in range(plan.n_buckets) if groups[b] == dp for m in range(plan.micro_batches)]

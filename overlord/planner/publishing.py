@@ -34,7 +34,7 @@ from typing import Any
 import redis
 
 from overlord.plan.checkpoint import Checkpoints
-from overlord.plan.dgraph import Plan
+from overlord.plan.step_plan import Plan
 from overlord.runtime.lease import Lease, Superseded, WriteUncertain
 from overlord.store import Keys
 from overlord.store.durable import Durability
@@ -172,7 +172,7 @@ class Publisher:
         def write(pipe) -> None:
             if old:  # Redis holds a bounded window of plans, not every step of the job
                 pipe.delete(*[keys.plan(s) for s in old])
-            pipe.set(keys.plan(plan.step), plan.to_json(), ex=PLAN_TTL_S)
+            pipe.set(keys.plan(plan.step), plan.encode(), ex=PLAN_TTL_S)
             pipe.xadd(
                 keys.plans,
                 plans_entry(plan.step, plan.last),

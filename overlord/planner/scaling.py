@@ -27,7 +27,7 @@ from overlord.autoscale.apply import budget_of
 from overlord.autoscale.profile import costs_from, journaled
 from overlord.autoscale.scaler import Scaler
 from overlord.config import Autoscale, Job
-from overlord.plan.dgraph import Plan
+from overlord.plan.step_plan import Plan
 from overlord.runtime.layout import Layout
 from overlord.store import Keys
 from overlord.store.schema import COUNTER_OVER_BUDGET, PLANNER_PRESSURE, scaling_entry
@@ -103,11 +103,11 @@ class Scaling:
             if w.sum() > 0:
                 share = w / w.sum() * self.job.batch.global_batch
                 ahead = {s.name: float(share[i]) for i, s in enumerate(self.job.sources)}
+        per_stream: list[int] = np.bincount(plan.items[:, 0], minlength=len(self.names)).tolist()
         counts: dict[str, int] = {}
-        for bucket in plan.buckets:
-            for mb in bucket:
-                for stream, _, _ in mb:
-                    counts[self.names[stream]] = counts.get(self.names[stream], 0) + 1
+        for stream, n in enumerate(per_stream):
+            if n:
+                counts[self.names[stream]] = counts.get(self.names[stream], 0) + n
         changed = scaler.observe(plan.step, counts, time.monotonic(), ahead)
         if (plan.step + 1) % scaler.interval == 0:
             pressure = round(scaler.pressure, 3)

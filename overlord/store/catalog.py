@@ -119,7 +119,8 @@ SCHEMA: tuple[Key, ...] = (
         "plan",
         "plan:<step>",
         "string",
-        "the step's plan (JSON: per DP group, per micro-batch, [stream, epoch, seq])",
+        "the step's plan, binary: a 64-byte header (magic OVPL, format version 1), per bucket and micro-batch "
+        "its sample count, then the (stream, epoch, seq) columns; layout in overlord/plan/step_plan.py",
         "Planner",
         "loaders, constructors",
         ttl="1 h (PLAN_TTL_S)",

@@ -1,12 +1,14 @@
 """The pure Planner core: same inputs, same plan; each sample once; weights respected."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from overlord.config import Mesh
 from overlord.plan.core import PlannerCore
-from overlord.plan.dgraph import Plan
 from overlord.plan.meta import MetaChunk, decode, encode
+from overlord.plan.step_plan import Plan
 from overlord.plan.tree import ClientPlaceTree
 
 
@@ -144,8 +146,9 @@ def test_a_strategy_that_drops_samples_is_refused():
 
     def lossy(data, tree):
         planned = DGraph(data, tree).mix().distribute("DP").plan()
-        planned.plan.buckets[0][0].pop()
-        return planned
+        buckets = planned.plan.buckets
+        buckets[0][0].pop()
+        return dataclasses.replace(planned, plan=Plan.from_lists(planned.plan.step, buckets))
 
     core = make(strategy=lossy)
     feed(core, [100, 100])

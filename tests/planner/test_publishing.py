@@ -10,7 +10,7 @@ import pytest
 from planner_helpers import chunk, small_core
 
 from overlord.plan.checkpoint import Checkpoints
-from overlord.plan.dgraph import Plan
+from overlord.plan.step_plan import Plan
 from overlord.planner.publishing import (
     FSYNC_EVERY_S,
     MARKS_REFRESH_S,
@@ -81,7 +81,7 @@ def test_a_step_cut_short_is_published_once(r, landed):
     plans = []
     for _ in range(3):
         plan = core.plan_step()
-        plans.append(plan.to_json())
+        plans.append(plan.encode())
         publisher.publish(plan, core.delta(), core.state, publisher.bound())
     # cut before EXEC: retried until it lands; cut after: seen landed, not written again
     assert lease.tries == (5 if not landed else 3)
@@ -173,7 +173,7 @@ def test_plans_far_behind_the_slowest_constructor_are_deleted(r):
     slowest = PLAN_KEEP_STEPS + 1  # steps 0 and 1 are more than PLAN_KEEP_STEPS behind it
     publisher.publish(plan, core.delta(), core.state, Bound(slowest=slowest, consumed=slowest))
     assert r.get(KEYS.plan(0)) is None and r.get(KEYS.plan(1)) is None and r.get(KEYS.plan(2)) == b"old"
-    assert Plan.from_json(r.get(KEYS.plan(3))).step == 3 and publisher.pruned == 2 < PRUNE_MAX
+    assert Plan.decode(r.get(KEYS.plan(3))).step == 3 and publisher.pruned == 2 < PRUNE_MAX
 
 
 def test_a_published_step_is_marked_durable_once_the_server_fsynced_it(r):
