@@ -234,5 +234,11 @@ class PlannerCore:
 
 
 def _sorted(rows: NDArray[np.int64]) -> NDArray[np.int64]:
-    """(stream, epoch, seq) rows in lexicographic order."""
-    return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+    """(stream, epoch, seq) rows in lexicographic order: one sort of one int64 key per
+    row where the three fit it (as they do but for seqs past ~2**40), else lexsort."""
+    if not len(rows) or rows.min() < 0:
+        return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+    top = rows.max(axis=0) + 1
+    if int(top[0]) * int(top[1]) * int(top[2]) >= 1 << 63:
+        return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
+    return rows[np.argsort((rows[:, 0] * top[1] + rows[:, 1]) * top[2] + rows[:, 2])]

@@ -279,7 +279,7 @@ class DGraph:
         n_buckets, bins = self.tree.buckets(self.axis), bins or self.data.micro_batches
         costs = self.costs if self.costs is not None else items[self.metric].astype(np.float64)
         if subset is not None:
-            items, costs = items[subset], costs[subset]
+            items, costs = np.take(items, subset), costs[subset]  # take: fancy indexing of records is ~80x slower
         sizes = self._sizes(items)
         if subset is None and self.sub is not None:  # substep mixing: micro-batch m keeps sub-batch m
             bucket = np.full(len(items), -1, dtype=np.int64)
@@ -414,19 +414,20 @@ class DGraph:
             encoder_rank = None if encoder_rank is None else np.full(len(items), -1, dtype=np.int64)
         placed = np.flatnonzero(bucket >= 0)
         # keep each micro-batch in selection order, so the bytes do not depend on the balancer's internals
-        order = placed[np.lexsort((placed, mbin[placed], bucket[placed]))]
-        counts = np.bincount(bucket[order] * bins + mbin[order], minlength=n_buckets * bins)
+        cell = bucket[placed] * bins + mbin[placed]
+        order = placed[_stable_argsort(cell, n_buckets * bins)]  # placed is ascending: ties stay in selection order
+        counts = np.bincount(cell, minlength=n_buckets * bins)
         encoder_items = encoder_bounds = None
         if encoder_rank is not None:
             ranks = self.tree.buckets(encoder_axis or "WORLD")
             encoded = np.flatnonzero(encoder_rank >= 0)
             encoded = encoded[np.argsort(encoder_rank[encoded], kind="stable")]  # per rank, in selection order
-            encoder_items = triples(items[encoded])
+            encoder_items = triples(items)[encoded]
             encoder_bounds = _offsets(np.bincount(encoder_rank[encoded], minlength=ranks))
         deferred = items[bucket < 0]
         plan = Plan(
             step=self.data.step,
-            items=triples(items[order]),
+            items=triples(items)[order],
             bounds=_offsets(counts),
             micro_batches=bins,
             axis=self.axis,
@@ -475,6 +476,14 @@ def _fill_empty(bucket: NDArray[np.int64], mbin: NDArray[np.int64], n_buckets: i
     return True
 
 
+def _stable_argsort(keys: NDArray[np.int64], bound: int) -> NDArray[np.intp]:
+    """Stable argsort of keys in [0, bound): as 16-bit ints where they fit (numpy sorts
+    those by radix, O(n)), else as they are."""
+    if bound <= 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    return np.argsort(keys, kind="stable")
+
+
 def _offsets(counts: NDArray[np.int64]) -> NDArray[np.int64]:
     out = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=out[1:])
@@ -483,7 +492,9 @@ def _offsets(counts: NDArray[np.int64]) -> NDArray[np.int64]:
 
 def triples(items: np.ndarray) -> NDArray[np.int64]:
     """(stream, epoch, seq) of ITEM rows as an int64 [n, 3] array, the plan's item form."""
-    return np.stack([items["stream"], items["epoch"], items["seq"]], axis=1).astype(np.int64)
+    out = np.empty((len(items), 3), dtype=np.int64)
+    out[:, 0], out[:, 1], out[:, 2] = items["stream"], items["epoch"], items["seq"]
+    return out
 
 
 @dataclass(frozen=True, slots=True)

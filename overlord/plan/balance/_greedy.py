@@ -94,7 +94,7 @@ def greedy_groups(
     idx = lpt_order(c, s, capacity)
     if not len(idx):
         return out
-    o = idx[np.lexsort((idx, -c[idx], group[idx]))]  # by group, then LPT order
+    o = idx[np.argsort(group[idx], kind="stable")]  # by group, then LPT order (idx is in it)
     g = group[o]
     rank = np.arange(len(o)) - np.searchsorted(g, g)  # position within its group
     table = np.full((n_groups, int(rank.max()) + 1), -1, dtype=np.int64)
@@ -103,6 +103,14 @@ def greedy_groups(
     used = np.zeros((n_groups, k))  # read only with a capacity
     sz = s if s is not None else np.zeros(len(c))
     rows_all = np.arange(n_groups)
+    full = int((table >= 0).all(axis=0).sum())  # the first columns hold an item in every group
+    if capacity is None:
+        flat, base = loads.reshape(-1), rows_all * k  # a view: one flat scatter-add per round
+        for col in table.T[:full]:
+            b = loads.argmin(axis=1)  # first minimum: ties go to the lowest bin
+            flat[base + b] += c[col]
+            out[col] = b
+        table = table[:, full:]
     for col in table.T:
         live = col >= 0
         rows, ids = (rows_all, col) if live.all() else (rows_all[live], col[live])
