@@ -34,12 +34,15 @@ with `overlord.plan.cost`. What is measured:
   the three context lengths. `lower_bound` = max(largest sample, mean) / mean: no
   placement can do better.
 - speedup_vs_vanilla = sum of vanilla step times / sum of hybrid step times (navit).
-- planner_ms = median wall time of one whole Planner step (`PlannerCore.plan_step`
-  with the shipped vlm_hybrid strategy, plus encoding the plan) at 64 ranks x 8 on
-  navit 4k metadata; planner_ms_1024dp the same at 1024 ranks x 8 with 16x the
-  samples. assign_ms / assign_ms_1024dp time the balancer call alone.
+- planner_ms / planner_ms_p99 = p50 / p99 wall time of one whole Planner step
+  (`PlannerCore.plan_step` with the shipped vlm_hybrid strategy, plus encoding the
+  plan) at 64 ranks x 8 on navit 4k metadata, over `--planner-steps` steps;
+  planner_ms_512dp / _p99 the same at 512 ranks x 8 with 16x the samples (65,536), over
+  a third as many steps. planner_imbalance(_512dp) is the max / mean per-rank cost of
+  those plans (median over steps), planner_plan_bytes(_512dp) their encoded size.
+  assign_ms / assign_ms_512dp time the balancer call alone.
 
-Usage: python bench/balance.py [--json] [--seed 0] [--steps 5] [--png bench/out/balance.png]
+Usage: python bench/balance.py [--json] [--seed 0] [--steps 5] [--planner-steps 60] [--png bench/out/balance.png]
 """
 
 from __future__ import annotations
@@ -155,9 +158,11 @@ def time_assign(dp: int, samples: int, steps: int, seed: int) -> float:
     return statistics.median(ms)
 
 
-def time_planner_step(dp: int, samples: int, steps: int, seed: int) -> float:
-    """Median ms of one whole Planner step (`PlannerCore.plan_step` with the shipped
-    `vlm_hybrid` strategy: selection, DGraph costs, assign, exactly-once check, plan)."""
+def time_planner_step(dp: int, samples: int, steps: int, seed: int) -> dict:
+    """One whole Planner step (`PlannerCore.plan_step` with the shipped `vlm_hybrid`
+    strategy: selection, DGraph costs, assign, exactly-once check, plan) plus encoding
+    the plan, `steps` times after a warm-up step: p50 and p99 ms, the plan's bytes, and
+    the imbalance (max / mean per-DP-rank cost, median over steps) of the plans made."""
     from overlord.config import Mesh
     from overlord.plan.core import PlannerCore
     from overlord.plan.meta import MetaChunk
@@ -178,18 +183,30 @@ def time_planner_step(dp: int, samples: int, steps: int, seed: int) -> float:
     )
     rng = np.random.default_rng([seed, dp])
     per_stream = samples * (steps + 2) // n_src * 2
+    cost = []
     for i in range(n_src):
         enc, tokens = navit_samples(rng, per_stream, CONTEXTS["4k"])
         patches = np.sqrt(enc / encoder_cost(1)).astype(np.int64)  # a stand-in patch count per sample
+        cost.append(transformer_cost(tokens) + encoder_cost(patches))  # what vlm_hybrid balances
         core.add(i, MetaChunk(0, np.arange(per_stream), tokens.astype(np.int64), patches, tokens.astype(np.int64) * 4))
-    ms = []
+    costs = np.stack(cost)
+    ms, imbalance, nbytes = [], [], []
     for step in range(steps + 1):
         t0 = time.perf_counter()
         plan = core.plan_step()
-        plan.encode()
-        if step:
+        raw = plan.encode()
+        if step:  # the first call warms caches and imports
             ms.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(ms)
+        per_rank = np.bincount(plan.bucket_of_rows(), weights=costs[plan.items[:, 0], plan.items[:, 2]], minlength=dp)
+        imbalance.append(per_rank.max() / per_rank.mean())
+        nbytes.append(len(raw))
+    return {
+        "p50": round(float(np.percentile(ms, 50)), 2),
+        "p99": round(float(np.percentile(ms, 99)), 2),
+        "imbalance": round(statistics.median(imbalance), 5),
+        "plan_bytes": int(statistics.median(nbytes)),
+        "steps": steps,
+    }
 
 
 def plot(examples: dict, path: Path) -> str | None:
@@ -224,6 +241,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON line only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=5, help="simulated steps to take medians over")
+    ap.add_argument("--planner-steps", type=int, default=60, help="Planner steps timed at 64 DP (a third at 512)")
     ap.add_argument("--png", default=str(REPO / "bench" / "out" / "balance.png"))
     args = ap.parse_args()
 
@@ -236,15 +254,24 @@ def main() -> None:
             if dist == "navit":
                 examples[f"navit {label}"] = sim["example"]
     navit = by_dist["navit"]
+    small = time_planner_step(DP, SAMPLES, args.planner_steps, args.seed)
+    large = time_planner_step(512, 16 * SAMPLES, max(5, args.planner_steps // 3), args.seed)
     result = {
         "imbalance": max(v["hybrid"] for v in navit.values()),
         "imbalance_target": 1.02,
-        "planner_ms": round(time_planner_step(DP, SAMPLES, args.steps, args.seed), 2),
-        "planner_ms_target": 20,
-        "planner_ms_1024dp": round(time_planner_step(1024, 16 * SAMPLES, args.steps, args.seed), 2),
-        "planner_ms_1024dp_target": 200,
+        "planner_ms": small["p50"],
+        "planner_ms_p99": small["p99"],
+        "planner_ms_target": 5,
+        "planner_imbalance": small["imbalance"],
+        "planner_plan_bytes": small["plan_bytes"],
+        "planner_ms_512dp": large["p50"],
+        "planner_ms_512dp_p99": large["p99"],
+        "planner_ms_512dp_target": 50,
+        "planner_imbalance_512dp": large["imbalance"],
+        "planner_plan_bytes_512dp": large["plan_bytes"],
+        "planner_steps": [small["steps"], large["steps"]],
         "assign_ms": round(time_assign(DP, SAMPLES, args.steps, args.seed), 2),
-        "assign_ms_1024dp": round(time_assign(1024, 16 * SAMPLES, args.steps, args.seed), 2),
+        "assign_ms_512dp": round(time_assign(512, 16 * SAMPLES, args.steps, args.seed), 2),
         "speedup_vs_vanilla": {k: v["speedup_hybrid_vs_vanilla"] for k, v in navit.items()},
         "paper_speedup": PAPER,
         "strategies": by_dist,
