@@ -15,6 +15,7 @@ from overlord.store import Keys, connect
 from overlord.store.schema import (
     RESUME_STEP,
     counter_values,
+    decode_active,
     dp_of,
     is_built_field,
     is_replay_field,
@@ -63,7 +64,9 @@ def collect(job: Job) -> dict[str, Any]:
         "replays": {k.decode(): replay_step(v) for k, v in r.hgetall(keys.progress).items() if is_replay_field(k)},
         "leader": holder(r, keys),
         "generation": planner.token,
-        "active_loaders": {k.decode(): int(v) for k, v in r.hgetall(keys.active).items()},
+        "active_loaders": {
+            k.decode(): dict(zip(("pid", "node"), decode_active(v) or ())) for k, v in r.hgetall(keys.active).items()
+        },
         "promotions": log_entries(r.xrange(keys.promotions)),
         "restarts": {k.decode(): int(v) for k, v in r.hgetall(keys.restarts).items()},
         "workers": {k.decode(): int(v) for k, v in r.hgetall(keys.workers).items()},
@@ -145,7 +148,7 @@ def render(status: dict[str, Any]) -> str:
     if status.get("active_loaders"):
         lines.append(
             "active Source Loader processes: "
-            + ", ".join(f"loader{k}=pid {v}" for k, v in sorted(status["active_loaders"].items()))
+            + ", ".join(f"loader{k}=pid {v['pid']} on {v['node']}" for k, v in sorted(status["active_loaders"].items()))
         )
     for p in status.get("promotions", []):
         lines.append(

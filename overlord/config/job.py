@@ -208,11 +208,6 @@ class Job:
                 f"the mesh's {self.mesh.world_size} ranks do not split evenly over {len(self.nodes)} nodes "
                 f"(Job.nodes); every node hosts the same number of trainer ranks"
             )
-        if len(self.nodes) > 1 and any(s.shadow for s in self.sources):
-            raise ConfigError(
-                "Source.shadow runs on one node only for now; on several nodes a dead node's loaders "
-                "are restarted on another node instead (drop shadow: true)"
-            )
         if len(self.nodes) > 1 and (self.redis_url is None or self.flight_port is None):
             raise ConfigError(
                 f"a job on {len(self.nodes)} nodes needs one Redis every node reaches (Job.redis_url) and an "

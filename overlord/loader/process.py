@@ -17,6 +17,12 @@ the steps it lost (`r<dp>` in `progress`). A process runs in one of two modes:
   Planner drops what it already knew) and replays to each Data Constructor the steps
   it has not finished, from memory: no file is read again.
 
+Fencing. `active` names the one process that delivers a loader's samples (by pid and
+node). An active process that sees another one named there (a cut-off node's loader
+whose shadow was promoted on another node while Redis was out of its reach) stops at
+once: it serves no further plan and reports nothing; the samples it sent before are
+the same bytes as its successor's, and the Data Constructors drop those twice seen.
+
 A process started after the job began (a restart, or a new shadow) rebuilds its read
 buffers by replay from the planner checkpoint of the earliest unfinished step: reading
 order is a pure function of (seed, epoch, partition), so cursors are enough.
@@ -47,7 +53,15 @@ from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import sample_ring
 from overlord.shm import Ring
 from overlord.store.durable import Durability
-from overlord.store.schema import PLANNER_TOKEN, built, encode_record, loader_stats_field, plans_after, replay
+from overlord.store.schema import (
+    PLANNER_TOKEN,
+    built,
+    encode_active,
+    encode_record,
+    loader_stats_field,
+    plans_after,
+    replay,
+)
 
 log = logging.getLogger("overlord.loader")
 
@@ -94,6 +108,8 @@ class LoaderProcess:
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every constructor finished it
         self.kept: dict[Item, Prepared] = {}  # samples of those steps
         self.active = ctx.role == "loader"
+        self.me = encode_active(os.getpid(), job.node).encode()  # this process in `active`
+        self.confirmed = False  # `active` named this process once (then another name there supersedes it)
         self.rings: list[Ring] = []
         self.broken: set[int] = set()  # DP groups whose constructor died: they get a replay
         self.replays: dict[int, bytes | None] = {}  # dp -> the replay request last handled
@@ -178,8 +194,13 @@ class LoaderProcess:
                 raw_plan, progress, token, active_pid, workers = pipe.execute()
                 if workers:
                     self._scale(workers)
-                if not self.active and active_pid is not None and int(active_pid) == os.getpid():
+                if not self.active and active_pid == self.me:
                     self._promote(progress)
+                if self.active and active_pid == self.me:
+                    self.confirmed = True
+                elif self.active and self.confirmed and active_pid is not None:
+                    self._superseded(active_pid)
+                    return
                 self._follow(progress)
                 if token != self.token:
                     self.token = token
@@ -278,6 +299,19 @@ class LoaderProcess:
                     count += 1
         log.info("replayed %d sample(s) of steps >= %d to Data Constructor dp=%d", count, first, dp)
 
+    def _superseded(self, successor: bytes) -> None:
+        """Another process delivers this loader's samples now: stop, writing nothing more."""
+        log.warning(
+            "loader process %d (pid %d on node %r): superseded by %s in `active` (promoted while this one was "
+            "out of reach); it stops delivering",
+            self.ctx.index,
+            os.getpid(),
+            self.job.node,
+            successor.decode(),
+        )
+        self.active = False  # nothing more from here: no journal, no counters, no heartbeat as the loader
+        self.ctx.silent = True  # its heartbeat goes: the successor beats as the loader
+
     def _promote(self, progress: dict) -> None:
         """Shadow -> active: claim the rings, report the read buffers, replay unfinished steps."""
         ctx = self.ctx
@@ -286,10 +320,10 @@ class LoaderProcess:
         ctx.publish_heartbeat()
         shadow_key = self.keys.heartbeat("shadow", str(ctx.index))
         raw = self.r.get(shadow_key)
-        if raw is not None and json.loads(raw)["pid"] == os.getpid():
+        if raw is not None and encode_active(json.loads(raw)["pid"], json.loads(raw)["node"]).encode() == self.me:
             self.r.delete(shadow_key)  # no longer a standby: the Planner must not promote this pid again
         self._claim_rings()
-        self.active = True
+        self.active = self.confirmed = True
         self._report_all()
         for dp in range(self.job.mesh.dp):
             self.replays[dp] = replay(progress, dp)

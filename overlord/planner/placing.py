@@ -5,6 +5,7 @@ capacity); this controller looks at Redis for their inputs and writes their outc
 
     nodes        hash    node -> its registration (cpus, loader_cpus, memory_mb)
     heartbeat    keys    a sidecar's, per node (a node is live while it beats)
+    heartbeat    keys    a Shadow Loader's (one that beats is promoted, not replaced)
     placement    hash    unit -> node (sidecars start and stop units to follow it)
     placements   stream  one entry per move: unit, from, to, reason
 
@@ -26,7 +27,7 @@ import time
 import redis
 
 from overlord.runtime.lease import Lease, WriteUncertain
-from overlord.runtime.placement import Use, place, pressure, relieve
+from overlord.runtime.placement import Use, place, pressure, relieve, unit_role
 from overlord.store import Keys
 from overlord.store.schema import PLANNER_NODE_PRESSURE, encode_node_pressure, json_records, move_entry
 
@@ -57,6 +58,7 @@ class Placer:
         check_s, capacity_s: between two looks at the membership, and at the load.
         """
         self.r, self.keys, self.lease, self.home, self.nodes = r, keys, lease, home, list(nodes)
+        self.shadows = sorted(u for u in home if u.startswith("shadow"))  # Shadow Loader units
         self.check_s, self.capacity_s = check_s, capacity_s
         self.next_check = 0.0
         self.next_capacity = time.monotonic() + capacity_s
@@ -87,13 +89,16 @@ class Placer:
         pipe.hgetall(keys.placement)
         for n in self.nodes:
             pipe.exists(keys.heartbeat("sidecar", n))
+        for unit in self.shadows:
+            pipe.exists(keys.heartbeat(*map(str, unit_role(unit))))
         raw_members, raw_current, *beats = pipe.execute()
         registered = {k.decode() for k in raw_members}
         live = {n for n, alive in zip(self.nodes, beats) if alive}
+        standby = {u for u, alive in zip(self.shadows, beats[len(self.nodes) :]) if alive}
         members = json_records(raw_members)
         cpus = {n: float(m.get("cpus") or 1) for n, m in members.items()}
         current = {k.decode(): v.decode() for k, v in raw_current.items()}
-        placed = place(self.home, current, live, registered, cpus)
+        placed = place(self.home, current, live, registered, cpus, standby)
         why: dict[str, str] = {}
         budget = None
         if demand is not None:  # between two looks at the load, the last look's figures hold
@@ -104,19 +109,28 @@ class Placer:
                 budget = sum(self.budget[n].cpus for n in live if n in self.budget)
             placed, why = relieve(placed, current, self.home, live, self.use, self.budget, over)
         moved = {u: n for u, n in placed.items() if current.get(u) != n}
-        if moved:
-            self._move(moved, current, why, live)
+        gone = sorted(u for u in current if u in self.home and u not in placed)  # a shadow with no node to go to
+        if moved or gone:
+            self._move(moved, gone, current, why, live)
         return budget
 
-    def _move(self, moved: dict[str, str], current: dict[str, str], why: dict[str, str], live: set[str]) -> None:
+    def _move(
+        self, moved: dict[str, str], gone: list[str], current: dict[str, str], why: dict[str, str], live: set[str]
+    ) -> None:
         keys = self.keys
 
         def write(pipe) -> None:
-            pipe.hset(keys.placement, mapping=moved)
+            if moved:
+                pipe.hset(keys.placement, mapping=moved)
+            if gone:
+                pipe.hdel(keys.placement, *gone)
             for unit, node in moved.items():
                 before = current.get(unit, "")
                 reason = why.get(unit) or ("home" if node == self.home[unit] else f"node {before} down")
                 pipe.xadd(keys.placements, move_entry(unit, before, node, reason), maxlen=1000, approximate=True)
+            for unit in gone:
+                reason = "no live node other than its loader's"
+                pipe.xadd(keys.placements, move_entry(unit, current[unit], "", reason), maxlen=1000, approximate=True)
 
         try:
             self.lease.fenced(write)
@@ -127,7 +141,7 @@ class Placer:
             self.over_for.pop(node, None)  # patience again before its next loader moves
         log.warning(
             "placement: %s (live nodes %s)%s",
-            {u: f"{current.get(u)} -> {n}" for u, n in moved.items()},
+            {**{u: f"{current.get(u)} -> {n}" for u, n in moved.items()}, **{u: f"{current[u]} -> -" for u in gone}},
             sorted(live),
             f"; for capacity: {why}" if why else "",
         )
@@ -141,8 +155,8 @@ class Placer:
         units = list(self.home)
         pipe = r.pipeline(transaction=False)
         for unit in units:
-            role, index = ("loader", unit[6:]) if unit.startswith("loader") else ("constructor", unit[11:])
-            pipe.get(keys.heartbeat(role, index))
+            role, index = unit_role(unit)
+            pipe.get(keys.heartbeat(role, str(index)))
         rss = {u: float(json.loads(raw).get("rss_mb", 0.0)) if raw else 0.0 for u, raw in zip(units, pipe.execute())}
         self.use = {u: Use(cpus=demand.get(u, 0.0), mb=rss[u]) for u in units}
         self.budget = {

@@ -8,12 +8,19 @@ live there). Every unit has a home:
 - a Data Constructor host lives on the node of its DP groups, so micro-batches reach
   their trainers through the node's shared-memory rings;
 - Source Loader processes are dealt round robin over the nodes, so the job's reading
-  and transform CPU is spread and no source is read twice.
+  and transform CPU is spread and no source is read twice;
+- the Shadow Loader of a loader process whose source has `shadow: true` (`shadow<k>`)
+  lives on a node other than its loader's (the next node in the job's order), so the
+  death or the cut of one node never takes both.
 
 The Planner keeps the placement in Redis (`placement` hash) and changes it when the
 membership changes: the units of a node whose sidecar died (it registered, and its
 heartbeat lapsed) go to the live node with the fewest units per CPU, and come home
-when its sidecar is back.
+when its sidecar is back. A loader with a shadow is the exception: where its node dies
+while its shadow beats on a live node, the Planner's promotion (overlord.planner.promotion)
+moves it to its shadow's node, hot, instead of a restart from the cursors; it stays
+there (a trip home would restart it cold), and its new shadow goes to another live node
+(none while no other node lives).
 
 It also moves loader processes for capacity (`relieve`, the paper's remote fallback:
 use remote resources only when the sidecar's run out). Each node registers a budget
@@ -41,11 +48,29 @@ from overlord.runtime.layout import Layout
 
 
 def homes(job: Job, layout: Layout) -> dict[str, str]:
-    """Every unit's home node."""
+    """Every unit's home node (a shadow's: the node after its loader's)."""
     nodes = job.node_ids
     home = {f"loader{k}": nodes[k % len(nodes)] for k in range(layout.loaders)}
     home.update({f"constructor{h}": nodes[h] for h in range(layout.constructor_hosts)})
+    if len(nodes) > 1:
+        home.update({shadow_unit(k): nodes[(k + 1) % len(nodes)] for k in layout.shadowed})
     return home
+
+
+def shadow_unit(loader: int) -> str:
+    """The placed unit of loader process `loader`'s Shadow Loader."""
+    return f"shadow{loader}"
+
+
+def unit_role(unit: str) -> tuple[str, int]:
+    """(role, index) of a placed unit: `loader3` -> ("loader", 3)."""
+    role = unit.rstrip("0123456789")
+    return role, int(unit[len(role) :])
+
+
+def _shadowed(home: dict[str, str]) -> dict[str, str]:
+    """Loader unit -> its shadow's unit, for the loaders with a shadow."""
+    return {f"loader{unit_role(u)[1]}": u for u in home if u.startswith("shadow")}
 
 
 def place(
@@ -54,6 +79,7 @@ def place(
     live: set[str],
     registered: set[str],
     cpus: dict[str, float] | None = None,
+    standby: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, str]:
     """The placement for this membership.
 
@@ -62,25 +88,72 @@ def place(
     the fewest units per CPU (ties: the node's order in `home`). A node that never
     registered keeps its units (it is still starting). With no live node at all
     nothing moves.
+
+    A loader with a shadow (`shadow<k>` in `home`) stays wherever it runs while that
+    node lives or has not registered yet; where that node is down and its shadow beats
+    (in `standby`), it stays put too: the promotion moves it to its shadow's node, hot.
+    Only a loader whose shadow is gone as well is restarted elsewhere. Each shadow then
+    goes where `place_shadows` says.
     """
     cpus = cpus or {}
     if not live:
         return dict(current or home)
+    paired = _shadowed(home)
     placed: dict[str, str] = {}
     orphans = []
     for unit, node in home.items():
-        if node in live or node not in registered:
+        if unit.startswith("shadow"):
+            continue
+        at = current.get(unit)
+        if unit in paired and at is not None and (at in live or at not in registered or paired[unit] in standby):
+            placed[unit] = at
+        elif node in live or node not in registered:
             placed[unit] = node
-        elif current.get(unit) in live:
-            placed[unit] = current[unit]
+        elif at in live:
+            placed[unit] = at
         else:
             orphans.append(unit)
-    order = list(dict.fromkeys(home.values()))
-    order += sorted(live - set(order))
+    order = _order(home, live)
     for unit in orphans:
-        load = {n: sum(1 for v in placed.values() if v == n) for n in live}
-        placed[unit] = min(sorted(live, key=order.index), key=lambda n: (load[n] + 1) / max(cpus.get(n, 1.0), 0.5))
+        placed[unit] = _emptiest(live, placed, order, cpus)
+    return place_shadows(placed, current, home, live, registered, cpus)
+
+
+def place_shadows(
+    placed: dict[str, str],
+    current: dict[str, str],
+    home: dict[str, str],
+    live: set[str],
+    registered: set[str],
+    cpus: dict[str, float] | None = None,
+) -> dict[str, str]:
+    """`placed` with every shadow on a node other than its loader's: where it runs if
+    that node lives (or has not registered yet), else at home, else on the live node
+    with the fewest units per CPU; left out (not run) while no other node lives."""
+    placed = {u: n for u, n in placed.items() if not u.startswith("shadow")}
+    order = _order(home, live)
+    for loader, shadow in _shadowed(home).items():
+        at = placed.get(loader)
+        for node in (current.get(shadow), home[shadow]):
+            if node is not None and node != at and (node in live or node not in registered):
+                placed[shadow] = node
+                break
+        else:
+            others = live - {at}
+            if others:
+                placed[shadow] = _emptiest(others, placed, order, cpus or {})
     return placed
+
+
+def _order(home: dict[str, str], live: set[str]) -> list[str]:
+    order = list(dict.fromkeys(home.values()))
+    return order + sorted(live - set(order))
+
+
+def _emptiest(nodes: set[str], placed: dict[str, str], order: list[str], cpus: dict[str, float]) -> str:
+    """Of `nodes`, the one with the fewest units per CPU (ties: `order`)."""
+    load = {n: sum(1 for v in placed.values() if v == n) for n in nodes}
+    return min(sorted(nodes, key=order.index), key=lambda n: (load[n] + 1) / max(cpus.get(n, 1.0), 0.5))
 
 
 ROOM = 0.75  # a node takes its loader back once its pressure with it stays at or below this
@@ -130,10 +203,15 @@ def relieve(
     """
     placed = dict(placed)
     why: dict[str, str] = {}
+    paired = _shadowed(home)
     away = sorted(
         u
         for u, n in home.items()
-        if u.startswith("loader") and placed[u] == n and current.get(u) not in (None, n) and current[u] in live
+        if u.startswith("loader")
+        and u not in paired  # no trip home for a loader with a shadow: it would restart cold
+        and placed[u] == n
+        and current.get(u) not in (None, n)
+        and current[u] in live
     )
     placed.update({u: current[u] for u in away})
     for unit in away:  # home, one at a time, while there is room there
@@ -161,4 +239,6 @@ def relieve(
             _, unit, target = best
             placed[unit] = target
             why[unit] = f"{node} over budget ({pressure(node, {**placed, unit: node}, use, budget):.2f})"
+    if paired and why:  # a loader moved onto its shadow's node: the shadow moves on
+        placed = place_shadows(placed, current, home, live, set(home.values()) | live)
     return placed, why

@@ -180,17 +180,29 @@ class Membership:
         if placement is None:
             if time.monotonic() - self._placed_at < PLACEMENT_S:
                 return
-            placement = {k.decode(): v.decode() for k, v in r.hgetall(self.keys.placement).items()}
+            # one snapshot: a promotion moves a loader's unit and names its process at once
+            pipe = r.pipeline(transaction=True)
+            pipe.hgetall(self.keys.placement)
+            pipe.hgetall(self.keys.active)
+            raw, active = pipe.execute()
+            placement = {k.decode(): v.decode() for k, v in raw.items()}
+            self.roles.adopt(active)  # a shadow of this node promoted: the loader unit placed here is it
         self._placed_at = time.monotonic()
         mine = {unit for unit, node in placement.items() if node == self.job.node}
         for name, proc in list(self.roles.children.items()):
-            if name != "planner0" and name not in mine and name not in self.leaving and proc.poll() is None:
+            if name == "planner0" or name in mine or name in self.leaving:
+                continue
+            if proc.poll() is None:
                 log.warning(
                     "%s (pid %d) is placed on node %r now; stopping it here", name, proc.pid, placement.get(name)
                 )
                 proc.terminate()
                 self.leaving.add(name)
+            elif proc.returncode == 0:
+                self.roles.forget(name)  # it stopped by itself (a superseded loader): it may be placed here again
         for unit in sorted(mine):
+            if unit.startswith("loader") and int(unit[6:]) in self.roles.awaiting:
+                continue  # killed here: its shadow on another node is being promoted
             if unit not in self.roles.children and self._may_start(r, unit):
                 self._start_unit(r, unit)
 

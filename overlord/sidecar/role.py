@@ -6,7 +6,10 @@ The job comes from DIR/job.json (JSON, never a pickle) and the Redis URL from th
 OVERLORD_REDIS_URL environment variable (so a password never shows in `ps`). A role
 that fails pushes one JSON error record (role, index, node, pid, message) to
 `overlord:{job}:errors` before exiting non-zero; the sidecar forwards it to the
-trainers. Each role keeps a heartbeat key with a TTL. `--attempt` counts the sidecar's
+trainers. Each role keeps a heartbeat key with a TTL; a Source Loader's is fenced by
+the `active` hash (written only while `active` names this process, or nobody), so a
+loader superseded while out of Redis's reach cannot pass for its successor when it
+comes back. `--attempt` counts the sidecar's
 restarts of this role: a restarted role recovers its position from Redis instead of
 starting the job.
 """
@@ -35,10 +38,21 @@ from overlord.procmem import rss_bytes
 from overlord.runtime.flow import HEARTBEAT_S, Beat, set_on_signal
 from overlord.runtime.layout import Layout
 from overlord.store import Keys, connect
+from overlord.store.schema import encode_active
 
 log = logging.getLogger("overlord")
 
 HEARTBEAT_TTL_S = 5
+
+# KEYS: the heartbeat, `active`; ARGV: the beat, its TTL (s), the loader index, this process in `active`
+_FENCED_BEAT = """
+local named = redis.call('HGET', KEYS[2], ARGV[3])
+if named and named ~= ARGV[4] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
+"""
 ROLES = ("planner", "loader", "shadow", "constructor")
 ROLE_TITLES = {
     "planner": "Planner",
@@ -70,27 +84,31 @@ class RoleContext:
         self.keys = Keys(self.job.name)
         raw = self.r.get(self.keys.layout)
         self.layout = Layout.from_json(raw) if raw else Layout.plan(self.job)
+        self._fenced_beat = self.r.register_script(_FENCED_BEAT)
 
     @property
     def origin(self) -> str:
         return f"{ROLE_TITLES[self.role]} {self.index} on node {self.job.node!r} (pid {os.getpid()})"
 
     def publish_heartbeat(self) -> None:
-        """Write this role's heartbeat now (the role may change: a shadow is promoted)."""
-        self.r.set(
-            self.keys.heartbeat(self.role, str(self.index)),
-            json.dumps(
-                {
-                    "pid": os.getpid(),
-                    "node": self.job.node,
-                    "time": time.time(),
-                    "loop_age": round(self.beat.age(), 3),
-                    "attempt": self.attempt,
-                    "rss_mb": round(rss_bytes(os.getpid()) / 2**20, 1),
-                }
-            ),
-            ex=HEARTBEAT_TTL_S,
+        """Write this role's heartbeat now (the role may change: a shadow is promoted);
+        a Source Loader's only while `active` names it (or nobody)."""
+        key = self.keys.heartbeat(self.role, str(self.index))
+        value = json.dumps(
+            {
+                "pid": os.getpid(),
+                "node": self.job.node,
+                "time": time.time(),
+                "loop_age": round(self.beat.age(), 3),
+                "attempt": self.attempt,
+                "rss_mb": round(rss_bytes(os.getpid()) / 2**20, 1),
+            }
         )
+        if self.role == "loader":
+            me = encode_active(os.getpid(), self.job.node)
+            self._fenced_beat(keys=[key, self.keys.active], args=[value, HEARTBEAT_TTL_S, self.index, me])
+        else:
+            self.r.set(key, value, ex=HEARTBEAT_TTL_S)
 
     def heartbeat_forever(self) -> None:
         """Beats every HEARTBEAT_S, and hands free heap pages back every heap.TRIM_EVERY_S."""
@@ -112,7 +130,8 @@ class RoleContext:
         key = self.keys.heartbeat(self.role, str(self.index))
         try:
             raw = self.r.get(key)
-            if raw is not None and json.loads(raw).get("pid") == os.getpid():
+            beat = json.loads(raw) if raw is not None else {}
+            if beat.get("pid") == os.getpid() and beat.get("node") == self.job.node:  # pids repeat across nodes
                 self.r.delete(key)
         except redis.RedisError:
             pass

@@ -8,7 +8,10 @@ A child that was killed (a signal, not an error of its own) is restarted, up to
   checkpoint;
 - a Source Loader process with a shadow: its heartbeat is dropped, so the Planner
   promotes the shadow; a new shadow is started behind it (not at once: its reading
-  would take CPU from the promoted loader just when it catches up);
+  would take CPU from the promoted loader just when it catches up). On several nodes
+  the shadow runs on another node: the promotion moves the loader's unit there, and
+  the Planner's placement says where its new shadow runs (`adopt` renames a shadow of
+  this node promoted for a loader that died elsewhere);
 - one without a shadow (or a shadow): started again, rebuilding its read buffers
   from the planner checkpoint of the earliest unfinished step;
 - the Data Constructor host: started again at the step after the last one written.
@@ -35,6 +38,7 @@ from overlord.loader.inflight import inflight_path, last_samples
 from overlord.runtime.lease import release_dead
 from overlord.sidecar.spawn import RoleProcess, fork_role
 from overlord.store import Keys
+from overlord.store.schema import decode_active, encode_active
 
 log = logging.getLogger("overlord.sidecar")
 
@@ -56,6 +60,7 @@ class Roles:
         self.children: dict[str, RoleProcess] = {}
         self.attempts: dict[str, int] = {}  # role<index> -> restarts so far
         self.awaiting: dict[int, float] = {}  # loader process -> when its shadow's promotion was awaited
+        self.superseded: dict[int, str] = {}  # loader process -> the dead one's `active`, while awaited
         self.shadow_due: dict[int, float] = {}  # loader process -> when to start its new shadow
         self.deaths: dict[int, tuple[tuple, str] | None] = {}  # pid of a dead loader process -> its sample
         self.poisoned: dict[int, tuple] = {}  # loader process -> the sample its last death in a transform was on
@@ -73,8 +78,18 @@ class Roles:
         proc.role, proc.index = role, index
         self.children[f"{role}{index}"] = proc
         if role == "loader":
-            self.r.hset(self.keys.active, index, proc.pid)
+            self.r.hset(self.keys.active, index, encode_active(proc.pid, self.job.node))
         return proc
+
+    def adopt(self, active: dict[bytes, bytes]) -> None:
+        """A shadow of this node that `active` names is its loader now (promoted for a
+        loader that died, or was cut off, on another node): watch it as `loader<k>`."""
+        for name, proc in list(self.children.items()):
+            named = active.get(str(proc.index).encode())
+            if proc.role == "shadow" and named is not None and named.decode() == encode_active(proc.pid, self.job.node):
+                proc.role = "loader"
+                self.children[f"loader{proc.index}"] = self.children.pop(name)
+                log.warning("%s (pid %d) was promoted: it is loader process %d now", name, proc.pid, proc.index)
 
     def codes(self) -> dict[str, int | None]:
         """Each child's exit status (None: running)."""
@@ -123,6 +138,12 @@ class Roles:
             log.warning("%s (pid %d) was killed; the Planner promotes its shadow (pid %d)", name, proc.pid, shadow.pid)
             self.awaiting[index] = time.monotonic()
             return
+        elsewhere = self._shadow_elsewhere(index) if role == "loader" and self.job.multi_node else None
+        if elsewhere is not None:
+            log.warning("%s (pid %d) was killed; the Planner promotes its shadow on node %r", name, proc.pid, elsewhere)
+            self.awaiting[index] = time.monotonic()
+            self.superseded[index] = encode_active(proc.pid, self.job.node)
+            return
         log.warning(
             "%s (pid %d) was killed; restarting it (restart %d of %d)", name, proc.pid, attempt, self.job.max_restarts
         )
@@ -135,12 +156,28 @@ class Roles:
         if self.shadow_due:
             self._start_due_shadows()
 
+    def _shadow_elsewhere(self, index: int) -> str | None:
+        """The node of a Shadow Loader of loader process `index` that beats on another node."""
+        raw = self.r.get(self.keys.heartbeat("shadow", str(index)))
+        node = json.loads(raw).get("node") if raw is not None else None
+        return node if node not in (None, self.job.node) else None
+
     def _promoted(self) -> None:
-        """A shadow the Planner promoted is the active loader now: start a new shadow."""
+        """A shadow the Planner promoted is the active loader now: start a new shadow
+        (on several nodes: the promotion moved the unit; the placement says the rest)."""
         for k, since in list(self.awaiting.items()):
-            shadow = self.children[f"shadow{k}"]
+            shadow = self.children.get(f"shadow{k}")
             active = self.r.hget(self.keys.active, k)
-            if active is not None and int(active) == shadow.pid:
+            if shadow is None:  # its shadow ran on another node
+                if active is not None and active.decode() != self.superseded[k]:
+                    del self.awaiting[k], self.superseded[k]
+                    log.info("loader process %d: promoted on node %r", k, (decode_active(active) or (0, "?"))[1])
+                elif time.monotonic() - since > self.job.timeout_s:
+                    del self.awaiting[k], self.superseded[k]
+                    log.warning("loader process %d: no promotion within %.0fs; restarting it", k, self.job.timeout_s)
+                    self.spawn("loader", k, self.attempts.get(f"loader{k}", 1))
+                continue
+            if active is not None and active.decode() == encode_active(shadow.pid, self.job.node):
                 del self.awaiting[k]
                 shadow.role = "loader"
                 self.children[f"loader{k}"] = self.children.pop(f"shadow{k}")

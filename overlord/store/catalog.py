@@ -304,10 +304,11 @@ SCHEMA: tuple[Key, ...] = (
         "active",
         "active",
         "hash",
-        "active Source Loader process per loader index",
+        "the Source Loader process that delivers each loader process index's samples (a Shadow Loader "
+        "stops standing by, and a superseded one stops delivering, when this changes)",
         "sidecar, Planner",
-        "loaders, status",
-        fields=(Field("<index>", "int (pid)", ""),),
+        "loaders, sidecars, status",
+        fields=(Field("<index>", "JSON {pid, node}", "a pid alone names no process on several nodes"),),
         example="HGETALL",
     ),
     Key(
@@ -390,10 +391,11 @@ SCHEMA: tuple[Key, ...] = (
         "placement",
         "placement",
         "hash",
-        "which node runs each unit (several nodes)",
+        "which node runs each unit (several nodes); a Shadow Loader on a node other than its loader's, "
+        "absent while no such node is live",
         "Planner, sidecar",
         "sidecars, bridges, trainers",
-        fields=(Field("loader<k> | constructor<h>", "str (node)", ""),),
+        fields=(Field("loader<k> | shadow<k> | constructor<h>", "str (node)", ""),),
         example="HGETALL",
     ),
     Key(

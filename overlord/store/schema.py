@@ -416,6 +416,23 @@ def decode_checkpoint(raw: bytes | str) -> dict[str, Any]:
     return state
 
 
+# -- the `active` hash: loader process index -> the process that delivers its samples ----
+
+
+def encode_active(pid: int, node: str) -> str:
+    """An `active` value: the Source Loader process `pid` on `node` (a pid alone names
+    no process on a job of several nodes: each node has pids of its own)."""
+    return json.dumps({"pid": pid, "node": node}, separators=(",", ":"))
+
+
+def decode_active(raw: bytes | str | None) -> tuple[int, str] | None:
+    """(pid, node) of an `active` value; None for none."""
+    if raw is None:
+        return None
+    record = json.loads(raw)
+    return int(record["pid"]), str(record["node"])
+
+
 # -- the Planner's logs: `promotions`, `placements` and `scaling` streams ----------------
 
 PROMOTION_FIELDS = ("loader", "pid", "node", "previous", "time", "reason")

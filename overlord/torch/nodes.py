@@ -4,7 +4,11 @@ A rank reads from wherever its Data Constructor host runs: its own node's ring, 
 another node's over Arrow Flight while its node's sidecar is down. A ring whose
 sidecar died is read to its end first (its batches were built and nobody builds them
 again); then the placement says where to go on, and batches already delivered are
-dropped by position (the DataLoader compares them).
+dropped by position (the DataLoader compares them). The node's dead processes are
+cleared from Redis as soon as the rank sees its sidecar dead, not once the ring is
+read to its end: the other nodes take over this node's roles (and their shadows this
+node's Source Loaders) while the rank still reads what was built, so the trainer
+waits only for what the takeover takes beyond that.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from overlord.torch.watchdog import Watchdog
 if TYPE_CHECKING:  # typing only: pyarrow.flight loads when a rank first reads over Flight
     from overlord.remote.flight import RemoteReader
 
+LOOK_S = 0.1  # between two looks at whether the sidecar of the ring read is alive
 _GONE = object()  # the source was read to its end; look up the next one
 _AGAIN = object()  # nothing yet; wait on
 
@@ -58,6 +63,8 @@ class ServingNodeReader:
         self.switches = 0  # times it changed nodes (its sidecar died, or came back)
         self._stream: RemoteReader | None = None  # another node's, over Flight
         self._drained: set[int] = set()  # dead sidecars whose ring for this rank was read to its end
+        self._cleared: set[int] = set()  # dead sidecars whose node's dead processes were cleared
+        self._looked = 0.0  # when the ring's sidecar was last looked at (monotonic)
 
     def read(self, after: tuple[int, int], *, final: bool = False, resuming: bool = False) -> Any:
         """The next record from wherever this rank's Data Constructor runs: this node's
@@ -70,6 +77,8 @@ class ServingNodeReader:
         while True:
             if self.ring is None and self._stream is None:
                 self._attach(after, deadline)
+            if self.ring is not None:
+                self._look_at_sidecar(self.ring)
             got = self._read_local() if self.ring is not None else self._read_remote(final)
             if got is not _GONE:
                 if got is not _AGAIN:
@@ -128,6 +137,19 @@ class ServingNodeReader:
                     "run `overlord status` on any node"
                 )
             time.sleep(0.05)
+
+    def _look_at_sidecar(self, ring: Ring) -> None:
+        """At most every LOOK_S: where the sidecar that made `ring` died, clear its node's
+        dead processes now (once), while the rank reads on what the ring holds."""
+        now = time.monotonic()
+        if now - self._looked < LOOK_S:
+            return
+        self._looked = now
+        pid = ring.creator_pid
+        if pid in self._cleared or alive(pid):
+            return
+        self._cleared.add(pid)
+        clear_dead(self.control.client(), Keys(self.job.name), self.job.node)
 
     def _attach_local(self) -> Ring | None:
         """This rank's ring on this node: a live sidecar's, or once, to read it to its

@@ -1,7 +1,12 @@
 """A job whose nodes are hosts (hosts.py): its Redis on a host of its own reached over
 TCP, one sidecar per node host (Flight on the node's own address), and each trainer
 rank on the host torchrun would put it on. The same surface as harness.Cluster/Nodes
-(start_sidecar, start_trainers, results, log, stop, kill_all), plus the host faults."""
+(start_sidecar, start_trainers, results, log, stop, kill_all), plus the host faults.
+
+For tests and benches (bench/nodes.py) alike: `kill_roles` (a node's sidecar and roles
+die, its trainers live), `cut_for` (a node's link down for a while), `segments` (what a
+host's /dev/shm holds of the job) and `stall` (the trainers' longest wait between two
+batches against the median, from the times ledger_trainer.py records)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import dataclasses
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -124,6 +130,57 @@ class HostedJob:
                 text += f"\n== {node}/{role.name}\n" + role.read_text(errors="replace")[-2500:]
         return text
 
+    def kill_roles(self, node: str) -> float:
+        """SIGKILL `node`'s sidecar and every role process on its host at once; its
+        trainers live on. Returns when it was done (time.time(), the trainers' clock)."""
+        trainers = {p.pid for p in self.trainers.values()}
+        at = time.time()
+        for pid in self.hosts[node].pids()[1:]:  # all but the host's init
+            if pid not in trainers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.sidecars[node].wait(timeout=10)
+        return at
+
+    def cut_for(self, node: str, seconds: float) -> tuple[float, float]:
+        """`node`'s link down for `seconds`, then up again; (when it went down, when it
+        came back), on the trainers' clock (time.time())."""
+        self.hosts[node].cut()
+        down = time.time()
+        time.sleep(seconds)
+        self.hosts[node].mend()
+        return down, time.time()
+
+    def segments(self, node: str) -> list[str]:
+        """The job's shared-memory segments in `node`'s own /dev/shm."""
+        return sorted(p.name for p in self.hosts[node].shm.iterdir() if self.job.name in p.name)
+
     def kill_all(self) -> None:
         for proc in [*self.trainers.values(), *self.sidecars.values()]:
             proc.kill()
+
+
+def stall(records: dict[int, dict], since: float = 0.0, until: float = float("inf")) -> dict:
+    """The trainers' stall: the longest wait between two batches of a rank that ended
+    within [since, until] (time.time(), as ledger_trainer.py records them), against the
+    median wait between two batches over the whole run, every rank.
+
+    Returns:
+        {"median_gap_s", "longest_gap_s", "ratio" (longest / median), "rank" (whose
+        wait was longest), "at" (when it ended)}.
+    """
+    gaps = [(b - a, rank, b) for rank, rec in records.items() for a, b in zip(rec["times"], rec["times"][1:])]
+    if not gaps:
+        raise ValueError("no rank received two batches: nothing to measure")
+    median = statistics.median(g for g, _, _ in gaps)
+    inside = [g for g in gaps if since <= g[2] <= until] or [(0.0, -1, since)]
+    longest, rank, at = max(inside)
+    return {
+        "median_gap_s": round(median, 4),
+        "longest_gap_s": round(longest, 4),
+        "ratio": round(longest / median, 2) if median > 0 else float("inf"),
+        "rank": rank,
+        "at": at,
+    }

@@ -20,6 +20,7 @@ from overlord import BatchSpec, Mesh
 from overlord.sidecar.sidecar import sidecar_running
 from overlord.status import redis_url_of
 from overlord.store import Keys, connect
+from overlord.store.schema import decode_active
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # make test-slow
 
@@ -131,7 +132,7 @@ def test_loader_with_shadow_is_replaced_by_its_promoted_shadow(cluster, corpus, 
     os.kill(_pid_of(c, "loader", 0), signal.SIGKILL)
     _until(lambda: r.xrange(keys.promotions), c)
     promotion = r.xrange(keys.promotions)[0][1]
-    assert int(promotion[b"pid"]) == shadow and int(r.hget(keys.active, 0)) == shadow, promotion
+    assert int(promotion[b"pid"]) == shadow and decode_active(r.hget(keys.active, 0))[0] == shadow, promotion
     _check(c, reference, corpus_keys)
     assert c.stop() == 0, c.log()
 

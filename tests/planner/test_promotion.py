@@ -11,6 +11,7 @@ import time
 from overlord.planner.promotion import Promoter
 from overlord.runtime.lease import Lease
 from overlord.store import Keys
+from overlord.store.schema import decode_active, encode_active
 
 KEYS = Keys("j")
 
@@ -37,11 +38,11 @@ def test_a_dead_loaders_partitions_move_to_its_shadow(r):
     assert p.check() == {} and p.watching
     r.delete(KEYS.heartbeat("loader", "1"))  # loader process 1 died: its heartbeat is gone
     assert p.check() == {1: 201}
-    assert r.hgetall(KEYS.active) == {b"1": b"201"}
+    assert r.hgetall(KEYS.active) == {b"1": encode_active(201, "b").encode()}
     (entry,) = promotions(r)
     assert entry["loader"] == "1" and entry["pid"] == "201" and entry["node"] == "b" and entry["previous"] == ""
     assert p.check() == {}  # once: the promoted shadow is given time to beat as the loader
-    beat(r, "loader", 1, pid=201)  # it does; a later lapse is a new failure
+    beat(r, "loader", 1, pid=201, node="b")  # it does; a later lapse is a new failure
     assert p.check() == {} and 1 not in p.promoted
 
 
@@ -50,7 +51,7 @@ def test_a_loader_never_seen_beating_gets_a_grace_before_its_shadow_takes_over(r
     beat(r, "shadow", 0, pid=300)  # the shadow beat first: the loader may still be starting
     assert p.check() == {}
     time.sleep(0.35)
-    assert p.check() == {0: 300} and r.hget(KEYS.active, "0") == b"300"
+    assert p.check() == {0: 300} and decode_active(r.hget(KEYS.active, "0")) == (300, "a")
 
 
 def test_no_shadow_no_promotion(r):
@@ -58,3 +59,21 @@ def test_no_shadow_no_promotion(r):
     assert p.check() == {}  # neither beats: nothing to promote to
     assert not promoter(r, shadowed=[]).watching
     assert r.hgetall(KEYS.active) == {} and promotions(r) == []
+
+
+def test_on_several_nodes_a_promotion_moves_the_loader_to_its_shadow_s_node_and_pids_name_no_process(r):
+    p = promoter(r, shadowed=[1], placed=True)
+    r.hset(KEYS.placement, mapping={"loader1": "n1", "shadow1": "n0", "constructor1": "n1"})
+    r.hset(KEYS.active, "1", encode_active(57, "n1"))
+    beat(r, "loader", 1, pid=57, node="n1")
+    beat(r, "shadow", 1, pid=57, node="n0")  # the same pid on another node: another process
+    assert p.check() == {}
+    r.delete(KEYS.heartbeat("loader", "1"))  # n1 died (or was cut off: its heartbeat lapsed)
+    assert p.check() == {1: 57}
+    assert decode_active(r.hget(KEYS.active, "1")) == (57, "n0")
+    # in the same write: its samples are served from n0 now, and the shadow's unit is free
+    assert r.hgetall(KEYS.placement) == {b"loader1": b"n0", b"constructor1": b"n1"}
+    (entry,) = promotions(r)
+    assert entry["previous"] == "57@n1" and entry["node"] == "n0"
+    (move,) = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(KEYS.placements)]
+    assert (move["unit"], move["from"], move["to"]) == ("loader1", "n1", "n0")

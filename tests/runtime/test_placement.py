@@ -2,7 +2,7 @@
 
 from overlord import BatchSpec, Job, Mesh, Source
 from overlord.runtime.layout import Layout
-from overlord.runtime.placement import homes, place
+from overlord.runtime.placement import Use, homes, place, relieve
 
 
 def _job(**kw) -> Job:
@@ -129,3 +129,63 @@ def test_a_loader_no_node_can_hold_still_leaves_a_starved_node_for_the_roomiest_
     even = {"n0": Use(cpus=1.0), "n1": Use(cpus=1.0), "n2": Use(cpus=1.0)}
     big = {"loader0": Use(cpus=1.5), "loader1": Use(cpus=0.1), "loader2": Use(cpus=0.1)}
     assert relieve(home, home, home, everyone, big, even, over={"n0"}) == (home, {})
+
+
+def _shadowed_job(**kw) -> Job:
+    sources = (Source(name="a", paths=("x",), partitions=2, shadow=True), Source(name="b", paths=("y",)))
+    return _job(sources=sources, **kw)
+
+
+def test_each_shadow_lives_on_a_node_other_than_its_loader_s():
+    job = _shadowed_job()
+    layout = Layout.plan(job)
+    assert layout.shadowed == [0, 1]  # source a's two partitions, in loader processes 0 and 1
+    home = homes(job, layout)
+    assert {u: n for u, n in home.items() if u.startswith("shadow")} == {"shadow0": "n1", "shadow1": "n2"}
+    everyone = {"n0", "n1", "n2"}
+    assert place(home, {}, live=everyone, registered=everyone) == home
+    assert place(home, home, live={"n0"}, registered={"n0"}) == home  # n1, n2 still starting
+    one_node = _shadowed_job(nodes=("n0",), node="n0", mesh=Mesh(dp=2))
+    assert not any(u.startswith("shadow") for u in homes(one_node, Layout.plan(one_node)))  # its sidecar runs them
+
+
+def test_a_dead_node_s_loader_waits_for_its_promoted_shadow_and_then_stays():
+    job = _shadowed_job()
+    home = homes(job, Layout.plan(job))
+    everyone, without_n1 = {"n0", "n1", "n2"}, {"n0", "n2"}
+    # n1 died; shadow1 beats on n2: loader1 is not restarted cold elsewhere, the promotion moves it
+    waiting = place(home, home, live=without_n1, registered=everyone, standby={"shadow1"})
+    assert waiting["loader1"] == "n1" and waiting["constructor1"] != "n1"
+    assert waiting["shadow0"] != "n1" and waiting["shadow0"] != waiting["loader0"]  # n0's shadow leaves n1
+    # the promotion wrote loader1 -> n2 and took shadow1 off: its new shadow goes to n0, not beside it
+    promoted = {**waiting, "loader1": "n2"}
+    del promoted["shadow1"]
+    after = place(home, promoted, live=without_n1, registered=everyone)
+    assert after["loader1"] == "n2" and after["shadow1"] == "n0"
+    # n1 back: loader1 stays where it runs hot (no cold trip home); the shadows keep their nodes
+    back = place(home, after, live=everyone, registered=everyone)
+    assert back["loader1"] == "n2" and back["constructor1"] == "n1"
+    assert back["shadow1"] == "n0" and back["shadow0"] == after["shadow0"]
+
+
+def test_a_loader_whose_shadow_is_gone_too_restarts_elsewhere_and_a_lone_node_runs_no_shadow():
+    job = _shadowed_job(nodes=("n0", "n1"), mesh=Mesh(dp=2))
+    home = homes(job, Layout.plan(job))
+    assert home["shadow0"] == "n1" and home["shadow1"] == "n0"
+    both = {"n0", "n1"}
+    moved = place(home, home, live={"n0"}, registered=both)  # no shadow of loader1 beats
+    assert moved["loader1"] == "n0" and moved["loader0"] == "n0"
+    assert "shadow0" not in moved and "shadow1" not in moved  # no node other than theirs is live
+    back = place(home, moved, live=both, registered=both)
+    assert back["loader1"] == "n0" and back["shadow0"] == back["shadow1"] == "n1"
+
+
+def test_a_loader_moved_for_capacity_takes_its_shadow_off_its_new_node():
+    job = _shadowed_job(nodes=("n0", "n1"), mesh=Mesh(dp=2), loader_processes=2)
+    home = homes(job, Layout.plan(job))
+    both = {"n0", "n1"}
+    use = {"loader0": Use(cpus=4)}
+    budget = {"n0": Use(cpus=1), "n1": Use(cpus=8)}
+    placed, why = relieve(home, home, home, both, use, budget, over={"n0"})
+    assert placed["loader0"] == "n1" and "loader0" in why
+    assert placed["shadow0"] == "n0"  # it swaps with its loader: never both on one node
