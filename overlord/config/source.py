@@ -63,7 +63,9 @@ class Source:
             overlord.transforms:decode_image. None: the transform does everything.
         shadow: keep a Shadow Loader (hot standby) for the loader process(es) hosting
             this source, so that losing one does not stall the trainers while the
-            files are read again (costs the memory of a second read buffer).
+            files are read again; on several nodes it runs on a node other than its
+            loader's and takes over a dead or cut-off node's loader (costs the memory
+            of a second read buffer).
     """
 
     name: str

@@ -169,7 +169,7 @@ def stall(records: dict[int, dict], since: float = 0.0, until: float = float("in
 
     Returns:
         {"median_gap_s", "longest_gap_s", "ratio" (longest / median), "rank" (whose
-        wait was longest), "at" (when it ended)}.
+        wait was longest), "at" (when it ended), "by_rank" (each rank's longest wait)}.
     """
     gaps = [(b - a, rank, b) for rank, rec in records.items() for a, b in zip(rec["times"], rec["times"][1:])]
     if not gaps:
@@ -177,10 +177,20 @@ def stall(records: dict[int, dict], since: float = 0.0, until: float = float("in
     median = statistics.median(g for g, _, _ in gaps)
     inside = [g for g in gaps if since <= g[2] <= until] or [(0.0, -1, since)]
     longest, rank, at = max(inside)
+    by_rank = {r: round(max((g for g, gr, _ in inside if gr == r), default=0.0), 4) for r in sorted(records)}
     return {
         "median_gap_s": round(median, 4),
         "longest_gap_s": round(longest, 4),
         "ratio": round(longest / median, 2) if median > 0 else float("inf"),
         "rank": rank,
         "at": at,
+        "by_rank": by_rank,
+    }
+
+
+def resumed(records: dict[int, dict], at: float) -> dict[int, float]:
+    """Per rank: how long after `at` (time.time(): a link mended) its next batch came."""
+    return {
+        rank: round(min((t for t in rec["times"] if t >= at), default=float("inf")) - at, 4)
+        for rank, rec in records.items()
     }
