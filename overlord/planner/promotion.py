@@ -63,9 +63,8 @@ class Promoter:
         self.placed = placed
         self.shadowed = list(shadowed)
         self.next_check = 0.0
-        self.promoted: dict[
-            int, tuple[str, float]
-        ] = {}  # loader -> (`active` promoted, when), until it beats as loader
+        # loader -> (its `active` value promoted, when), until it beats as the loader
+        self.promoted: dict[int, tuple[str, float]] = {}
         self.beaten: set[int] = set()  # loaders seen beating
         self.watching_since = time.monotonic()
 
