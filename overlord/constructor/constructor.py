@@ -8,13 +8,17 @@ of each trainer client of the group (its PP/CP/TP peers). Progress goes to Redis
 last step written (c<dp>) and how far the group's trainers consumed (t<dp>, see
 marks.py), so the Planner stays at most `plan_ahead` steps ahead of both.
 
-Recovery. The last step written (`progress` c<dp>) is this role's checkpoint. A
-restarted Data Constructor continues at the step after it and asks the loader
-processes to replay that step's samples (`progress` r<dp>), since what its predecessor
-had read out of the rings died with it. Its rings may then hold a sample twice (sent
-before and after the restart) or samples of a later step: duplicates and samples of
-finished steps are dropped, later ones kept aside. A trainer likewise drops the
-micro-batches it already has (see overlord.torch.DataLoader).
+Recovery. A restarted Data Constructor continues at the first step its trainers may
+not have read whole (their mark t<dp>, `unread`), not after the last step written
+(c<dp>): what its predecessor wrote and its trainers did not read may be gone with it
+(rings on another node that died or was cut off, a ring the trainer can no longer
+reach), and building a step twice costs a little work while building it not at all
+loses it. It asks the loader processes to replay from there (`progress` r<dp>): they
+keep what they sent until the trainers read it (overlord.loader.process). Its rings may
+then hold a sample twice (sent before and after the restart) or samples of a later
+step: duplicates and samples of finished steps are dropped, later ones kept aside. A
+trainer drops the micro-batches it already has by position (see
+overlord.torch.DataLoader), so a step built twice reaches it once.
 """
 
 from __future__ import annotations
@@ -37,10 +41,36 @@ from overlord.plan.waiting import resume_point, wait_plan
 from overlord.runtime.flow import Beat, Stopped, alive_within, push
 from overlord.runtime.layout import Layout, client_ring, sample_ring
 from overlord.shm import Ring, decode_batch
-from overlord.store.schema import built_entry, built_field, replay_field, replay_request, skips, truncated_field
+from overlord.store.schema import (
+    BUILT,
+    PROGRESSED_VALUE,
+    built_entry,
+    built_field,
+    consumed_field,
+    replay_field,
+    replay_requester,
+    skips,
+    truncated_field,
+)
 from overlord.transforms import resolve
 
 log = logging.getLogger("overlord.constructor")
+
+# A restarted Data Constructor's start, in one step on the server: the first step its
+# trainers may not have read whole (`unread`: their mark t<dp> less one, else the job's
+# first step), its built mark c<dp> set back to before it (so no loader drops what it
+# is about to ask for: they keep a step until every group built it and every trainer
+# read it), with its `progressed` entry (the Planner follows the marks by their entries),
+# and its replay request r<dp> from there. Read apart from the writes, a
+# trainer moving on in between could let a loader drop the step the replay asks for.
+_RESTART = """
+local mark = redis.call('HGET', KEYS[1], ARGV[1])
+local step = tonumber(ARGV[4])
+if mark then step = math.max(step, tonumber(mark) - 1) end
+redis.call('HSET', KEYS[1], ARGV[2], step - 1, ARGV[3], ARGV[5] .. ':' .. step)
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[9], '*', ARGV[6], ARGV[7], ARGV[8], step - 1)
+return step
+"""
 
 _WAIT_S = 0.05  # one futex wait on a loader ring when none has a record
 
@@ -91,13 +121,28 @@ class DataConstructor:
 
     def _start(self) -> int:
         """The first step to build: the job's (or the resume's), or after a restart the
-        step after the last one written, whose samples the loaders are asked to replay."""
+        first step its trainers may not have read whole, whose samples the loaders are
+        asked to replay."""
         point = resume_point(self.r, self.keys)
         first = point[0] if point else 0
         if self.restarted:
-            done = self.r.hget(self.keys.progress, built_field(self.dp))
-            step = int(done) + 1 if done is not None else first
-            self.r.hset(self.keys.progress, replay_field(self.dp), replay_request(os.getpid(), step))
+            step = int(
+                self.r.eval(
+                    _RESTART,
+                    2,
+                    self.keys.progress,
+                    self.keys.progressed,
+                    consumed_field(self.dp),
+                    built_field(self.dp),
+                    replay_field(self.dp),
+                    first,
+                    replay_requester(os.getpid()),
+                    BUILT,
+                    self.dp,
+                    PROGRESSED_VALUE,
+                    STREAM_MAXLEN,
+                )
+            )
             log.warning("DataConstructor dp=%d restarted at step %d; asked the loaders for a replay", self.dp, step)
             # every step before `step` was built (into a ring this process may never see: on
             # another node, its sidecar dead); an empty ring of ours then counts as read up

@@ -7,8 +7,10 @@ has work, block on the plans stream. Serving comes first so trainers never wait 
 buffer refill that is not needed yet.
 
 Recovery. A sample sent for step t is kept until every Data Constructor has finished
-step t (their `progress`), so a restarted Data Constructor can ask for a replay of
-the steps it lost (`r<dp>` in `progress`). A process runs in one of two modes:
+step t and every trainer has read it (their `progress` c<dp> and t<dp>), so a restarted
+Data Constructor can ask for a replay of every step its trainers may still need (`r<dp>`
+in `progress`): what its predecessor built may be gone with it, on a node that died or
+was cut off. A process runs in one of two modes:
 
 - active: owns the rings to the Data Constructors and reports metadata.
 - shadow (a Shadow Loader, `Source.shadow`): a hot standby that follows the same plans
@@ -61,6 +63,7 @@ from overlord.store.schema import (
     loader_stats_field,
     plans_after,
     replay,
+    unread,
 )
 
 log = logging.getLogger("overlord.loader")
@@ -105,7 +108,7 @@ class LoaderProcess:
                 max_sample_bytes=ring_max_record(job.sample_ring_bytes),
             )
         self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in self.hosted}  # not yet sent
-        self.sent: dict[int, list] = {}  # step -> its sends, kept until every constructor finished it
+        self.sent: dict[int, list] = {}  # step -> its sends, kept until every trainer read the step
         self.kept: dict[Item, Prepared] = {}  # samples of those steps
         self.active = ctx.role == "loader"
         self.me = encode_active(os.getpid(), job.node).encode()  # this process in `active`
@@ -119,6 +122,7 @@ class LoaderProcess:
         self.low_water = max(1, job.buffer_samples // 2)
         self.last_step: int | None = None
         self.step = 0
+        self.first = 0  # the job's first step (0, or the resume's)
         self._pipe: Any = None  # a redis pipeline: metadata reports queued for one round trip
         self._journaled = time.monotonic()
         self._stated = 0.0  # when the running totals were last published
@@ -129,10 +133,12 @@ class LoaderProcess:
     def start(self) -> None:
         progress = self.r.hgetall(self.keys.progress)
         point = resume_point(self.r, self.keys)
-        first = point[0] if point else 0
+        first = self.first = point[0] if point else 0
         done = {dp: built(progress, dp, first - 1) for dp in range(self.job.mesh.dp)}
         self.replays = {dp: replay(progress, dp) for dp in done}
-        self.step = min(done.values()) + 1 if done else first
+        # from the first step a trainer may still need: a Data Constructor restarted
+        # later asks for a replay from there (sends to the ones that built a step are skipped)
+        self.step = min(min(done.values()) + 1, *(unread(progress, dp, first) for dp in done)) if done else first
         if self.step > 0:
             self._rebuild(self.step, point[1] if point and self.step == first else None)
         self.skip_upto = done
@@ -274,9 +280,12 @@ class LoaderProcess:
         return last is not None and all(built(progress, dp, -1) >= last for dp in range(self.job.mesh.dp))
 
     def _follow(self, progress: dict) -> None:
-        """Drop what every constructor has finished; serve replay requests."""
-        done = [built(progress, dp, -1) for dp in range(self.job.mesh.dp)]
-        finished = min(done, default=-1)
+        """Drop what every constructor has finished and every trainer read (a restarted
+        constructor sets its mark back to before the step it restarts at, with its
+        replay request, in one script: what it asks for is still here); serve replay
+        requests."""
+        dps = range(self.job.mesh.dp)
+        finished = min((min(built(progress, dp, -1), unread(progress, dp, self.first) - 1) for dp in dps), default=-1)
         for t in [t for t in self.sent if t <= finished]:
             for _, _, _, item in self.sent.pop(t):
                 self.kept.pop(item, None)
@@ -477,7 +486,7 @@ class LoaderProcess:
                 "epoch": loader.epoch,
                 "buffered_bytes": sum(p.nbytes for p in self.buffers[i].values()),
             }
-        kept = sum(p.nbytes for p in self.kept.values())  # sent, kept until every constructor finished the step
+        kept = sum(p.nbytes for p in self.kept.values())  # sent, kept until every trainer read the step
         record = {
             "node": self.job.node,
             "pid": os.getpid(),

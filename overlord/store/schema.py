@@ -203,7 +203,12 @@ def progressed_mark(fields: Mapping[bytes, bytes]) -> tuple[str, int | None]:
 
 def replay_request(pid: int, step: int) -> str:
     """A `r<dp>` value: `<pid>.<time>:<step>`, unique per request, asking the loaders to resend from `step`."""
-    return f"{pid}.{time.time():.6f}:{step}"
+    return f"{replay_requester(pid)}:{step}"
+
+
+def replay_requester(pid: int) -> str:
+    """The `<pid>.<time>` a replay request starts with (a script adds `:<step>`)."""
+    return f"{pid}.{time.time():.6f}"
 
 
 def replay_step(request: bytes | str) -> str:
@@ -215,6 +220,15 @@ def replay_step(request: bytes | str) -> str:
 def built(progress: Mapping[bytes, bytes], dp: int, default: int) -> int:
     """The last step Data Constructor `dp` wrote, from a `progress` HGETALL; `default` when none yet."""
     return int(progress.get(built_field(dp).encode(), default))
+
+
+def unread(progress: Mapping[bytes, bytes], dp: int, default: int) -> int:
+    """The first step DP group `dp`'s trainers may not have read whole, from a `progress`
+    HGETALL: the step of their mark t<dp> (the step after the last one a trainer was
+    handed a micro-batch of, which may still have micro-batches to come, so one back);
+    `default` when they consumed nothing yet. Everything before it reached every rank."""
+    raw = progress.get(consumed_field(dp).encode())
+    return max(default, int(raw) - 1) if raw is not None else default
 
 
 def replay(progress: Mapping[bytes, bytes], dp: int) -> bytes | None:
