@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # typing only: pyarrow.flight loads when a rank first reads o
     from overlord.remote.flight import RemoteReader
 
 LOOK_S = 0.1  # between two looks at whether the sidecar of the ring read is alive
+PLACEMENT_CHECK_S = 2.0  # how often a rank waiting on another node's stream looks where its constructor runs
 _GONE = object()  # the source was read to its end; look up the next one
 _AGAIN = object()  # nothing yet; wait on
 
@@ -123,7 +124,9 @@ class ServingNodeReader:
                         self.rank,
                         token=job_token(self.job, r=r),
                         after=after,
-                        timeout_s=self.timeout_s,
+                        # a RingTimeout this often: the rank looks at the placement again
+                        # (the Data Constructor host may have moved on; see _read_remote)
+                        timeout_s=min(self.timeout_s, PLACEMENT_CHECK_S),
                         open_timeout_s=1.0,
                     )
                     if self.serving_node is not None and node != self.serving_node:
@@ -196,8 +199,12 @@ class ServingNodeReader:
             raise RemoteRoleError(f"rank {self.rank} of job {self.job.name!r}: {exc}") from None
 
     def _placed_here(self) -> bool:
+        return self._placed() in (None, self.job.node)
+
+    def _placed(self) -> str | None:
+        """The node the Planner places this rank's Data Constructor host on now."""
         node = self.control.client().hget(Keys(self.job.name).placement, f"constructor{self.host}")
-        return node is None or node.decode() == self.job.node
+        return node.decode() if node is not None else None
 
     def _read_remote(self, final: bool) -> Any:
         stream = self._stream
@@ -208,7 +215,12 @@ class ServingNodeReader:
         except StopIteration:
             end = final
         except RingTimeout:
-            return _AGAIN
+            # A node that stops running the Data Constructor host (it moved: this rank's
+            # node is back, or the node was cut off) still serves its ring, which nobody
+            # writes any more: the placement, not the stream, says when to go elsewhere.
+            if self._placed() in (None, self.serving_node):
+                return _AGAIN
+            end = False
         except Exception as exc:  # noqa: BLE001 - pyarrow.flight: the serving node went away
             warnings.warn(
                 f"rank {self.rank}: Flight stream from node {self.serving_node!r} broke: {str(exc).splitlines()[0]}",
