@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import redis
 from harness import TRAINER
 from hosts import Fabric, Host, HostProcess
 
@@ -28,18 +29,28 @@ from overlord.store import connect
 from overlord.store.server import redis_server_binary
 
 REDIS_PORT = 6379
+SENTINEL_PORT = 26379
+SERVICE = "overlord"  # the Sentinels' name for the job's Redis
 FLIGHT_PORT = 47470  # the same on every host: each has its own network namespace
 
 
 class HostedJob:
-    """`job` (several nodes) run on `fabric`: a host per node and one for Redis."""
+    """`job` (several nodes) run on `fabric`: a host per node and one for Redis, or with
+    `sentinel`, a Redis that survives its primary (see SentinelHosts)."""
 
-    def __init__(self, fabric: Fabric, job: Job, workdir: Path) -> None:
+    def __init__(self, fabric: Fabric, job: Job, workdir: Path, *, sentinel: bool = False) -> None:
         self.fabric, self.workdir = fabric, workdir
-        self.redis_host = fabric.host("redis")
-        (workdir / "redis").mkdir(mode=0o700)
-        self.redis = self._start_redis()
-        url = f"redis://{self.redis_host.address}:{REDIS_PORT}/0"
+        self.sentinels: SentinelHosts | None = None
+        if sentinel:
+            self.sentinels = SentinelHosts(fabric, workdir).start()
+            self.redis_host = self.sentinels.hosts["a"]
+            self.redis = self.sentinels.procs["primary"]
+            url = self.sentinels.url
+        else:
+            self.redis_host = fabric.host("redis")
+            (workdir / "redis").mkdir(mode=0o700)
+            self.redis = self._start_redis()
+            url = f"redis://{self.redis_host.address}:{REDIS_PORT}/0"
         self.job = dataclasses.replace(job, redis_url=url, flight_port=FLIGHT_PORT)
         self.config = workdir / f"{job.name}.json"
         self.config.write_text(self.job.to_json())
@@ -128,6 +139,8 @@ class HostedJob:
         for node in self.job.node_ids:
             for role in sorted(self.job.on_node(node).run_path.glob("*.log")):
                 text += f"\n== {node}/{role.name}\n" + role.read_text(errors="replace")[-2500:]
+        if self.sentinels is not None:
+            text += "\n" + self.sentinels.logs()
         return text
 
     def kill_roles(self, node: str) -> float:
@@ -194,3 +207,105 @@ def resumed(records: dict[int, dict], at: float) -> dict[int, float]:
         rank: round(min((t for t in rec["times"] if t >= at), default=float("inf")) - at, 4)
         for rank, rec in records.items()
     }
+
+
+class SentinelHosts:
+    """A Redis that survives its primary, each server on a host of its own: the primary
+    on host `redis-a`, its replica on `redis-b` (append-only files, fsync every second,
+    as in production), and three Sentinels (the same server binary in sentinel mode) on
+    `redis-a`, `redis-b` and `redis-c` (quorum 2, a primary down after 3 s). Killing the
+    primary's host takes one Sentinel with it; the other two promote the replica."""
+
+    def __init__(self, fabric: Fabric, workdir: Path) -> None:
+        self.fabric, self.root = fabric, workdir / "redis"
+        self.hosts = {h: fabric.host(f"redis-{h}") for h in "abc"}
+        self.procs: dict[str, HostProcess] = {}
+
+    @property
+    def url(self) -> str:
+        where = ",".join(f"{host.address}:{SENTINEL_PORT}" for host in self.hosts.values())
+        return f"redis+sentinel://{where}/{SERVICE}/0"
+
+    def _run(self, host: str, name: str, args: list[str]) -> None:
+        d = self.root / name
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.procs[name] = self.hosts[host].run(
+            [redis_server_binary(), *args], log=d / "server.log", name=f"{name} on redis-{host}"
+        )
+
+    def start(self, timeout: float = 40) -> SentinelHosts:
+        a, b = self.hosts["a"].address, self.hosts["b"].address
+        for host, name, extra in (("a", "primary", []), ("b", "replica", ["--replicaof", a, str(REDIS_PORT)])):
+            d = self.root / name
+            self._run(
+                host,
+                name,
+                [
+                    "--port", str(REDIS_PORT), "--bind", self.hosts[host].address, "--protected-mode", "no",
+                    "--dir", str(d), "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+                    "--repl-diskless-sync-delay", "0", *extra,
+                ],
+            )  # fmt: skip
+        for host in "abc":
+            d = self.root / f"sentinel-{host}"
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            conf = d / "sentinel.conf"
+            conf.write_text(
+                f"port {SENTINEL_PORT}\nbind {self.hosts[host].address}\nprotected-mode no\ndir {d}\n"
+                f"sentinel monitor {SERVICE} {a} {REDIS_PORT} 2\n"
+                f"sentinel down-after-milliseconds {SERVICE} 3000\n"
+                f"sentinel failover-timeout {SERVICE} 20000\n"
+                f"sentinel parallel-syncs {SERVICE} 1\n"
+            )
+            self._run(host, f"sentinel-{host}", [str(conf), "--sentinel"])
+        deadline = time.monotonic() + timeout
+        while not self._ready(b):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Sentinel group did not come up: {self.logs()}")
+            time.sleep(0.1)
+        return self
+
+    def _ready(self, replica: str) -> bool:
+        try:
+            if (
+                redis.Redis(host=replica, port=REDIS_PORT, socket_timeout=1)
+                .info("replication")
+                .get("master_link_status")
+                != "up"
+            ):
+                return False  # a replica still loading its first sync is no failover target
+            for host in self.hosts.values():
+                s = redis.Redis(host=host.address, port=SENTINEL_PORT, socket_timeout=1)
+                if int(s.sentinel_master(SERVICE).get("num-other-sentinels", 0)) < 2:
+                    return False
+                seen = s.sentinel_slaves(SERVICE)
+                if not seen or seen[0].get("master-link-status") != "ok" or seen[0].get("is_disconnected"):
+                    return False  # each Sentinel must have seen the replica in sync, or it would not promote it
+            return True
+        except redis.RedisError:
+            return False
+
+    def primary(self) -> str:
+        """The address of the primary now, as the live Sentinels say."""
+        for host in self.hosts.values():
+            try:
+                s = redis.Redis(host=host.address, port=SENTINEL_PORT, socket_timeout=1)
+                address = s.sentinel_get_master_addr_by_name(SERVICE)[0]
+                return address.decode() if isinstance(address, bytes) else address
+            except (redis.RedisError, TypeError):
+                continue
+        raise RuntimeError("no Sentinel answers")
+
+    def kill_primary(self) -> str:
+        """The primary's host vanishes (with the Sentinel it runs); returns its address."""
+        address = self.primary()
+        for host in self.hosts.values():
+            if host.address == address:
+                host.kill()
+                return address
+        raise RuntimeError(f"the primary {address} is on no Redis host of this fabric")
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.parent.name}\n{p.read_text()[-1500:]}" for p in sorted(self.root.glob("*/server.log"))
+        )

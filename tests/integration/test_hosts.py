@@ -23,7 +23,9 @@ from hosted import FLIGHT_PORT, HostedJob
 from hosts import Fabric, unavailable
 
 from overlord import BatchSpec, Mesh
+from overlord.plan.checkpoint import Checkpoints
 from overlord.store import Keys, connect
+from overlord.store.schema import PLANNER_DURABLE
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -50,14 +52,14 @@ def hosted(corpus, tmp_path):
     """A factory of jobs on hosts, each job on a fabric of its own."""
     made: list[tuple[Fabric, HostedJob]] = []
 
-    def factory(**overrides) -> HostedJob:
+    def factory(sentinel: bool = False, **overrides) -> HostedJob:
         fabric = Fabric()
         # HostedJob points redis_url at the Redis host it starts
         job = make_job(corpus, tmp_path / f"run{len(made)}", redis_url="redis://unset", **{**JOB, **overrides})
         workdir = tmp_path / f"work{len(made)}"
         workdir.mkdir()
         try:
-            made.append((fabric, HostedJob(fabric, job, workdir)))
+            made.append((fabric, HostedJob(fabric, job, workdir, sentinel=sentinel)))
         except BaseException:
             fabric.close()
             raise
@@ -156,16 +158,27 @@ def test_a_nodes_roles_killed_while_its_trainer_lives_reads_over_flight_and_back
     assert {n: _segments(h, n) for n in NODES} == {"n0": [], "n1": []}, "segments left on a host"
 
 
-@pytest.mark.parametrize("seconds", [10])  # 60 s: a fenced role's late write sends progress back (to do)
-@pytest.mark.xfail(
-    strict=False,
-    reason="a trainer sometimes waits past 180 s after the link comes back (2 of 3 runs on 2026-11-24, "
-    "none at the stop before): under investigation; the ledger is still checked when it ends",
+@pytest.mark.parametrize(
+    "seconds",
+    [
+        10,
+        pytest.param(
+            60,
+            marks=pytest.mark.xfail(
+                strict=False,
+                reason="after a 60 s cut both trainers waited past 180 s once the link was back, in 1 of 2 runs "
+                "on 2026-11-24: n1's restarted Data Constructor had asked for its replay from step 4 and its "
+                "bridge from n0 reconnected; where it then waits is not found yet (the 10 s cut passes)",
+            ),
+        ),
+    ],
 )
 def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_keys, seconds):
     """n1's link down for `seconds`: its roles move to n0 (their heartbeats lapse) and
     back once it answers again; every sample reaches the trainers once."""
-    h = hosted()
+    # the cut-off node's trainer waits for the job's Redis past the cut (as a user who
+    # rides out partitions this long sets it)
+    h = hosted(redis_outage_s=max(60.0, 2.0 * seconds))
     for node in NODES:
         h.start_sidecar(node)
     h.start_trainers(sleep="0.2")
@@ -178,6 +191,31 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
     for rank, rec in out.items():
         assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
     assert_delivered(out, corpus_keys, log=h.log)
+
+
+def test_the_redis_primarys_host_lost_mid_run_the_sentinels_fail_over_and_nothing_is_lost(hosted, corpus_keys):
+    """The job's Redis is a primary and a replica on hosts of their own, watched by
+    three Sentinels; the primary's host vanishes mid-run (its Sentinel with it): the
+    two Sentinels left promote the replica, every role and trainer finds it through
+    them, and every sample reaches the trainers once. The last step the Planner had
+    acknowledged as durable before the loss is still there after it."""
+    h = hosted(sentinel=True)
+    for node in NODES:
+        h.start_sidecar(node)
+    h.start_trainers(sleep="0.1")
+    r, keys = connect(h.job.redis_url, timeout_s=2, ride_through_s=60), Keys(h.job.name)
+    _until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
+    acknowledged = int(r.hget(keys.planner, PLANNER_DURABLE))
+    assert h.sentinels is not None
+    lost = h.sentinels.kill_primary()
+    out = h.results(timeout=240)
+    for rank, rec in out.items():
+        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
+    assert_delivered(out, corpus_keys, log=h.log)
+    assert h.sentinels.primary() != lost
+    assert int(r.hget(keys.planner, PLANNER_DURABLE)) >= acknowledged  # no acknowledged step went back
+    Checkpoints(keys).load(r, acknowledged + 1)  # its checkpoint survived the failover (PlanError if not)
+    assert h.stop() == {n: 0 for n in NODES}, h.log()
 
 
 def test_a_node_whose_dev_shm_is_full_is_refused_at_start_naming_the_fix(hosted):
