@@ -456,7 +456,7 @@ def run_one(args, fault: str | None, sources, keys, shadow: bool, tmp: Path, ref
         result["timeline"] = timeline(out, run.marks, run.started)
         result["_out"] = out
     except Exception as exc:  # noqa: BLE001 - a fault that breaks the run is reported, not hidden
-        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         (tmp / f"{name}.log").write_text(run.h.log())
         result["log"] = str(tmp / f"{name}.log")
     finally:

@@ -94,7 +94,7 @@ def list_segments(job: str | None = None) -> list[str]:
     return sorted(f"/{e}" for e in entries if e.startswith(prefix))
 
 
-def _is_stale(name: str, now: float) -> bool:
+def _is_stale(name: str, now: float, held: str | None = None) -> bool:
     path = os.path.join(SHM_DIR, name[1:])
     try:
         with open(path, "rb") as f:
@@ -108,22 +108,30 @@ def _is_stale(name: str, now: float) -> bool:
         magic, version, header_size, _cap, pid, pidns, start = _HEAD.unpack(raw)
         if magic == _native.MAGIC and version == _native.VERSION and header_size == _native.HEADER_SIZE:
             if pidns and pidns != self_identity()[1]:
-                return False
+                # another PID namespace's: not ours to judge, unless it is the held node's
+                # (the caller holds that node's sidecar lock, so its roles that made it are
+                # gone: e.g. the node's container or host restarted in a new namespace)
+                return held is not None and name.startswith(held)
             return not pid_alive(pid, start)
     return now - st.st_mtime > GARBAGE_AGE_S
 
 
-def cleanup_stale(job: str | None = None) -> list[str]:
+def cleanup_stale(job: str | None = None, *, node: str | None = None) -> list[str]:
     """Unlink segments whose creator is dead, e.g. after a kill -9.
 
     Args:
         job: Only this job's segments; None for every ``ovl.`` segment on the node.
+        node: A node of `job` whose sidecar lock the caller holds: that node's segments
+            made in another PID namespace count as dead too (a node whose host or
+            container restarted in a new namespace, its /dev/shm kept, left them; no
+            live process of the node can be elsewhere while the lock is held).
 
     Returns:
         The names removed, sorted.
     """
     now = time.time()
-    return [n for n in list_segments(job) if _is_stale(n, now) and unlink_segment(n)]
+    held = f"{job_prefix(job)}{_component(node, 'node')}." if job is not None and node is not None else None
+    return [n for n in list_segments(job) if _is_stale(n, now, held) and unlink_segment(n)]
 
 
 def unlink_all(job: str, node: str | None = None) -> list[str]:

@@ -186,7 +186,8 @@ class Sidecar:
         if self.job.redis_url:
             check_redis(self.job.redis_url)
         self._take_lock()
-        removed = cleanup_stale(self.job.name)
+        # under the lock: this node's segments a previous PID namespace made are dead too
+        removed = cleanup_stale(self.job.name, node=self.job.node if self.job.multi_node else None)
         for table in self.run_dir.glob("inflight-*.bin"):  # in-flight tables of a previous run's loaders
             table.unlink(missing_ok=True)
         if removed:

@@ -90,3 +90,33 @@ def test_cleanup_stale_removes_old_garbage_only(job):
         assert list_segments(job) == [fresh]
     finally:
         unlink_all(job)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a PID namespace (CI runs as root)")
+def test_a_held_nodes_segments_from_another_pid_namespace_count_as_dead(job, tmp_path):
+    """A node's host or container restarted in a new PID namespace, its /dev/shm kept:
+    what the old namespace made is not judged by default (another namespace's pid says
+    nothing here), and is removed for the node whose sidecar lock the caller holds."""
+    import subprocess
+    import sys
+
+    theirs, other = segment_name(job, "n1", "l0-c0"), segment_name(job, "n2", "l0-c0")
+    code = (
+        "import sys, time\nfrom overlord.shm import Ring\n"
+        "rings = [Ring.create(n, 4096) for n in sys.argv[1:]]\nprint('ready', flush=True)\ntime.sleep(60)\n"
+    )
+    child = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--", sys.executable, "-c", code, theirs, other],
+        stdout=subprocess.PIPE,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        assert cleanup_stale(job) == []  # another namespace's creators: not ours to judge
+        assert cleanup_stale(job, node="n1") == [theirs]  # the held node's are gone with its old namespace
+        assert list_segments(job) == [other]  # another node's stay
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        unlink_all(job)
