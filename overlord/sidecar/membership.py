@@ -35,8 +35,9 @@ from overlord.runtime.layout import Layout, client_ring
 from overlord.runtime.lease import release_dead
 from overlord.runtime.placement import homes
 from overlord.shm import Ring, pid_alive, unlink_segment
+from overlord.sidecar import rewind
 from overlord.store import Keys
-from overlord.store.schema import encode_record, planner_step
+from overlord.store.schema import REWIND_PUBLISHED, encode_record, planner_step, rewind_published
 
 if TYPE_CHECKING:  # typing only: trainers import this module (clear_dead), not the role processes
     from overlord.sidecar.supervision import Roles
@@ -118,15 +119,19 @@ class Membership:
         self,
         r,
         lay_out: Callable[[], Layout],
-        publish: Callable[[Layout], None],
+        publish: Callable[[Layout, Job], None],
         beat: Callable[[], None],
+        *,
+        rewinding: bool = False,
     ) -> tuple[Job | None, Layout, dict[str, str]]:
         """Start the job (the first sidecar up: `lay_out` sizes and lays it out,
         `publish` writes it) or join it. One sidecar at a time decides, under the `boot`
         lock; a joiner takes the job's sources (partitions may have been sized by
-        autoscale) and layout from Redis. `beat` marks the node live before the lock
-        goes. Returns the job joined (None: this node started it), its layout and
-        the placement."""
+        autoscale) and layout from Redis. In a rewind (`rewinding`: this sidecar passed
+        its barrier, overlord.sidecar.rewind) the first one publishes the job again as
+        it was laid out, and the others join that. `beat` marks the node live before
+        the lock goes. Returns the job joined (None: this node laid it out), its layout
+        and the placement."""
         deadline = time.monotonic() + self.job.timeout_s
         while not r.set(self.keys.boot, self.job.node, nx=True, px=BOOT_LOCK_MS):
             if time.monotonic() > deadline:
@@ -140,39 +145,54 @@ class Membership:
             clear_dead(r, self.keys, self.job.node)  # what this node's previous sidecar left
             others = live_nodes(r, self.keys, [n for n in self.job.node_ids if n != self.job.node])
             stored, raw_layout = r.get(self.keys.job_config), r.get(self.keys.layout)
-            if others and stored is not None and raw_layout is not None:
-                job = Job.from_dict(json.loads(stored))
-                if job.node_ids != self.job.node_ids or [s.name for s in job.sources] != [
-                    s.name for s in self.job.sources
-                ]:
-                    raise OverlordError(
-                        f"node {self.job.node!r} runs job {self.job.name!r} with nodes {list(self.job.node_ids)} and "
-                        f"sources {[s.name for s in self.job.sources]}, but the running job (nodes {sorted(others)}) has "
-                        f"nodes {list(job.node_ids)} and sources {[s.name for s in job.sources]}; give every node the same config"
-                    )
-                self.job = joined = dataclasses.replace(
-                    self.job, sources=job.sources, loader_processes=job.loader_processes
-                )
-                layout = Layout.from_json(raw_layout)
-                r.hset(self.keys.nodes, self.job.node, encode_record(self.offer()))
-                log.info("node %r joins job %r (live nodes: %s)", self.job.node, self.job.name, sorted(others))
-            else:
+            state = r.hgetall(self.keys.rewind) if rewinding else {}
+            action = rewind.boot_action(
+                rewinding=rewinding,
+                under_way=bool(state),
+                published=rewind_published(state),
+                others_live=bool(others),
+                stored=stored is not None and raw_layout is not None,
+            )
+            if action == rewind.START:
                 layout = lay_out()
-                publish(layout)
+                publish(layout, self.job)
                 # deferred: pyarrow.flight is heavy and trainers import this module (for
                 # clear_dead); a sidecar has it loaded already (its constructor host's bridge)
                 from overlord.remote.flight import job_token
 
                 job_token(self.job, create=True, r=r)  # before anyone can see the placement
+                log.info("node %r starts job %r on nodes %s", self.job.node, self.job.name, list(self.job.node_ids))
+            else:
+                self.job = joined = self._stored(json.loads(stored), sorted(others))
+                layout = Layout.from_json(raw_layout)
+                if action == rewind.JOIN:
+                    r.hset(self.keys.nodes, self.job.node, encode_record(self.offer()))
+                    log.info("node %r joins job %r (live nodes: %s)", self.job.node, self.job.name, sorted(others))
+                else:  # the first sidecar back from a rewind: the job again, as it was laid out
+                    publish(layout, self.job)
+                    r.hset(self.keys.rewind, REWIND_PUBLISHED, self.job.node)
+                    log.info("node %r publishes job %r again for its rewind", self.job.node, self.job.name)
+            if action != rewind.JOIN:
                 r.delete(self.keys.placement)
                 r.hset(self.keys.placement, mapping=homes(self.job, layout))
-                log.info("node %r starts job %r on nodes %s", self.job.node, self.job.name, list(self.job.node_ids))
             beat()  # live before the lock goes: the next sidecar joins
             placement = {k.decode(): v.decode() for k, v in r.hgetall(self.keys.placement).items()}
         finally:
             r.delete(self.keys.boot)
         self.layout = layout
         return joined, layout, placement
+
+    def _stored(self, stored: dict, others: list[str]) -> Job:
+        """This node's job with the sources (as autoscale sized them) of the job stored
+        in Redis; raises OverlordError when the configs disagree."""
+        job = Job.from_dict(stored)
+        if job.node_ids != self.job.node_ids or [s.name for s in job.sources] != [s.name for s in self.job.sources]:
+            raise OverlordError(
+                f"node {self.job.node!r} runs job {self.job.name!r} with nodes {list(self.job.node_ids)} and "
+                f"sources {[s.name for s in self.job.sources]}, but the running job (nodes {others}) has "
+                f"nodes {list(job.node_ids)} and sources {[s.name for s in job.sources]}; give every node the same config"
+            )
+        return dataclasses.replace(self.job, sources=job.sources, loader_processes=job.loader_processes)
 
     def follow(self, r, placement: dict[str, str] | None = None) -> None:
         """Start the units the Planner placed here, stop those it placed elsewhere

@@ -5,7 +5,7 @@ the trainers' positions, or a run that already chose where each rank starts.
 The sidecar writes `<run dir>/sidecar-mode.json` (atomically, by rename) once its rings
 exist, and again when a resume has fixed its step:
 
-    {"pid": 4242, "resume": true, "decided": false, "spawned": true}
+    {"pid": 4242, "resume": true, "decided": false, "spawned": true, "run": 1}
 
 `spawned`: started by a DataLoader (which sets $OVERLORD_SPAWNED_BY to its pid in the
 sidecar's environment; `--exit-when-idle` alone does not say it). A trainer that loads
@@ -14,6 +14,10 @@ the sidecar delivers the batches after the position it chose, never earlier ones
 spawned one may be stopped and started again with --resume (`rewind`: once every live
 process reading its rings asked for it, since each rank of the job loads a state);
 one run by `overlord sidecar` or a service manager is not stopped by a trainer.
+
+`run` counts the runs the sidecar began: 1 at its start, one more each time it went
+back to the trainers' states in place (a rewind of a job on several nodes,
+overlord.sidecar.rewind), so a trainer that asked for one tells the run after it.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Mode:
     resume: bool  # started with --resume
     decided: bool  # a resume that fixed its step (every rank reported)
     spawned: bool  # started by a DataLoader
+    run: int = 1  # the runs this sidecar began (a rewind begins another)
 
     @property
     def awaiting(self) -> bool:
@@ -63,17 +68,20 @@ def spawned_here() -> bool:
     return bool(os.environ.get(SPAWNED_BY))
 
 
-def write(job: Job, *, resume: bool, decided: bool, spawned: bool) -> None:
+def write(job: Job, *, resume: bool, decided: bool, spawned: bool, run: int = 1) -> None:
     path = _path(job)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "resume": resume, "decided": decided, "spawned": spawned}))
+    record = {"pid": os.getpid(), "resume": resume, "decided": decided, "spawned": spawned, "run": run}
+    tmp.write_text(json.dumps(record))
     os.replace(tmp, path)
 
 
 def read(job: Job) -> Mode | None:
     try:
         raw = json.loads(_path(job).read_text())
-        return Mode(int(raw["pid"]), bool(raw["resume"]), bool(raw["decided"]), bool(raw["spawned"]))
+        return Mode(
+            int(raw["pid"]), bool(raw["resume"]), bool(raw["decided"]), bool(raw["spawned"]), int(raw.get("run", 1))
+        )
     except (OSError, ValueError, KeyError):
         return None
 

@@ -5,7 +5,9 @@ The sidecar publishes the job keeping its checkpoints (if its sources' partition
 not change: the checkpoints' cursors are per partition), creates its rings, then waits
 for every trainer's `load_state_dict` position (the `resume` hash). The earliest
 rank's step is where the job resumes; each rank skips the micro-batches it already
-consumed past it. A resume after the last step of a finite job starts no role: every
+consumed past it. On several nodes every node's sidecar waits, and the first to see
+every position decides for all (a sidecar that joins a resumed run meanwhile waits
+too: `awaiting` in the `resume` hash); a rewind (overlord.sidecar.rewind) ends the same way. A resume after the last step of a finite job starts no role: every
 trainer's iteration ends at once.
 """
 
@@ -15,6 +17,8 @@ import json
 import logging
 import time
 
+import redis
+
 from overlord.config import Job
 from overlord.errors import OverlordError
 from overlord.plan.checkpoint import Checkpoints
@@ -22,7 +26,14 @@ from overlord.runtime.layout import Layout
 from overlord.shm import Ring
 from overlord.sidecar import mode
 from overlord.store import Keys
-from overlord.store.schema import PLANNER_DONE, PLANNER_UPDATED, RESUME_STEP, skip_field
+from overlord.store.schema import (
+    PLANNER_DONE,
+    PLANNER_UPDATED,
+    RESUME_AWAITING,
+    RESUME_STEP,
+    position_field,
+    skip_field,
+)
 from overlord.store.schema import positions as read_positions
 
 log = logging.getLogger("overlord.sidecar")
@@ -47,17 +58,29 @@ def check_layout(job: Job, r, keys: Keys, layout: Layout) -> None:
         )
 
 
-def await_positions(job: Job, r, keys: Keys) -> bool:
+def await_positions(job: Job, r, keys: Keys, run: int = 1) -> bool:
     """Wait for every trainer's `load_state_dict` position, then fix the resume step
     (the earliest) and how many micro-batches each rank already consumed past it.
-    Returns whether every rank is past the last step of a finite job (nothing to run)."""
-    world, mb = job.mesh.world_size, job.batch.micro_batches
+    On several nodes every node's sidecar waits; the first to see every position
+    decides (atomically, see `_decide`) and the others take its decision.
+    `run`: the sidecar's run, for its mode file (overlord.sidecar.mode). Returns whether
+    every rank is past the last step of a finite job (nothing to run)."""
+    world = job.mesh.world_size
     deadline = time.monotonic() + job.timeout_s
     while True:
         raw = r.hgetall(keys.resume)
+        decided = raw.get(RESUME_STEP.encode())
+        if decided is not None:  # another node's sidecar decided
+            step = int(decided)
+            log.info("job %r resumes at step %d (decided by another node's sidecar)", job.name, step)
+            break
         positions = read_positions(raw, world)
         if len(positions) == world:
-            break
+            chosen = _decide(job, r, keys)
+            if chosen is not None:
+                step = chosen
+                break
+            continue  # the hash changed while deciding: look again
         if time.monotonic() > deadline:
             missing = sorted(set(range(world)) - set(positions))
             raise OverlordError(
@@ -65,28 +88,44 @@ def await_positions(job: Job, r, keys: Keys) -> bool:
                 f"{job.timeout_s:g}s; every trainer must call DataLoader.load_state_dict() before iterating"
             )
         time.sleep(POLL_S)
-    step = min(p[0] for p in positions.values())
-    kept = Checkpoints(keys).steps(r)
-    if step not in kept:
-        raise OverlordError(
-            f"resuming job {job.name!r} at step {step}: no planner checkpoint for it "
-            f"(kept: steps {kept[:1]}..{kept[-1:]}); the trainers' state is older than what Redis kept"
-        )
-    later = [s for s in kept if s > step]  # the old run's future: the resumed run writes its own
-    if later:
-        r.hdel(keys.ckpt, *later)
-        r.hdel(keys.ckpt_delta, *later)
-    mapping = {RESUME_STEP: step, **{skip_field(rank): (p[0] - step) * mb + p[1] for rank, p in positions.items()}}
-    r.hset(keys.resume, mapping=mapping)
-    mode.write(job, resume=True, decided=True, spawned=mode.spawned_here())
-    log.info(
-        "resuming job %r at step %d (micro-batches already consumed per rank: %s)",
-        job.name,
-        step,
-        {rank: mapping[skip_field(rank)] for rank in positions},
-    )
+    mode.write(job, resume=True, decided=True, spawned=mode.spawned_here(), run=run)
     # the state before `step` says the job's last step came before it
     return bool(Checkpoints(keys).load(r, step).get("done"))
+
+
+def _decide(job: Job, r, keys: Keys) -> int | None:
+    """Fix the resume step from every rank's position, once for the job: in one
+    transaction on the `resume` hash (None: it changed meanwhile, look again). The
+    positions and a rewind go with the decision, so a later rewind waits for new ones."""
+    world, mb = job.mesh.world_size, job.batch.micro_batches
+    with r.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(keys.resume)
+            raw = pipe.hgetall(keys.resume)
+            if RESUME_STEP.encode() in raw:
+                return int(raw[RESUME_STEP.encode()])
+            positions = read_positions(raw, world)
+            step = min(p[0] for p in positions.values())
+            kept = Checkpoints(keys).steps(r)
+            if step not in kept:
+                raise OverlordError(
+                    f"resuming job {job.name!r} at step {step}: no planner checkpoint for it "
+                    f"(kept: steps {kept[:1]}..{kept[-1:]}); the trainers' state is older than what Redis kept"
+                )
+            later = [s for s in kept if s > step]  # the old run's future: the resumed run writes its own
+            skips = {rank: (p[0] - step) * mb + p[1] for rank, p in positions.items()}
+            pipe.multi()
+            if later:
+                pipe.hdel(keys.ckpt, *later)
+                pipe.hdel(keys.ckpt_delta, *later)
+            pipe.hset(keys.resume, mapping={RESUME_STEP: step, **{skip_field(rank): n for rank, n in skips.items()}})
+            pipe.hdel(keys.resume, RESUME_AWAITING, *[position_field(rank) for rank in positions])
+            pipe.delete(keys.rewind)
+            pipe.execute()
+        except redis.WatchError:
+            return None
+    log.info("resuming job %r at step %d (micro-batches already consumed per rank: %s)", job.name, step, skips)
+    return step
 
 
 def end_at_once(job: Job, r, keys: Keys, client_rings: list[Ring]) -> None:

@@ -43,16 +43,16 @@ from overlord.runtime.flow import HEARTBEAT_S, set_on_signal
 from overlord.runtime.layout import Layout, client_ring, sample_ring
 from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.shm import pid_alive as _alive
-from overlord.sidecar import mode, resume
+from overlord.sidecar import mode, resume, rewind
 from overlord.sidecar.checks import check_redis, check_shm, check_sources, check_transforms
-from overlord.sidecar.membership import Membership
+from overlord.sidecar.membership import Membership, live_nodes
 from overlord.sidecar.mode import lock_path
 from overlord.sidecar.mode import sidecar_running as sidecar_running  # where tests and tools look for it
 from overlord.sidecar.role import HEARTBEAT_TTL_S
 from overlord.sidecar.spawn import preload
 from overlord.sidecar.supervision import Roles
 from overlord.store import EmbeddedRedis, Keys, connect, redact
-from overlord.store.schema import encode_record
+from overlord.store.schema import RESUME_AWAITING, encode_position, encode_record, position_field
 
 log = logging.getLogger("overlord.sidecar")
 
@@ -71,14 +71,12 @@ class Sidecar:
     """
 
     def __init__(self, job: Job, *, exit_when_idle: bool = False, resume: bool = False) -> None:
-        if resume and job.multi_node:
-            raise OverlordError(
-                "--resume of a job on several nodes is not supported yet: a node's sidecar that "
-                "restarts joins the running job by itself; restart a stopped job fresh"
-            )
         self.job = job
         self.exit_when_idle = exit_when_idle
         self.resume = resume
+        self.rewinding = False  # several nodes: taking part in a rewind (overlord.sidecar.rewind)
+        self._rewind_checked = 0.0  # when Redis was last asked whether a rewind is under way (monotonic)
+        self._runs = 0  # runs begun: 1, and one more per rewind (the mode file says it)
         self.keys = Keys(job.name)
         self.run_dir = job.run_path
         self.redis: EmbeddedRedis | None = None
@@ -117,29 +115,36 @@ class Sidecar:
         self.redis = EmbeddedRedis(self.run_dir).start()
         return self.redis.url
 
-    def _publish(self, layout: Layout) -> None:
-        """Publish the job, its layout and this node, after forgetting the last run's
-        plans, metadata and errors (a resume keeps the checkpoints)."""
-        r = self.r
-        keep = (
-            {self.keys.ckpt.encode(), self.keys.ckpt_delta.encode(), self.keys.ckpt_layout.encode()}
-            if self.resume
-            else set()
+    def _publish(self, layout: Layout, job: Job | None = None) -> None:
+        """Publish the job (`job`: the one joined, in a rewind), its layout and this node,
+        after forgetting the last run's plans, metadata and errors (a resume keeps the
+        checkpoints; a rewind also the trainers' positions: overlord.sidecar.rewind)."""
+        r, job = self.r, job or self.job
+        keep = rewind.kept(
+            self.keys, resume=self.resume, rewinding=self.rewinding, autoscale=self.job.autoscale is not None
         )
-        keep.add(self.keys.profile.encode())  # cost profiles outlive a run: the next start partitions from them
-        keep.add(self.keys.boot.encode())  # held by this sidecar while it publishes
-        if self.job.autoscale is not None:
-            keep.add(self.keys.autoscale.encode())  # written just before, from the journal or the stored one
-        stale = [k for k in r.scan_iter(match=self.keys.pattern, count=1000) if k not in keep]
+        stale = [
+            k
+            for k in r.scan_iter(match=self.keys.pattern, count=1000)
+            if rewind.forgets(k, keep, self.keys, rewinding=self.rewinding)
+        ]
         if stale:
             r.delete(*stale)
-        if self.resume:
-            resume.check_layout(self.job, r, self.keys, layout)
+        asked = rewind.asked_positions(r.hgetall(self.keys.rewind)) if self.rewinding else {}
+        if self.resume or self.rewinding:
+            resume.check_layout(job, r, self.keys, layout)
         pipe = r.pipeline(transaction=True)
-        pipe.set(self.keys.job_config, self.job.to_json())
+        pipe.set(self.keys.job_config, job.to_json())
         pipe.set(self.keys.layout, layout.to_json())
         pipe.set(self.keys.ckpt_layout, json.dumps(resume.streams_of(layout)))
-        pipe.hset(self.keys.nodes, self.job.node, encode_record(self.membership.offer()))
+        pipe.hset(self.keys.nodes, job.node, encode_record(self.membership.offer()))
+        if job.multi_node and (self.resume or self.rewinding):
+            # a sidecar joining now waits for positions too; a rewound run starts from the
+            # positions of the trainers that asked for it (the others tell theirs later)
+            pipe.hset(
+                self.keys.resume,
+                mapping={RESUME_AWAITING: 1, **{position_field(k): encode_position(at) for k, at in asked.items()}},
+            )
         pipe.execute()
 
     def _beat(self) -> None:
@@ -156,6 +161,17 @@ class Sidecar:
             )
         except redis.RedisError:
             pass  # Redis away: the watch loop restarts an embedded one
+
+    def _forget_beat(self) -> None:
+        """On the way out: drop this node's heartbeat now, not at its TTL, so a sidecar
+        that starts the job again (a resume) at once does not take it for a live node."""
+        key = self.keys.heartbeat("sidecar", self.job.node)
+        try:
+            raw = self.r.get(key)
+            if raw is not None and json.loads(raw).get("pid") == os.getpid():
+                self.r.delete(key)
+        except (redis.RedisError, AttributeError):
+            pass  # Redis away (or never reached): the heartbeat lapses at its TTL
 
     def _create_rings(self, layout: Layout) -> None:
         for loader in range(layout.loaders):
@@ -198,9 +214,57 @@ class Sidecar:
         self.r = connect(url, ride_through_s=1.0, setting="the sidecar's retry before its loop goes on")
         self.url = url
         self.roles.use(self.r, url)
+        begun = self._begin()
+        if begun is None:
+            return
+        preload()
+        if self.job.flight_port:
+            token = job_token(self.job, create=True, r=self.r)
+            self._serve("the Flight endpoint", lambda: start_server_process(self.job, token, self.run_dir))
+        if self.job.metrics_port:
+            self._serve("the metrics endpoint", lambda: start_metrics_process(self.job, self.run_dir, url))
+        self._start_roles(*begun)
+        if self.job.flight_port:
+            log.info(
+                "serving rings over Arrow Flight on port %d%s",
+                self.job.flight_port,
+                " (TLS)" if self.job.flight_cert else "",
+            )
+        if self.job.metrics_port:
+            log.info(
+                "serving Prometheus metrics on %s port %d (/metrics)", metrics_host(self.job), self.job.metrics_port
+            )
+        layout = begun[0]
+        log.info(
+            "sidecar for job %r on node %r: %d stream(s) in %d loader process(es), %d DP group(s), redis %s",
+            self.job.name,
+            self.job.node,
+            len(layout.streams),
+            layout.loaders,
+            self.job.mesh.dp,
+            "embedded" if self.redis else "external",
+        )
+
+    def _begin(self) -> tuple[Layout, dict[str, str] | None] | None:
+        """Publish the job (or join it), create the rings and, for a resume, wait for the
+        trainers' positions. Returns the layout and placement the roles start from, or
+        None when a resume found nothing left to deliver (the trainers' iteration ends)."""
         if self.job.multi_node:
-            joined, layout, placement = self.membership.boot(self.r, self._layout, self._publish, self._beat)
+            if (
+                not self.rewinding
+                and rewind.under_way(self.r, self.keys)
+                and rewind.published(self.r, self.keys) is None
+            ):
+                self.rewinding = True  # started during a rewind (a lost node back): take part in it
+            if self.rewinding:
+                self._beaten = 0.0
+                rewind.await_stopped(self.job, self.r, self.keys, self._live_nodes, self._beat)
+            self._beaten = 0.0  # the beat at the end of boot is written whenever it last was
+            joined, layout, placement = self.membership.boot(
+                self.r, self._layout, self._publish, self._beat, rewinding=self.rewinding
+            )
             self.job = joined or self.job
+            self.resume = self._resuming(joined is not None)
         else:
             layout, placement = self._layout(), None
         check_shm(self.job, layout.loaders)
@@ -209,16 +273,33 @@ class Sidecar:
             self._publish(layout)
         self._create_rings(layout)
         # what a trainer that loads a state finds here (overlord.sidecar.mode)
-        mode.write(self.job, resume=self.resume, decided=False, spawned=mode.spawned_here())
-        if self.resume and resume.await_positions(self.job, self.r, self.keys):
+        self._runs += 1
+        mode.write(self.job, resume=self.resume, decided=False, spawned=mode.spawned_here(), run=self._runs)
+        self.rewinding = False
+        if self.resume and resume.await_positions(self.job, self.r, self.keys, run=self._runs):
             resume.end_at_once(self.job, self.r, self.keys, list(self.client_rings.values()))
-            return
-        preload()
-        if self.job.flight_port:
-            token = job_token(self.job, create=True, r=self.r)
-            self._serve("the Flight endpoint", lambda: start_server_process(self.job, token, self.run_dir))
-        if self.job.metrics_port:
-            self._serve("the metrics endpoint", lambda: start_metrics_process(self.job, self.run_dir, url))
+            return None
+        return layout, placement
+
+    def _resuming(self, joined: bool) -> bool:
+        """Several nodes, after boot: whether this sidecar waits for the trainers'
+        positions. The run it published, or a rewound one, does when resumed; one it
+        joined does while that run waits for them (`awaiting`), whatever --resume said."""
+        if self.rewinding:
+            return True
+        if not joined:
+            return self.resume
+        awaiting = bool(self.r.hexists(self.keys.resume, RESUME_AWAITING))
+        if self.resume and not awaiting:
+            log.warning(
+                "node %r joins the running job %r (--resume has nothing to wait for)", self.job.node, self.job.name
+            )
+        return awaiting
+
+    def _live_nodes(self) -> set[str]:
+        return live_nodes(self.r, self.keys, self.job.node_ids)
+
+    def _start_roles(self, layout: Layout, placement: dict[str, str] | None) -> None:
         self.r.connection_pool.disconnect()  # children open their own connections
         self.roles.spawn("planner", 0)  # on several nodes: one per node, one leads
         if placement is not None:
@@ -231,25 +312,36 @@ class Sidecar:
                 self.roles.spawn("shadow", i)
             for i in range(layout.constructor_hosts):
                 self.roles.spawn("constructor", i)
-        if self.job.flight_port:
-            log.info(
-                "serving rings over Arrow Flight on port %d%s",
-                self.job.flight_port,
-                " (TLS)" if self.job.flight_cert else "",
-            )
-        if self.job.metrics_port:
-            log.info(
-                "serving Prometheus metrics on %s port %d (/metrics)", metrics_host(self.job), self.job.metrics_port
-            )
-        log.info(
-            "sidecar for job %r on node %r: %d stream(s) in %d loader process(es), %d DP group(s), redis %s",
+
+    def _rewind_asked(self) -> bool:
+        """Several nodes: whether trainers asked the job to go back (checked every CHECK_S)."""
+        now = time.monotonic()
+        if not self.job.multi_node or now - self._rewind_checked < rewind.CHECK_S:
+            return False
+        self._rewind_checked = now
+        return rewind.under_way(self.r, self.keys)
+
+    def _rewind(self) -> None:
+        """Stop every role and drop the rings, then resume in place from the trainers'
+        positions, as every other node's sidecar does (overlord.sidecar.rewind). The
+        Flight and metrics endpoints run on: they open rings by name per request."""
+        log.warning(
+            "trainers of job %r loaded an earlier state: stopping every role on node %r and resuming from it",
             self.job.name,
             self.job.node,
-            len(layout.streams),
-            layout.loaders,
-            self.job.mesh.dp,
-            "embedded" if self.redis else "external",
         )
+        self.roles.stop()
+        for ring in [*self.rings, *self.membership.made]:
+            ring.close()
+        unlink_all(self.job.name, self.job.node)
+        self.rings, self.client_rings = [], {}
+        self.roles = Roles(self.job, self.keys, self.run_dir)
+        self.roles.use(self.r, self.url)
+        self.membership = Membership(self.job, self.keys, self.roles)
+        self.rewinding = True
+        begun = self._begin()
+        if begun is not None:
+            self._start_roles(*begun)
 
     # -- watching ------------------------------------------------------------------------
 
@@ -294,6 +386,13 @@ class Sidecar:
             if lost is not None:
                 return self._fail(lost)
             try:
+                if self._rewind_asked():
+                    try:
+                        self._rewind()
+                    except OverlordError as exc:
+                        return self._fail(str(exc))
+                    started, finished = time.monotonic(), None
+                    continue
                 if self.job.multi_node:
                     self.membership.retire(codes)
                     self.membership.follow(self.r)
@@ -383,6 +482,8 @@ class Sidecar:
         for ring in [*self.rings, *self.membership.made]:
             ring.close()
         unlink_all(self.job.name, self.job.node)
+        if self.job.multi_node:
+            self._forget_beat()
         if self.redis is not None:
             self.redis.stop()
         if self._lock_fh is not None:

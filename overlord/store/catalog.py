@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overlord.store.schema import (
+    ASKED,
     BUILT,
     CONSUMED,
     COUNTER_DROPPED_LAST,
@@ -36,14 +37,17 @@ from overlord.store.schema import (
     PROGRESSED_VALUE,
     PROMOTION_FIELDS,
     REPLAY,
+    RESUME_AWAITING,
     RESUME_STEP,
     REWIND,
+    REWIND_PUBLISHED,
     SCALING_FIELDS,
     SKIP,
     SKIPPED,
     SKIPPED_FILE,
     SKIPPED_GROUPS,
     SKIPPED_ROWS,
+    STOPPED,
     TRAINER_STATS,
     TRUNCATED,
 )
@@ -384,6 +388,26 @@ SCHEMA: tuple[Key, ...] = (
             Field(f"{POSITION}<rank>", "JSON [step, micro-batch]", "where trainer rank resumes (trainer)"),
             Field(f"{SKIP}<rank>", "int", "batches of that step trainer rank already had (sidecar)"),
             Field(f"{REWIND}<rank>", "JSON {pid, at}", "a trainer asking a spawned sidecar to restart earlier"),
+            Field(
+                RESUME_AWAITING,
+                "1",
+                "several nodes: a resumed run waits for positions (a sidecar joining then waits too); "
+                "gone once the step is decided",
+            ),
+        ),
+        example="HGETALL",
+    ),
+    Key(
+        "rewind",
+        "rewind",
+        "hash",
+        "several nodes: trainers loaded an earlier state; every sidecar stops its roles and resumes in place",
+        "trainers (asked), sidecars",
+        "sidecars",
+        fields=(
+            Field(f"{ASKED}<rank>", "JSON {pid, at}", "trainer rank loaded a state at (step, micro-batch) `at`"),
+            Field(f"{STOPPED}<node>", "float (unix time)", "the node's sidecar stopped every role it ran"),
+            Field(REWIND_PUBLISHED, "str (node)", "the sidecar that published the rewound run"),
         ),
         example="HGETALL",
     ),

@@ -122,6 +122,11 @@ class Keys:
         return f"{self.base}:resume"
 
     @property
+    def rewind(self) -> str:
+        """A rewind of a job on several nodes under way (overlord.sidecar.rewind)."""
+        return f"{self.base}:rewind"
+
+    @property
     def demand(self) -> str:
         return f"{self.base}:demand"
 

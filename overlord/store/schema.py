@@ -256,6 +256,7 @@ def dp_of(field: bytes | str) -> int:
 # -- the `resume` hash -------------------------------------------------------------------
 
 RESUME_STEP = "step"  # int: the step the job resumes at (the sidecar decides it)
+RESUME_AWAITING = "awaiting"  # 1 from a resumed run's publish until its step is decided (several nodes)
 POSITION = "position:"  # + rank
 SKIP = "skip:"  # + rank
 REWIND = "rewind:"  # + rank
@@ -319,6 +320,34 @@ def encode_rewind(pid: int, at: tuple[int, int] | list[int]) -> str:
 def rewinds(resume: Mapping[bytes, bytes]) -> dict[int, int]:
     """rank -> pid of each trainer that asks for a rewind, from a `resume` HGETALL."""
     return {rank_of(k): json.loads(v)["pid"] for k, v in resume.items() if is_rewind_field(k)}
+
+
+# -- the `rewind` hash (several nodes) ------------------------------------------------
+
+ASKED = "asked:"  # + rank
+STOPPED = "stopped:"  # + node
+REWIND_PUBLISHED = "published"  # the node whose sidecar published the rewound run
+
+
+def asked_field(rank: int) -> str:
+    """`rewind` field: trainer `rank` loaded an earlier state and asks the job to go back (JSON {pid, at})."""
+    return f"{ASKED}{rank}"
+
+
+def stopped_field(node: str) -> str:
+    """`rewind` field: the sidecar of `node` stopped every role it ran for the rewind."""
+    return f"{STOPPED}{node}"
+
+
+def stopped_nodes(rewind: Mapping[bytes, bytes]) -> set[str]:
+    """The nodes whose sidecar stopped its roles, from a `rewind` HGETALL."""
+    return {_text(k)[len(STOPPED) :] for k in rewind if _text(k).startswith(STOPPED)}
+
+
+def rewind_published(rewind: Mapping[bytes, bytes]) -> str | None:
+    """The node that published the rewound run, or None while none did."""
+    raw = rewind.get(REWIND_PUBLISHED.encode())
+    return raw.decode() if raw is not None else None
 
 
 # -- the `stats` hash --------------------------------------------------------------------

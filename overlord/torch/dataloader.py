@@ -196,7 +196,7 @@ class DataLoader:
         batch is asked for, so `load_state_dict()` may still follow (Lightning checks
         that a loader is iterable before it loads the checkpoint's state)."""
         if self._done and self._position.end and self._sidecar.resume_at is not None and self._reader.ring is None:
-            self._sidecar.report_end(local=isinstance(self._reader, LocalReader))
+            self._sidecar.report_end(local=not isinstance(self._reader, FlightReader))
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -352,8 +352,12 @@ class DataLoader:
         batches after the state: one started with `--resume` does (a sidecar this loader
         spawns is); one a DataLoader spawned that already serves the job is stopped and
         started again with `--resume` once every live process reading it asked for it
-        (each rank loads a state); any other is refused, saying what to do. A state saved after the job's
-        last batch resumes to an immediate end: StopIteration at once, `len()` 0.
+        (each rank loads a state); any other is refused, saying what to do. On a job of
+        several nodes the nodes' sidecars serve it: one started with `--resume` waits for
+        the positions, and running ones go back to them together (a rewind, e.g. after
+        a node was lost with its trainers and torchrun restarted every rank: see
+        overlord.sidecar.rewind). A state saved after the job's last batch resumes to an
+        immediate end: StopIteration at once, `len()` 0.
 
         A state from a different mesh (another DP size) is accepted at a step boundary:
         the job continues exactly once from the Planner's per-source cursors, on the
@@ -362,7 +366,7 @@ class DataLoader:
         Raises:
             OverlordError: this DataLoader already yielded a batch.
             ConfigError: the state belongs to another job, or to another mesh and not at
-                a step boundary; or the job runs on several nodes.
+                a step boundary.
         """
         if self._last != self._loaded:
             raise OverlordError(
@@ -370,11 +374,6 @@ class DataLoader:
                 f"micro-batch {self._last[1]}): load the state before the first batch, or make a new DataLoader"
             )
         position = states.load(self.job, self.rank, state)
-        if position.batches and self.job.multi_node:
-            raise ConfigError(
-                "load_state_dict() on a job on several nodes is not supported yet: a node that "
-                "restarts rejoins the running job by itself; restart a stopped job fresh"
-            )
         self._reader.drop_ring()  # attached by a next() that yielded nothing: attach again
         self._position = position
         self._loaded = self._last = position.last

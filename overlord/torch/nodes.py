@@ -66,6 +66,7 @@ class ServingNodeReader:
         self._drained: set[int] = set()  # dead sidecars whose ring for this rank was read to its end
         self._cleared: set[int] = set()  # dead sidecars whose node's dead processes were cleared
         self._looked = 0.0  # when the ring's sidecar was last looked at (monotonic)
+        self._told = False  # a loaded state's position reached the job (NodeSidecar.resume_job)
 
     def read(self, after: tuple[int, int], *, final: bool = False, resuming: bool = False) -> Any:
         """The next record from wherever this rank's Data Constructor runs: this node's
@@ -74,6 +75,9 @@ class ServingNodeReader:
         sidecar died) was read to its end first; then the placement says where to go on.
         `after`: the last batch delivered, `final`: whether it was the job's last. None
         at the end of the job."""
+        if resuming and not self._told:
+            self.sidecar.resume_job()  # before any source is opened: the job may go back first
+            self._told = True
         deadline = time.monotonic() + self.timeout_s
         while True:
             if self.ring is None and self._stream is None:

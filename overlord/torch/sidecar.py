@@ -19,7 +19,7 @@ import warnings
 
 from overlord.config import Job
 from overlord.errors import ConfigError, RemoteRoleError
-from overlord.sidecar import mode
+from overlord.sidecar import mode, rewind
 from overlord.sidecar.mode import sidecar_running
 from overlord.store import Keys
 from overlord.store.client import password_env
@@ -135,6 +135,50 @@ class NodeSidecar:
         self.control.reset()  # its embedded Redis stopped with it
         self.spawn()
 
+    def resume_job(self) -> None:
+        """A job on several nodes, before the first read after a loaded state: have the
+        job serve the batches after it. The node's sidecar that waits for positions (a
+        `--resume` start, or a rewind under way) hears this rank's; one that serves the
+        running job makes every node's sidecar go back to the trainers' states (a rewind,
+        overlord.sidecar.rewind), then waits for it. Returns once the position is told.
+
+        Raises:
+            RemoteRoleError: no sidecar of the job on this node came to wait for
+                positions within the timeout.
+        """
+        at = self.resume_at
+        if at is None:
+            return
+        r, keys = self.control.client(), Keys(self.job.name)
+        deadline = time.monotonic() + self.timeout_s
+        asked: tuple[int, int] | None = None  # the sidecar (pid, run) that served when this rank asked for a rewind
+        while True:
+            if sidecar_running(self.job):
+                found = mode.current(self.job, min(1.0, self.timeout_s))
+                if found is not None and found.awaiting:
+                    self.report_position()
+                    return
+                if found is not None and asked is not None and (found.pid, found.run) != asked:
+                    return  # a run after the rewind, decided already: the position it asked with counted
+                if found is not None and asked is None:
+                    rewind.ask(r, keys, self.rank, os.getpid(), at)
+                    asked = (found.pid, found.run)
+                    warnings.warn(
+                        f"rank {self.rank}: the state resumes at step {at[0]} micro-batch {at[1]}, before what job "
+                        f"{self.job.name!r} serves: every node's sidecar goes back to the trainers' states",
+                        stacklevel=5,  # the trainer's next(): DataLoader.__next__, the reader's read and attach between
+                    )
+            elif self.may_spawn:
+                self.spawn()
+            if time.monotonic() > deadline:
+                raise RemoteRoleError(
+                    f"rank {self.rank} of job {self.job.name!r}: resuming at step {at[0]} micro-batch {at[1]} needs "
+                    f"the sidecar on node {self.job.node!r} to wait for the trainers' positions, and none did within "
+                    f"{self.timeout_s:g}s (asked for a rewind: {asked is not None}); start it (`overlord sidecar --config "
+                    "JOB.yaml`, with --resume for a stopped job) and see its log"
+                )
+            time.sleep(0.05)
+
     def died(self, after: tuple[int, int]) -> tuple[int, int]:
         """The sidecar died outright, its embedded Redis with it: the next one resumes at
         the batch after `after` (the last one delivered; (-1, -1): none yet). Returns
@@ -153,8 +197,8 @@ class NodeSidecar:
     def report_end(self, *, local: bool) -> None:
         """A state saved after the job's last batch: nothing to wait for, but a sidecar
         that waits for every rank's position (to serve ranks a step behind) hears it.
-        `local`: whether the rank reads a ring on this node (one reading over Flight, or
-        on a job of several nodes, has no sidecar here waiting for it)."""
+        `local`: whether the rank reads a ring on this node's sidecar (one reading over
+        Flight from a given location has no sidecar here waiting for it)."""
         if local and sidecar_running(self.job):
             found = mode.current(self.job, self.timeout_s)  # at once unless it is starting
             if found is not None and found.awaiting:

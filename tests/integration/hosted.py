@@ -6,7 +6,10 @@ rank on the host torchrun would put it on. The same surface as harness.Cluster/N
 For tests and benches (bench/nodes.py) alike: `kill_roles` (a node's sidecar and roles
 die, its trainers live), `cut_for` (a node's link down for a while), `segments` (what a
 host's /dev/shm holds of the job) and `stall` (the trainers' longest wait between two
-batches against the median, from the times ledger_trainer.py records)."""
+batches against the median, from the times ledger_trainer.py records); and the steps
+of a node_loss: `lose_node` (the node vanishes with its trainers), `stop_trainers` (as
+torchrun stops the others), `save_states`, `restart_node` (its host boots, its sidecar
+starts again) and `reconfigure` (another mesh for a resume)."""
 
 from __future__ import annotations
 
@@ -117,6 +120,53 @@ class HostedJob:
                 log=self.workdir / f"trainer-{rank}.log",
                 name=f"trainer rank {rank} on {node}",
             )
+
+    def reconfigure(self, **changes) -> Job:
+        """Change the job's config (e.g. its mesh, for a resume on another DP size); the
+        sidecars and trainers started from now on read the new one."""
+        self.job = dataclasses.replace(self.job, **changes)
+        self.config.write_text(self.job.to_json())
+        return self.job
+
+    def ranks_on(self, node: str) -> list[int]:
+        """The trainer ranks that run on `node` (as torchrun places them)."""
+        return [rank for rank in self.trainers if self.job.node_of_rank(rank) == node]
+
+    def lose_node(self, node: str, timeout: float = 30) -> None:
+        """node_loss: `node` vanishes with its sidecar, roles and trainers (its host's
+        init is killed); returns once they are gone. Its /dev/shm stays."""
+        self.hosts[node].kill()
+        gone = [self.sidecars.get(node), *(self.trainers[rank] for rank in self.ranks_on(node))]
+        for proc in gone:
+            if proc is not None:
+                proc.wait(timeout=timeout)
+
+    def stop_trainers(self, timeout: float = 30) -> dict[int, dict]:
+        """What torchrun does when a worker is lost: every other trainer is killed (they
+        are started again, loading their last saved state). Returns every rank's last
+        record (with --save-every: what it had up to its last checkpoint, and the state)."""
+        for proc in self.trainers.values():
+            proc.kill()
+        for proc in self.trainers.values():
+            proc.wait(timeout=timeout)
+        records = {rank: json.loads(self.out(rank).read_text()) for rank in self.trainers}
+        self.trainers.clear()
+        return records
+
+    def save_states(self, records: dict[int, dict]) -> dict[int, Path]:
+        """Each rank's saved loader state (from `stop_trainers`) in a file of its own,
+        for `start_trainers(..., **{"load-state": ...})`."""
+        paths = {}
+        for rank, record in records.items():
+            paths[rank] = self.workdir / f"state-{rank}.json"
+            paths[rank].write_text(json.dumps(record["state"]))
+        return paths
+
+    def restart_node(self, node: str, *args: str) -> HostProcess:
+        """The lost `node` back: its host boots again and its sidecar starts with `args`
+        (as systemd would: Restart=always, the same command line)."""
+        self.hosts[node].boot()
+        return self.start_sidecar(node, *args)
 
     def out(self, rank: int) -> Path:
         return self.workdir / f"{self.job.name}-rank{rank}.json"
