@@ -189,7 +189,7 @@ def test_the_reference_spells_fields_with_the_constants():
 # numbered fields (c<dp>, t<dp>, r<dp>, position:<rank>, ...) opening an f-string, or a key
 # fragment. Matched on string literals of the AST, so prose in comments does not count.
 _FIELD_FSTRING = re.compile(
-    r"^(c|t|r|rank|position:|skip:|rewind:|truncated:c|skipped:|skipped_file:|skipped_groups:|skipped_rows:|hb:|meta:|plan:)$"
+    r"^(c|t|r|rank|position:|skip:|rewind:|asked:|stopped:|truncated:c|skipped:|skipped_file:|skipped_groups:|skipped_rows:|hb:|meta:|plan:)$"
 )
 _KEY_FRAGMENT = re.compile(r"overlord:\{|^(position|skip|rewind):$")
 
