@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -58,16 +59,20 @@ def check_layout(job: Job, r, keys: Keys, layout: Layout) -> None:
         )
 
 
-def await_positions(job: Job, r, keys: Keys, run: int = 1) -> bool:
+def await_positions(job: Job, r, keys: Keys, run: int = 1, beat: Callable[[], None] | None = None) -> bool:
     """Wait for every trainer's `load_state_dict` position, then fix the resume step
     (the earliest) and how many micro-batches each rank already consumed past it.
     On several nodes every node's sidecar waits; the first to see every position
     decides (atomically, see `_decide`) and the others take its decision.
-    `run`: the sidecar's run, for its mode file (overlord.sidecar.mode). Returns whether
-    every rank is past the last step of a finite job (nothing to run)."""
+    `run`: the sidecar's run, for its mode file (overlord.sidecar.mode); `beat`: keeps
+    the node's heartbeat while it waits (on several nodes a sidecar that starts later
+    must see this one live, or it would publish the job again). Returns whether every
+    rank is past the last step of a finite job (nothing to run)."""
     world = job.mesh.world_size
     deadline = time.monotonic() + job.timeout_s
     while True:
+        if beat is not None:
+            beat()
         raw = r.hgetall(keys.resume)
         decided = raw.get(RESUME_STEP.encode())
         if decided is not None:  # another node's sidecar decided

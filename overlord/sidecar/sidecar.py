@@ -276,7 +276,7 @@ class Sidecar:
         self._runs += 1
         mode.write(self.job, resume=self.resume, decided=False, spawned=mode.spawned_here(), run=self._runs)
         self.rewinding = False
-        if self.resume and resume.await_positions(self.job, self.r, self.keys, run=self._runs):
+        if self.resume and resume.await_positions(self.job, self.r, self.keys, run=self._runs, beat=self._beat):
             resume.end_at_once(self.job, self.r, self.keys, list(self.client_rings.values()))
             return None
         return layout, placement
