@@ -254,8 +254,11 @@ class Sidecar:
                 not self.rewinding
                 and rewind.under_way(self.r, self.keys)
                 and rewind.published(self.r, self.keys) is None
+                and self._live_nodes() - {self.job.node}
             ):
-                self.rewinding = True  # started during a rewind (a lost node back): take part in it
+                # started during a rewind (a lost node back): take part in it; with no other
+                # node live it is the stale rewind of a stopped job, forgotten at publish
+                self.rewinding = True
             if self.rewinding:
                 self._beaten = 0.0
                 rewind.await_stopped(self.job, self.r, self.keys, self._live_nodes, self._beat)
