@@ -119,7 +119,7 @@ class Membership:
         self,
         r,
         lay_out: Callable[[], Layout],
-        publish: Callable[[Layout, Job], None],
+        publish: Callable[[Layout, Job | None], None],
         beat: Callable[[], None],
         *,
         rewinding: bool = False,
@@ -129,7 +129,8 @@ class Membership:
         lock; a joiner takes the job's sources (partitions may have been sized by
         autoscale) and layout from Redis. In a rewind (`rewinding`: this sidecar passed
         its barrier, overlord.sidecar.rewind) the first one publishes the job again as
-        it was laid out, and the others join that. `beat` marks the node live before
+        it was laid out (`publish(layout, job)`; None: the job `lay_out` sized), and the
+        others join that. `beat` marks the node live before
         the lock goes. Returns the job joined (None: this node laid it out), its layout
         and the placement."""
         deadline = time.monotonic() + self.job.timeout_s
@@ -155,7 +156,7 @@ class Membership:
             )
             if action == rewind.START:
                 layout = lay_out()
-                publish(layout, self.job)
+                publish(layout, None)  # the job as `lay_out` sized it (autoscale), not this node's config
                 # deferred: pyarrow.flight is heavy and trainers import this module (for
                 # clear_dead); a sidecar has it loaded already (its constructor host's bridge)
                 from overlord.remote.flight import job_token
