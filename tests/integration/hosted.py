@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import redis
-from harness import TRAINER
+from harness import TRAINER, make_job
 from hosts import Fabric, Host, HostProcess
 
 from overlord.config import Job
@@ -359,3 +359,46 @@ class SentinelHosts:
         return "\n".join(
             f"--- {p.parent.name}\n{p.read_text()[-1500:]}" for p in sorted(self.root.glob("*/server.log"))
         )
+
+
+class HostedJobs:
+    """Jobs made from `corpus` with `job_args` (several nodes), each on a fabric of its
+    own under `root`; `close()` stops them and takes their fabrics down."""
+
+    def __init__(self, corpus, root: Path, **job_args) -> None:
+        self.corpus, self.root, self.job_args = corpus, root, job_args
+        self.made: list[tuple[Fabric, HostedJob]] = []
+
+    def make(self, *, sentinel: bool = False, shadow: bool = False, **overrides) -> HostedJob:
+        """A new job (`overrides` on the job arguments; `shadow`: every source shadowed)."""
+        n = len(self.made)
+        # HostedJob points redis_url at the Redis it starts
+        job = make_job(self.corpus, self.root / f"run{n}", redis_url="redis://unset", **{**self.job_args, **overrides})
+        if shadow:
+            job = dataclasses.replace(job, sources=tuple(dataclasses.replace(s, shadow=True) for s in job.sources))
+        workdir = self.root / f"work{n}"
+        workdir.mkdir()
+        fabric = Fabric()
+        try:
+            self.made.append((fabric, HostedJob(fabric, job, workdir, sentinel=sentinel)))
+        except BaseException:
+            fabric.close()
+            raise
+        return self.made[-1][1]
+
+    def close(self) -> None:
+        for fabric, h in self.made:
+            try:
+                h.stop()
+            except Exception:  # noqa: BLE001 - closing the fabric kills what is left
+                pass
+            h.kill_all()
+            fabric.close()
+
+
+def until(condition, h: HostedJob, timeout: float = 90, what: str = "") -> None:
+    """Wait (bounded) for `condition`; on time out, fail naming `what` with the job's logs."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{h.log()}"
+        time.sleep(0.05)

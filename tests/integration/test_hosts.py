@@ -18,9 +18,9 @@ import sys
 import time
 
 import pytest
-from harness import assert_delivered, make_job
-from hosted import FLIGHT_PORT, HostedJob
-from hosts import Fabric, unavailable
+from harness import assert_delivered
+from hosted import FLIGHT_PORT, HostedJob, HostedJobs, until
+from hosts import unavailable
 
 from overlord import BatchSpec, Mesh
 from overlord.plan.checkpoint import Checkpoints
@@ -50,54 +50,23 @@ JOB = dict(
 @pytest.fixture
 def hosted(corpus, tmp_path):
     """A factory of jobs on hosts, each job on a fabric of its own."""
-    made: list[tuple[Fabric, HostedJob]] = []
-
-    def factory(sentinel: bool = False, **overrides) -> HostedJob:
-        fabric = Fabric()
-        # HostedJob points redis_url at the Redis host it starts
-        job = make_job(corpus, tmp_path / f"run{len(made)}", redis_url="redis://unset", **{**JOB, **overrides})
-        workdir = tmp_path / f"work{len(made)}"
-        workdir.mkdir()
-        try:
-            made.append((fabric, HostedJob(fabric, job, workdir, sentinel=sentinel)))
-        except BaseException:
-            fabric.close()
-            raise
-        return made[-1][1]
-
-    yield factory
-    for fabric, h in made:
-        try:
-            h.stop()
-        except Exception:  # noqa: BLE001 - closing the fabric kills what is left
-            pass
-        h.kill_all()
-        fabric.close()
-
-
-def _segments(h: HostedJob, node: str) -> list[str]:
-    return sorted(p.name for p in h.hosts[node].shm.iterdir() if h.job.name in p.name)
-
-
-def _until(condition, h: HostedJob, timeout: float = 90, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{h.log()}"
-        time.sleep(0.05)
+    jobs = HostedJobs(corpus, tmp_path, **JOB)
+    yield jobs.make
+    jobs.close()
 
 
 def _run_clean(h: HostedJob) -> dict[int, dict]:
     for node in NODES:
         h.start_sidecar(node)
     h.start_trainers(sleep="0.05")
-    _until(lambda: all(_segments(h, n) for n in NODES), h, what="each node's rings")
-    mine = {n: _segments(h, n) for n in NODES}
+    until(lambda: all(h.segments(n) for n in NODES), h, what="each node's rings")
+    mine = {n: h.segments(n) for n in NODES}
     out = h.results(timeout=180)
     assert all(rec["end"] == "stop" for rec in out.values()), ({r: rec["end"] for r, rec in out.items()}, h.log())
     assert h.stop() == {n: 0 for n in NODES}, h.log()
     # each host saw only its own node's segments (the other's live in its own /dev/shm)
     assert not set(mine["n0"]) & set(mine["n1"]), mine
-    assert {n: _segments(h, n) for n in NODES} == {"n0": [], "n1": []}
+    assert {n: h.segments(n) for n in NODES} == {"n0": [], "n1": []}
     return out
 
 
@@ -132,7 +101,7 @@ def test_a_nodes_roles_killed_while_its_trainer_lives_reads_over_flight_and_back
     def placed() -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in r.hgetall(keys.placement).items()}
 
-    _until(lambda: min(step(d) for d in range(2)) >= 4, h, what="step 4")
+    until(lambda: min(step(d) for d in range(2)) >= 4, h, what="step 4")
     # the sidecar and every role of n1 die at once; its trainer lives on
     trainer = h.trainers[1].pid
     for pid in h.hosts["n1"].pids()[1:]:  # all but the host's init
@@ -143,11 +112,11 @@ def test_a_nodes_roles_killed_while_its_trainer_lives_reads_over_flight_and_back
                 pass
     h.sidecars["n1"].wait(timeout=10)
     killed_at = step(1)
-    _until(lambda: placed()["constructor1"] != "n1", h, what="n1's roles to move to n0")
-    _until(lambda: step(1) >= killed_at + 3, h, what="dp1 to be built on n0")
-    assert _segments(h, "n1"), "the dead roles' rings stay in n1's /dev/shm until a process of the job runs there"
+    until(lambda: placed()["constructor1"] != "n1", h, what="n1's roles to move to n0")
+    until(lambda: step(1) >= killed_at + 3, h, what="dp1 to be built on n0")
+    assert h.segments("n1"), "the dead roles' rings stay in n1's /dev/shm until a process of the job runs there"
     h.start_sidecar("n1")  # as systemd would (Restart=always)
-    _until(lambda: placed()["constructor1"] == "n1", h, what="n1's roles to come home")
+    until(lambda: placed()["constructor1"] == "n1", h, what="n1's roles to come home")
     out = h.results(timeout=180)
     for rank, rec in out.items():
         assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
@@ -155,7 +124,7 @@ def test_a_nodes_roles_killed_while_its_trainer_lives_reads_over_flight_and_back
     assert out[1]["switches"] >= 2, out[1]  # to n0 over Flight, and back
     assert_delivered(out, corpus_keys, log=h.log)
     assert h.stop() == {n: 0 for n in NODES}, h.log()
-    assert {n: _segments(h, n) for n in NODES} == {"n0": [], "n1": []}, "segments left on a host"
+    assert {n: h.segments(n) for n in NODES} == {"n0": [], "n1": []}, "segments left on a host"
 
 
 @pytest.mark.parametrize(
@@ -183,7 +152,7 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
         h.start_sidecar(node)
     h.start_trainers(sleep="0.2")
     r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
-    _until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
+    until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
     h.hosts["n1"].cut()
     time.sleep(seconds)
     h.hosts["n1"].mend()
@@ -204,7 +173,7 @@ def test_the_redis_primarys_host_lost_mid_run_the_sentinels_fail_over_and_nothin
         h.start_sidecar(node)
     h.start_trainers(sleep="0.1")
     r, keys = connect(h.job.redis_url, timeout_s=2, ride_through_s=60), Keys(h.job.name)
-    _until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
+    until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
     acknowledged = int(r.hget(keys.planner, PLANNER_DURABLE))
     assert h.sentinels is not None
     lost = h.sentinels.kill_primary()
@@ -233,5 +202,5 @@ def test_a_node_whose_dev_shm_is_full_is_refused_at_start_naming_the_fix(hosted)
     assert proc.wait(timeout=60) != 0
     text = (h.workdir / "sidecar-n1.log").read_text()
     assert "/dev/shm" in text and ("size=" in text or "shm-size" in text), text[-2000:]
-    assert not _segments(h, "n1"), "a refused sidecar left segments behind"
+    assert not h.segments("n1"), "a refused sidecar left segments behind"
     filler.unlink()

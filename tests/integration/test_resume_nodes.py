@@ -12,12 +12,11 @@ bytes of a run without a stop.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-from harness import assert_delivered, make_job
-from hosted import FLIGHT_PORT, HostedJob
-from hosts import Fabric, unavailable
+from harness import assert_delivered
+from hosted import FLIGHT_PORT, HostedJob, HostedJobs, until
+from hosts import unavailable
 
 from overlord import BatchSpec, Mesh
 from overlord.store import Keys, connect
@@ -43,43 +42,19 @@ JOB = dict(
 )
 
 
-def _job_on(fabric_jobs: list, corpus, tmp_path, **overrides) -> HostedJob:
-    fabric = Fabric()
-    n = len(fabric_jobs)
-    job = make_job(corpus, tmp_path / f"run{n}", redis_url="redis://unset", **{**JOB, **overrides})
-    workdir = tmp_path / f"work{n}"
-    workdir.mkdir()
-    try:
-        fabric_jobs.append((fabric, HostedJob(fabric, job, workdir)))
-    except BaseException:
-        fabric.close()
-        raise
-    return fabric_jobs[-1][1]
-
-
-def _close(fabric_jobs: list) -> None:
-    for fabric, h in fabric_jobs:
-        try:
-            h.stop()
-        except Exception:  # noqa: BLE001 - closing the fabric kills what is left
-            pass
-        h.kill_all()
-        fabric.close()
-
-
 @pytest.fixture
 def hosted(corpus, tmp_path):
-    made: list[tuple[Fabric, HostedJob]] = []
-    yield lambda **overrides: _job_on(made, corpus, tmp_path, **overrides)
-    _close(made)
+    jobs = HostedJobs(corpus, tmp_path, **JOB)
+    yield jobs.make
+    jobs.close()
 
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """Every rank's ledger in a run on the two hosts with no stop."""
-    made: list[tuple[Fabric, HostedJob]] = []
+    jobs = HostedJobs(corpus, tmp_path_factory.mktemp("reference"), **JOB)
     try:
-        h = _job_on(made, corpus, tmp_path_factory.mktemp("reference"))
+        h = jobs.make()
         for node in NODES:
             h.start_sidecar(node)
         h.start_trainers()
@@ -87,15 +62,8 @@ def reference(corpus, tmp_path_factory):
         assert all(rec["end"] == "stop" for rec in out.values()), ({r: rec["end"] for r, rec in out.items()}, h.log())
         assert h.stop() == {n: 0 for n in NODES}, h.log()
     finally:
-        _close(made)
+        jobs.close()
     return out
-
-
-def _until(condition, h: HostedJob, timeout: float = 90, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{h.log()}"
-        time.sleep(0.05)
 
 
 def _stopped_run(h: HostedJob, batches: int) -> tuple[dict[int, dict], dict[int, str]]:
@@ -185,7 +153,7 @@ def test_a_node_lost_with_its_trainers_rewinds_the_job_to_their_saved_states(hos
             return 0
 
     # rank 1's state after 45 batches is mid-step (step 22, micro-batch 0)
-    _until(lambda: saved(0) >= 40 and saved(1) >= 45, h, what="both ranks to save 40 and 45 batches")
+    until(lambda: saved(0) >= 40 and saved(1) >= 45, h, what="both ranks to save 40 and 45 batches")
     h.lose_node("n1")
     first = h.stop_trainers()
     states = h.save_states(first)
@@ -194,7 +162,7 @@ def test_a_node_lost_with_its_trainers_rewinds_the_job_to_their_saved_states(hos
         for rank, s in ((rank, first[rank]["state"]) for rank in first)
     }
     # the surviving node plans on: n1's units move to n0 once its heartbeat lapses
-    _until(lambda: (r.hget(keys.placement, "constructor1") or b"").decode() == "n0", h, what="n1's roles to move to n0")
+    until(lambda: (r.hget(keys.placement, "constructor1") or b"").decode() == "n0", h, what="n1's roles to move to n0")
     h.restart_node("n1")
     for rank, path in states.items():
         h.start_trainers(ranks=[rank], **{"load-state": str(path)})

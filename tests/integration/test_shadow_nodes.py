@@ -9,14 +9,13 @@ without a fault. The trainers' stall is measured from the times each batch arriv
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
 import pytest
-from harness import assert_delivered, make_job
-from hosted import FLIGHT_PORT, HostedJob, resumed, stall
-from hosts import Fabric, unavailable
+from harness import assert_delivered
+from hosted import FLIGHT_PORT, HostedJob, HostedJobs, resumed, stall, until
+from hosts import unavailable
 
 from overlord import BatchSpec, Mesh
 from overlord.store import Keys, connect
@@ -47,36 +46,9 @@ _reference: dict[int, dict] = {}  # the run without a fault, made once per sessi
 @pytest.fixture
 def hosted(corpus, tmp_path):
     """A factory of jobs on hosts, each on a fabric of its own, every source shadowed."""
-    made: list[tuple[Fabric, HostedJob]] = []
-
-    def factory() -> HostedJob:
-        fabric = Fabric()
-        job = make_job(corpus, tmp_path / f"run{len(made)}", redis_url="redis://unset", **JOB)
-        job = dataclasses.replace(job, sources=tuple(dataclasses.replace(s, shadow=True) for s in job.sources))
-        workdir = tmp_path / f"work{len(made)}"
-        workdir.mkdir()
-        try:
-            made.append((fabric, HostedJob(fabric, job, workdir)))
-        except BaseException:
-            fabric.close()
-            raise
-        return made[-1][1]
-
-    yield factory
-    for fabric, h in made:
-        try:
-            h.stop()
-        except Exception:  # noqa: BLE001 - closing the fabric kills what is left
-            pass
-        h.kill_all()
-        fabric.close()
-
-
-def _until(condition, h: HostedJob, timeout: float = 90, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{h.log()}"
-        time.sleep(0.02)
+    jobs = HostedJobs(corpus, tmp_path, **JOB)
+    yield lambda: jobs.make(shadow=True)
+    jobs.close()
 
 
 def _reference_run(hosted, corpus_keys) -> dict[int, dict]:
@@ -122,10 +94,10 @@ def _start(h: HostedJob) -> _View:
         h.start_sidecar(node)
     h.start_trainers(sleep=str(SLEEP_S))
     v = _View(h)
-    _until(lambda: v.step() >= 4, h, what="step 4")
+    until(lambda: v.step() >= 4, h, what="step 4")
     # every loader's shadow stands by on the other node
     assert {u: n for u, n in v.placed().items() if u.startswith("shadow")} == {"shadow0": "n1", "shadow1": "n0"}
-    _until(lambda: (v.beats("shadow", 0), v.beats("shadow", 1)) == ("n1", "n0"), h, what="both shadows to beat")
+    until(lambda: (v.beats("shadow", 0), v.beats("shadow", 1)) == ("n1", "n0"), h, what="both shadows to beat")
     return v
 
 
@@ -149,14 +121,14 @@ def test_a_node_s_roles_killed_its_loaders_are_taken_over_by_their_shadows_on_th
     h = hosted()
     v = _start(h)
     killed = h.kill_roles("n1")  # n1's sidecar and roles die; its trainer lives and reads over Flight
-    _until(lambda: v.promotions(), h, what="the promotion of n1's loader's shadow")
-    _until(lambda: v.placed().get("shadow0") is None, h, what="n1's shadow of loader0 to be unplaced")
+    until(lambda: v.promotions(), h, what="the promotion of n1's loader's shadow")
+    until(lambda: v.placed().get("shadow0") is None, h, what="n1's shadow of loader0 to be unplaced")
     taken = v.step()
-    _until(lambda: v.step() >= taken + 3, h, what="three more steps after the takeover")
+    until(lambda: v.step() >= taken + 3, h, what="three more steps after the takeover")
     assert h.segments("n1"), "the dead roles' rings stay in n1's /dev/shm until a process of the job runs there"
     back = time.time()
     h.start_sidecar("n1")  # as systemd would: the node's shadows come back, its segments are cleaned
-    _until(
+    until(
         lambda: v.placed().get("shadow0") == "n1" and v.placed().get("shadow1") == "n1",
         h,
         what="n1 to stand by for both loaders",
