@@ -295,8 +295,12 @@ class LoaderProcess:
                 continue
             self.replays[dp] = request
             if self.active and request is not None:
+                first = int(request.split(b":")[1])
                 self.broken.discard(dp)
-                self._replay(dp, int(request.split(b":")[1]))
+                # a constructor restarted just after this process read its built mark at
+                # start: the steps this process skipped as built must now go out as served
+                self.skip_upto[dp] = min(self.skip_upto.get(dp, -1), first - 1)
+                self._replay(dp, first)
 
     def _replay(self, dp: int, first: int) -> None:
         """Send again to constructor `dp` every kept sample of steps >= `first`."""
