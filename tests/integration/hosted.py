@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +30,7 @@ from hosts import Fabric, Host, HostProcess
 
 from overlord.config import Job
 from overlord.sidecar.sidecar import sidecar_running
-from overlord.store import connect
+from overlord.store import Keys, connect
 from overlord.store.server import redis_server_binary
 
 REDIS_PORT = 6379
@@ -172,10 +174,39 @@ class HostedJob:
         return self.workdir / f"{self.job.name}-rank{rank}.json"
 
     def results(self, timeout: float = 120) -> dict[int, dict]:
+        """Every rank's record once all trainers have ended; past `timeout`, an
+        AssertionError that says where the job waits (see `where`)."""
         deadline = time.monotonic() + timeout
-        for proc in self.trainers.values():
-            proc.wait(timeout=max(1, deadline - time.monotonic()))
+        for rank, proc in self.trainers.items():
+            try:
+                proc.wait(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"trainer rank {rank} still runs after {timeout:.0f} s\n{self.where()}") from None
         return {rank: json.loads(self.out(rank).read_text()) for rank in self.trainers}
+
+    def where(self) -> str:
+        """Where a job that does not end waits: its progress in Redis, the stacks of every
+        Python process on its hosts (py-spy, where installed) and the logs."""
+        text = ""
+        try:
+            r = connect(self.job.redis_url, ride_through_s=0)
+            progress = {k.decode(): v.decode() for k, v in r.hgetall(f"{Keys(self.job.name).progress}").items()}
+            text += f"== progress\n{json.dumps(progress, sort_keys=True)}\n"
+        except redis.RedisError as e:
+            text += f"== progress unreadable: {e}\n"
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if Path(spy).exists():
+            for node, host in self.hosts.items():
+                for pid in host.pids()[1:]:
+                    try:
+                        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[-160:]
+                    except OSError:
+                        continue
+                    if "python" not in cmd:
+                        continue
+                    dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+                    text += f"== py-spy {node} pid {pid}: {cmd}\n{dump.stdout[-3000:]}{dump.stderr[-300:]}\n"
+        return text + self.log()
 
     def stop(self, timeout: float = 30) -> dict[str, int]:
         for proc in self.sidecars.values():
