@@ -32,12 +32,13 @@ from collections.abc import Mapping
 import numpy as np
 
 from overlord.config import Job
-from overlord.constructor.marks import STREAM_MAXLEN, MarkWatch
+from overlord.constructor.marks import STREAM_MAXLEN, MarkWatch, Owner, check
 from overlord.constructor.packing import pack, pad
 from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout, SourceReadError
 from overlord.plan.lowlevel import constructor_do_plan, encoder_destinations
 from overlord.plan.waiting import resume_point, wait_plan
+from overlord.remote.bridge import Bridge
 from overlord.runtime.flow import Beat, Stopped, alive_within, push
 from overlord.runtime.layout import Layout, client_ring, sample_ring
 from overlord.shm import Ring, decode_batch
@@ -48,7 +49,7 @@ from overlord.store.schema import (
     built_field,
     consumed_field,
     replay_field,
-    replay_requester,
+    replay_request,
     skips,
     truncated_field,
 )
@@ -61,13 +62,14 @@ log = logging.getLogger("overlord.constructor")
 # first step), its built mark c<dp> set back to before it (so no loader drops what it
 # is about to ask for: they keep a step until every group built it and every trainer
 # read it), with its `progressed` entry (the Planner follows the marks by their entries),
-# and its replay request r<dp> from there. Read apart from the writes, a
-# trainer moving on in between could let a loader drop the step the replay asks for.
+# its replay request r<dp> from there, and its claim on the group's marks (o<dp>, see
+# marks.Owner). Read apart from the writes, a trainer moving on in between could let a
+# loader drop the step the replay asks for.
 _RESTART = """
 local mark = redis.call('HGET', KEYS[1], ARGV[1])
 local step = tonumber(ARGV[4])
 if mark then step = math.max(step, tonumber(mark) - 1) end
-redis.call('HSET', KEYS[1], ARGV[2], step - 1, ARGV[3], ARGV[5] .. ':' .. step)
+redis.call('HSET', KEYS[1], ARGV[2], step - 1, ARGV[3], ARGV[5] .. ':' .. step, ARGV[10], ARGV[5])
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[9], '*', ARGV[6], ARGV[7], ARGV[8], step - 1)
 return step
 """
@@ -88,10 +90,12 @@ class DataConstructor:
         stop: threading.Event,
         beat: Beat,
         restarted: bool = False,
-        bridges: Mapping[int, object] | None = None,
+        bridges: Mapping[int, Bridge] | None = None,
     ) -> None:
         self.job, self.layout, self.dp, self.restarted = job, layout, dp, restarted
         self.r, self.keys, self.stop, self.beat = r, keys, stop, beat
+        self.owner = Owner(r, keys, dp)
+        self.bridges = list(bridges.values()) if bridges else []
         # per loader process: its ring on this node, and on several nodes a Bridge that
         # carries its samples when it runs elsewhere (overlord.remote.bridge)
         self.inputs: list[list] = []
@@ -136,11 +140,12 @@ class DataConstructor:
                     built_field(self.dp),
                     replay_field(self.dp),
                     first,
-                    replay_requester(os.getpid()),
+                    self.owner.me,
                     BUILT,
                     self.dp,
                     PROGRESSED_VALUE,
                     STREAM_MAXLEN,
+                    self.owner.field,
                 )
             )
             log.warning("DataConstructor dp=%d restarted at step %d; asked the loaders for a replay", self.dp, step)
@@ -151,6 +156,7 @@ class DataConstructor:
             for rank in self.outputs:
                 self.written.setdefault(rank, step - 1)
             return step
+        self.owner.claim()
         # on a resume, micro-batches of the first steps a rank had already consumed
         raw = self.r.hgetall(self.keys.resume) if point else {}
         self.skip = skips(raw, self.outputs)
@@ -159,7 +165,7 @@ class DataConstructor:
     def run(self) -> None:
         step = self._start()
         transform = pack if self.job.batch.packing else pad
-        marks = MarkWatch(self.job, self.dp, self.r, self.keys, self.outputs, self.written).start()
+        marks = MarkWatch(self.job, self.dp, self.r, self.keys, self.outputs, self.written, self.owner).start()
         try:
             while not self.stop.is_set():
                 plan = wait_plan(self.r, self.keys, step, self.stop, self.job.timeout_s, beat=self.beat)
@@ -200,11 +206,10 @@ class DataConstructor:
                     self.stop.wait()
                     return
                 pipe = self.r.pipeline(transaction=False)
-                pipe.hset(self.keys.progress, built_field(self.dp), plan.step)
-                pipe.xadd(self.keys.progressed, built_entry(self.dp, plan.step), maxlen=STREAM_MAXLEN, approximate=True)
+                self.owner.write(built_field(self.dp), plan.step, entry=built_entry(self.dp, plan.step), client=pipe)
                 if self.truncated:
                     pipe.hset(self.keys.counters, truncated_field(self.dp), self.truncated)
-                pipe.execute()
+                check(pipe.execute()[0], self.dp)
                 step += 1
                 if plan.last:
                     for ring in self.outputs.values():
@@ -285,6 +290,7 @@ class DataConstructor:
             owed[self.layout.loader_of[ident[0]]] += 1
         deadline = time.monotonic() + self.job.timeout_s
         while any(owed):
+            self._replay_if_broken(step)
             progressed = False
             for k, rings in enumerate(self.inputs):
                 for ring in rings:
@@ -322,6 +328,15 @@ class DataConstructor:
                 continue
             owed[k] -= self._take(step, k, ring, view, wanted, got)
         return got
+
+    def _replay_if_broken(self, step: int) -> None:
+        """A bridge's stream broke (records in transit may be lost): ask the loaders to
+        send again every step from the one being collected (not from c<dp>: samples of
+        this step and later ones may have been in transit)."""
+        if any(b.broke.is_set() for b in self.bridges):
+            for b in self.bridges:
+                b.broke.clear()
+            self.owner.write(replay_field(self.dp), replay_request(os.getpid(), step))
 
     @staticmethod
     def _try_read(ring: Ring):

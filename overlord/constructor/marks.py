@@ -21,11 +21,19 @@ stands, whether the constructor builds or waits for a plan.
   the group back.
 - The published mark never goes down: a restarted Data Constructor reads it from
   Redis, then from the rings, which keep their marks across its restart.
+
+Fencing. Every mark of a group (c<dp>, t<dp>) and its replay request (r<dp>) is written
+only while `progress` o<dp> names the writer (`Owner`): a Data Constructor that was
+superseded while out of Redis's reach (its node cut off, its unit restarted on another
+node) and comes back writes nothing more. Unfenced, its c<dp> once landed after its
+successor had set the mark back, and the successor's replay request then asked the
+loaders for the steps after it, not the ones it was building: they never came.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping
 
@@ -34,12 +42,64 @@ import redis
 from overlord.errors import RingError
 from overlord.runtime.layout import client_ring
 from overlord.shm import Ring
-from overlord.store.schema import consumed_entry, consumed_field
+from overlord.store.schema import consumed_entry, consumed_field, owner_field, replay_requester
 
 log = logging.getLogger("overlord.constructor")
 
 POLL_S = 0.002  # between two looks at the marks: a few loads from shared memory
 STREAM_MAXLEN = 1000  # `progressed` entries kept (only the newest matter)
+
+# KEYS: `progress`, `progressed`; ARGV: o<dp>, the writer, the field, its value, then for
+# a mark the `progressed` stream's MAXLEN and its entry's fields and values
+_FENCED_WRITE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
+  return 0
+end
+redis.call('HSET', KEYS[1], ARGV[3], ARGV[4])
+if #ARGV > 4 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 6))
+end
+return 1
+"""
+
+
+class Superseded(Exception):
+    """Another Data Constructor of this DP group writes its marks now."""
+
+
+class Owner:
+    """This process's claim to write DP group `dp`'s marks: `progress` o<dp> names it
+    (`me`, `<pid>.<time>`) from its start; every write checks it on the server."""
+
+    def __init__(self, r, keys, dp: int) -> None:
+        self.r, self.keys, self.dp = r, keys, dp
+        self.me = replay_requester(os.getpid())
+        self.field = owner_field(dp)
+        self._write = r.register_script(_FENCED_WRITE)
+
+    def claim(self) -> None:
+        """A first start: this process writes the group's marks from now on."""
+        self.r.hset(self.keys.progress, self.field, self.me)
+
+    def write(self, field: str, value, entry: Mapping[str, int] | None = None, client=None) -> None:
+        """HSET `progress` `field` (and XADD `entry` to `progressed`) while this process
+        owns the group; queued on `client` (a pipeline) if given.
+
+        Raises:
+            Superseded: not queued, and another process owns the group.
+        """
+        args = [self.field, self.me, field, value]
+        if entry is not None:
+            args += [STREAM_MAXLEN, *(x for kv in entry.items() for x in kv)]
+        done = self._write(keys=[self.keys.progress, self.keys.progressed], args=args, client=client)
+        if client is None:
+            check(done, self.dp)
+
+
+def check(done, dp: int) -> None:
+    """Raise Superseded if a fenced write (its script's reply) was refused."""
+    if not done:
+        raise Superseded(f"DataConstructor dp={dp}: another process owns the group's marks now")
 
 
 class MarkWatch:
@@ -53,10 +113,14 @@ class MarkWatch:
         outputs: the constructor's rank -> ring it writes; a rank dropped from it
             (its trainer left) no longer counts. Read, never changed, here.
         written: rank -> the last step the constructor wrote to that rank's ring.
+        owner: the constructor's claim (its writes are fenced by it).
     """
 
-    def __init__(self, job, dp: int, r, keys, outputs: Mapping[int, Ring], written: Mapping[int, int]) -> None:
+    def __init__(
+        self, job, dp: int, r, keys, outputs: Mapping[int, Ring], written: Mapping[int, int], owner: Owner
+    ) -> None:
         self.dp, self.r, self.keys, self.outputs, self.written = dp, r, keys, outputs, written
+        self.owner = owner
         self.rings = {rank: Ring.attach(client_ring(job, rank), timeout=job.timeout_s) for rank in outputs}
         raw = r.hget(keys.progress, consumed_field(dp))
         self.published = int(raw) if raw is not None else 0
@@ -93,13 +157,11 @@ class MarkWatch:
             try:
                 mark = self.mark()
                 if mark > self.published:
-                    pipe = self.r.pipeline(transaction=False)
-                    pipe.hset(self.keys.progress, consumed_field(self.dp), mark)
-                    pipe.xadd(
-                        self.keys.progressed, consumed_entry(self.dp, mark), maxlen=STREAM_MAXLEN, approximate=True
-                    )
-                    pipe.execute()
+                    self.owner.write(consumed_field(self.dp), mark, entry=consumed_entry(self.dp, mark))
                     self.published = mark
+            except Superseded as exc:
+                log.warning("%s; its trainers' mark is no longer published from here", exc)
+                return
             except redis.RedisError as exc:  # the control path rides through outages; try again
                 log.warning("DataConstructor dp=%d: publishing the trainers' mark failed (%s); retrying", self.dp, exc)
                 self._stop.wait(0.1)

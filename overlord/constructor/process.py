@@ -7,14 +7,18 @@ raised with its DP group named.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from overlord.constructor.constructor import DataConstructor
+from overlord.constructor.marks import Superseded
 from overlord.errors import OverlordError
 from overlord.remote.bridge import Bridge, Directory
 from overlord.remote.flight import job_token
 from overlord.runtime.flow import Stopped
 from overlord.store import connect
+
+log = logging.getLogger("overlord.constructor")
 
 
 def run_constructors(ctx) -> None:
@@ -41,6 +45,8 @@ def run_constructors(ctx) -> None:
             ).run()
         except Stopped:
             pass
+        except Superseded as exc:  # its unit runs elsewhere now: the sidecar stops this process
+            log.warning("%s; it stops here", exc)
         except BaseException as exc:  # noqa: BLE001 - reported below with its DP group
             failures.append((dp, exc))
             ctx.stop.set()

@@ -14,21 +14,21 @@ read together every `REFRESH_S` by one thread per process.
 Exactly once: a stream that ends cleanly ended because the loader process is gone
 and every record it wrote was sent (it moved, or is restarting; the restarted one
 sends every unfinished step again). A stream cut by an error may have lost records
-in transit: the bridge then asks every loader to replay the unfinished steps to its
-DP group (`progress` r<dp>, as a restarted constructor does). The constructor drops
-what it receives twice.
+in transit: the bridge then sets `broke`, and the constructor asks every loader to
+replay to its DP group from the step it is collecting (`progress` r<dp>, as a restarted
+constructor does, fenced by its claim on the group). The constructor drops what it
+receives twice.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 
 from overlord.errors import RingTimeout
 from overlord.remote.flight import RemoteReader
-from overlord.store.schema import built_field, json_records, replay_field, replay_request
+from overlord.store.schema import json_records
 
 log = logging.getLogger("overlord.bridge")
 
@@ -92,6 +92,7 @@ class Bridge:
         self.queue: queue.Queue[memoryview] = queue.Queue(maxsize=QUEUE_RECORDS)
         self.received = 0
         self.reconnects = 0
+        self.broke = threading.Event()  # records in transit may be lost: a replay is owed
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"bridge-l{loader}-c{dp}")
         self._thread.start()
 
@@ -149,7 +150,7 @@ class Bridge:
                     node,
                     str(exc).splitlines()[0],
                 )
-                self._ask_replay()
+                self.broke.set()  # the constructor asks for the replay (it knows its step)
                 self.stop.wait(RETRY_S)
             finally:
                 reader.close()
@@ -172,8 +173,3 @@ class Bridge:
                     break
                 except queue.Full:
                     continue
-
-    def _ask_replay(self) -> None:
-        done = self.r.hget(self.keys.progress, built_field(self.dp))
-        step = int(done) + 1 if done is not None else 0
-        self.r.hset(self.keys.progress, replay_field(self.dp), replay_request(os.getpid(), step))

@@ -22,6 +22,7 @@ from overlord.store.schema import (
     META_FINAL,
     META_TOKEN,
     MOVE_FIELDS,
+    OWNER,
     PLANNER_DONE,
     PLANNER_DURABLE,
     PLANNER_DURABLE_MS,
@@ -172,6 +173,12 @@ SCHEMA: tuple[Key, ...] = (
                 "trainers' mark: 1 + the step of the last batch every rank of the group was handed",
             ),
             Field(f"{REPLAY}<dp>", "<pid>.<time>:<step>", "replay request of a restarted Data Constructor"),
+            Field(
+                f"{OWNER}<dp>",
+                "<pid>.<time>",
+                "the Data Constructor of dp that may write c<dp>, t<dp> and r<dp> now (set at its start; one "
+                "superseded while out of reach writes nothing more)",
+            ),
         ),
         example="HGETALL",
     ),

@@ -158,6 +158,7 @@ def meta_fields(fields: Mapping[bytes, bytes]) -> dict[str, Any]:
 BUILT = "c"  # `progress` c<dp>; a `progressed` entry {c: dp, v: step}: Data Constructor dp wrote a step
 CONSUMED = "t"  # `progress` t<dp>; a `progressed` entry {t: dp, v: mark}: the trainers' mark of group dp rose
 REPLAY = "r"  # `progress` r<dp>: Data Constructor dp, restarted, asks the loaders to resend
+OWNER = "o"  # `progress` o<dp>: the Data Constructor of dp that may write its marks now
 PROGRESSED_VALUE = "v"  # a `progressed` entry's new value of the field it names
 
 
@@ -174,6 +175,12 @@ def consumed_field(dp: int) -> str:
 def replay_field(dp: int) -> str:
     """`progress` field: the replay request of Data Constructor `dp`, restarted."""
     return f"{REPLAY}{dp}"
+
+
+def owner_field(dp: int) -> str:
+    """`progress` field: the `<pid>.<time>` of the Data Constructor of `dp` that may
+    write its marks (set when it starts; one that finds another there writes nothing more)."""
+    return f"{OWNER}{dp}"
 
 
 def built_entry(dp: int, step: int) -> dict[str, int]:

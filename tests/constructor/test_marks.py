@@ -1,4 +1,5 @@
-"""MarkWatch: the trainers' mark of a DP group, from real rings into a real Redis."""
+"""MarkWatch: the trainers' mark of a DP group, from real rings into a real Redis; and
+Owner, the fence on every write of a group's marks."""
 
 import time
 import uuid
@@ -7,10 +8,11 @@ import numpy as np
 import pytest
 
 from overlord.config import Job, Mesh, Source
-from overlord.constructor.marks import MarkWatch
+from overlord.constructor.marks import MarkWatch, Owner, Superseded
 from overlord.runtime.layout import client_ring
 from overlord.shm import Ring, unlink_all, write_batch
 from overlord.store import EmbeddedRedis, Keys, connect
+from overlord.store.schema import built_entry, progressed_mark
 
 
 @pytest.fixture
@@ -33,6 +35,13 @@ def setup(tmp_path):
         server.stop()
 
 
+def owner(r, keys, dp=0):
+    """A Data Constructor's claim on group `dp`, as a first start takes it."""
+    claim = Owner(r, keys, dp)
+    claim.claim()
+    return claim
+
+
 def published(r, keys, until, timeout=5.0):
     """The group's published mark once `until(mark)` holds (or at the timeout)."""
     deadline = time.monotonic() + timeout
@@ -47,7 +56,7 @@ def published(r, keys, until, timeout=5.0):
 def test_the_least_mark_of_the_group_is_published_when_it_rises_and_never_goes_down(setup):
     job, r, keys, rings = setup
     outputs, written = dict(rings), {}
-    watch = MarkWatch(job, 0, r, keys, outputs, written).start()
+    watch = MarkWatch(job, 0, r, keys, outputs, written, owner(r, keys)).start()
     try:
         rings[0].set_consumer_mark(5)  # rank 1 consumed nothing yet: the group has not either
         time.sleep(0.05)
@@ -69,7 +78,7 @@ def test_the_least_mark_of_the_group_is_published_when_it_rises_and_never_goes_d
 def test_a_ring_read_to_the_end_counts_as_consumed_without_a_mark(setup):
     job, r, keys, rings = setup
     consumer = Ring.attach(client_ring(job, 0), timeout=5)
-    watch = MarkWatch(job, 0, r, keys, {0: rings[0]}, written := {}).start()
+    watch = MarkWatch(job, 0, r, keys, {0: rings[0]}, written := {}, owner(r, keys)).start()
     try:
         write_batch(rings[0], {"x": np.arange(4)}, meta={"step": 9, "microbatch": 0}, timeout=5)
         written[0] = 9
@@ -88,7 +97,7 @@ def test_a_restarted_watch_starts_from_what_redis_holds(setup):
     r.hset(keys.progress, "t0", 40)
     for ring in rings.values():
         ring.set_consumer_mark(12)  # e.g. rings a moved Data Constructor found on its new node
-    watch = MarkWatch(job, 0, r, keys, dict(rings), {}).start()
+    watch = MarkWatch(job, 0, r, keys, dict(rings), {}, owner(r, keys)).start()
     try:
         assert watch.published == 40
         time.sleep(0.05)
@@ -96,5 +105,38 @@ def test_a_restarted_watch_starts_from_what_redis_holds(setup):
         for ring in rings.values():
             ring.set_consumer_mark(41)
         assert published(r, keys, lambda m: m == 41) == 41
+    finally:
+        watch.stop()
+
+
+def test_a_superseded_constructor_writes_no_mark_and_its_watch_publishes_none(setup):
+    """A Data Constructor cut off while its group restarted elsewhere comes back: its
+    built mark must not land over its successor's (a c<dp> too high hides the steps the
+    successor has yet to build from the loaders' replay), nor its trainers' mark."""
+    job, r, keys, rings = setup
+    old = owner(r, keys)
+    old.write("c0", 6, entry=built_entry(0, 6))
+    new = owner(r, keys)  # the group's restart on another node claims it
+    new.write("c0", 3, entry=built_entry(0, 3))
+    entries = r.xlen(keys.progressed)
+    with pytest.raises(Superseded, match="dp=0"):
+        old.write("c0", 7, entry=built_entry(0, 7))
+    pipe = r.pipeline(transaction=False)
+    old.write("c0", 8, entry=built_entry(0, 8), client=pipe)  # queued: refused on the server all the same
+    assert pipe.execute() == [0]
+    assert r.hget(keys.progress, "c0") == b"3" and r.xlen(keys.progressed) == entries
+    assert progressed_mark(r.xrevrange(keys.progressed, count=1)[0][1]) == ("c0", 3)
+    for ring in rings.values():
+        ring.set_consumer_mark(9)
+    stale = MarkWatch(job, 0, r, keys, dict(rings), {}, old).start()
+    try:
+        time.sleep(0.1)
+        assert r.hget(keys.progress, "t0") is None, "a superseded watch published its trainers' mark"
+        assert not stale._thread.is_alive()  # it stopped at its first refused write
+    finally:
+        stale.stop()
+    watch = MarkWatch(job, 0, r, keys, dict(rings), {}, new).start()
+    try:
+        assert published(r, keys, lambda m: m == 9) == 9
     finally:
         watch.stop()
