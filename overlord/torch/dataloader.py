@@ -159,7 +159,7 @@ class DataLoader:
         # its collaborators, none of which refers back to it (a dropped DataLoader is
         # freed at once, and detaches)
         self._control = Control(self.job)  # the job's Redis, opened on first use
-        self._watchdog = Watchdog(self.job, self._control, host=host, timeout_s=self.timeout_s)
+        self._watchdog = Watchdog(self.job, self._control, host=host, timeout_s=self.timeout_s, rank=self.rank)
         self._sidecar = NodeSidecar(
             self.job, self.rank, self._control, timeout_s=self.timeout_s, may_spawn=spawn_sidecar
         )

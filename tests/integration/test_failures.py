@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -21,8 +22,6 @@ SMALL = dict(mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, context_length=256
 def _until_consuming(c, rank: int, batches: int = 3, timeout: float = 60) -> None:
     """Until the rank has read a few batches (its running totals in Redis say so): a
     fixed sleep is too short for a trainer importing torch on a busy machine."""
-    import json
-
     from overlord.store import Keys
 
     r, deadline = c.redis(), time.monotonic() + timeout
@@ -168,4 +167,24 @@ def test_a_slow_pipeline_is_waited_for_not_reported_as_a_stall(cluster, corpus):
     c.start_trainers(batches=4)
     result = c.results(timeout=90)[0]
     assert result["end"] == "limit", result["end"]
+    assert c.stop() == 0
+
+
+def test_a_peer_rank_dead_without_leaving_is_named_not_waited_on_for_ever(cluster):
+    """Outside torchrun nobody restarts the job when one rank dies: the Planner keeps
+    within plan_ahead steps of the slowest trainer, so the living rank would wait on
+    the dead one as "slow, not hung" for ever. It raises, naming the silent rank."""
+    c = cluster(
+        mesh=Mesh(dp=2),
+        batch=BatchSpec(global_batch=8, context_length=256, ring_bytes=1 << 20),
+        redis_outage_s=3.0,  # a peer silent past timeout_s + this is dead, not cut off
+    )
+    c.start_sidecar()
+    c.start_trainers(sleep=0.05, timeout=3)
+    _until_consuming(c, rank=1)
+    os.kill(c.trainers[1].pid, signal.SIGKILL)
+    c.trainers[0].wait(timeout=90)
+    result = json.loads(c.out(0).read_text())
+    assert result["end"].startswith("RemoteRoleError"), result["end"]
+    assert "rank 1 (pid" in result["end"] and "has not reported" in result["end"], result["end"]
     assert c.stop() == 0
