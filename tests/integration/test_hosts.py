@@ -162,6 +162,43 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
     assert_delivered(out, corpus_keys, log=h.log)
 
 
+def test_a_second_node_failure_before_the_first_node_is_back_loses_and_repeats_nothing(hosted, corpus_keys):
+    """Three nodes. n1's sidecar and roles die (its trainer lives): its Data Constructor
+    moves to another node and n1's trainer reads from there over Flight. Before n1 is
+    back, that node's roles die too: the constructor moves on to the last node, restarts
+    from the first step its trainers may not have read whole, and every trainer follows
+    it. Both sidecars then come back; every sample reaches the trainers once."""
+    nodes = ("n0", "n1", "n2")
+    h = hosted(nodes=nodes, mesh=Mesh(dp=3))
+    for node in nodes:
+        h.start_sidecar(node)
+    h.start_trainers(sleep="0.2")
+    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
+
+    def placed(unit: str) -> str | None:
+        raw = r.hget(keys.placement, unit)
+        return raw.decode() if raw is not None else None
+
+    until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(3)) >= 3, h, what="step 3")
+    h.kill_roles("n1")
+    until(lambda: placed("constructor1") not in (None, "n1"), h, what="n1's Data Constructor on another node")
+    second = placed("constructor1")
+    built = int(r.hget(keys.progress, "c1") or -1)
+    until(lambda: int(r.hget(keys.progress, "c1") or -1) >= built + 1, h, what=f"dp1 built on {second}")
+    h.kill_roles(second)  # the node serving n1's trainer dies before n1 is back
+    last = next(n for n in nodes if n not in ("n1", second))
+    until(lambda: placed("constructor1") == last, h, what=f"n1's Data Constructor on {last}")
+    time.sleep(2.0)  # the job runs on one node's roles for a while
+    h.start_sidecar("n1")
+    h.start_sidecar(second)
+    out = h.results(timeout=240)
+    for rank, rec in out.items():
+        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.where()}"
+    assert_delivered(out, corpus_keys, log=h.log)
+    assert h.stop() == {n: 0 for n in nodes}, h.log()
+    assert {n: h.segments(n) for n in nodes} == {n: [] for n in nodes}, "segments left on a host"
+
+
 def test_the_redis_primarys_host_lost_mid_run_the_sentinels_fail_over_and_nothing_is_lost(hosted, corpus_keys):
     """The job's Redis is a primary and a replica on hosts of their own, watched by
     three Sentinels; the primary's host vanishes mid-run (its Sentinel with it): the
