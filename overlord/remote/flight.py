@@ -48,6 +48,7 @@ import secrets
 import subprocess
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from overlord.config import Job
-from overlord.errors import ConfigError, PeerDied, RingClosed, RingTimeout
+from overlord.errors import ConfigError, PeerDied, RingClosed, RingError, RingTimeout
 from overlord.runtime import service
 from overlord.runtime.layout import client_ring, sample_ring
 from overlord.shm import Ring, decode_batch
@@ -68,6 +69,10 @@ log = logging.getLogger("overlord.remote")
 SCHEMA = pa.schema([pa.field("record", pa.binary())])
 RECORDS_PER_BATCH = 4  # ring records per Arrow record batch: small, so a trainer never waits on a fill
 KEEPALIVE_S = 1.0  # an idle stream sends an empty batch this often, so a reader's wait stays bounded
+# A reader that got nothing, not even a keep-alive, for this long cancels its stream: the
+# connection is dead without a word (half-open after a link cut: the server forgot the
+# stream, and a reader that only receives never hears of it)
+STALL_S = 10 * KEEPALIVE_S
 TOKEN_ENV = "OVERLORD_FLIGHT_TOKEN"
 CA_ENV = "OVERLORD_FLIGHT_CA"
 TOKEN_FILE = "flight.token"
@@ -278,8 +283,51 @@ def serve(job: Job, port: int, token: str, host: str = "0.0.0.0") -> BatchServer
     return server
 
 
+class StreamStalled(RingError):
+    """A Flight stream sent nothing, not even a keep-alive, for STALL_S: it was cancelled."""
+
+
+class _StallWatch:
+    """One thread for the process: cancels the stream of every RemoteReader whose read
+    has waited past STALL_S (the readers are held weakly; a closed one is dropped)."""
+
+    def __init__(self) -> None:
+        self.readers: weakref.WeakSet[RemoteReader] = weakref.WeakSet()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def watch(self, reader: RemoteReader) -> None:
+        with self.lock:
+            self.readers.add(reader)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True, name="flight-stall-watch")
+                self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(KEEPALIVE_S)
+            now = time.monotonic()
+            with self.lock:
+                readers = list(self.readers)
+            for reader in readers:
+                since, stream = reader.reading_since, reader.reader
+                if since is not None and stream is not None and now - since > STALL_S:
+                    reader.stalled = True
+                    try:
+                        stream.cancel()
+                    except Exception:  # noqa: BLE001 - a stream that ended meanwhile
+                        pass
+
+
+_STALLS = _StallWatch()
+
+
 class RemoteReader:
-    """A trainer's stream of its micro-batches from a sidecar's Flight endpoint."""
+    """A trainer's stream of its micro-batches from a sidecar's Flight endpoint.
+
+    Every read is bounded: the server sends a keep-alive batch every KEEPALIVE_S while
+    idle, and a read that gets nothing for STALL_S is cancelled (StreamStalled): the
+    caller opens a new stream."""
 
     def __init__(
         self,
@@ -312,8 +360,11 @@ class RemoteReader:
         else:
             request.update(rank=rank, after=list(after))
         self.ticket = flight.Ticket(json.dumps(request).encode())
-        self.reader = None
+        self.reader: Any = None
+        self.reading_since: float | None = None  # monotonic: a read waits since then
+        self.stalled = False  # the stall watch cancelled the stream
         self._rows: list = []
+        _STALLS.watch(self)
 
     def _open(self) -> Any:
         """Open the stream, waiting (up to the open timeout) for a sidecar that is starting."""
@@ -321,18 +372,33 @@ class RemoteReader:
         while True:
             try:
                 # no call deadline: a stream lasts as long as the job; idle waits are
-                # bounded by the server's keep-alive batches instead (see __next__)
-                reader = self.client.do_get(self.ticket)
-                first = reader.read_chunk()
+                # bounded by the server's keep-alive batches and the stall watch instead
+                self.reader = self.client.do_get(self.ticket)
+                first = self._read_chunk()
             except flight.FlightUnavailableError:
+                self.reader = None
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
                 continue
             except StopIteration:
                 first = None
-            self.reader = reader
             return first
+
+    def _read_chunk(self) -> Any:
+        """The stream's next chunk; StreamStalled if the stall watch cancelled it."""
+        self.reading_since = time.monotonic()
+        try:
+            return self.reader.read_chunk()
+        except Exception as exc:
+            if self.stalled:
+                raise StreamStalled(
+                    f"Flight stream from {self.location} sent nothing, not even a keep-alive, for {STALL_S:g}s "
+                    "(the connection died without a word, e.g. across a link cut); cancelled"
+                ) from exc
+            raise
+        finally:
+            self.reading_since = None
 
     def __iter__(self):
         return self
@@ -353,7 +419,7 @@ class RemoteReader:
                     raise StopIteration
                 chunk = first.data
             else:
-                chunk = self.reader.read_chunk().data  # raises StopIteration at the end of the stream
+                chunk = self._read_chunk().data  # raises StopIteration at the end of the stream
             if chunk.num_rows == 0:
                 if time.monotonic() > deadline:
                     raise RingTimeout(f"no record from {self.location} within {self.timeout_s:g}s")

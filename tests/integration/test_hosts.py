@@ -169,7 +169,8 @@ def test_a_second_node_failure_before_the_first_node_is_back_loses_and_repeats_n
     from the first step its trainers may not have read whole, and every trainer follows
     it. Both sidecars then come back; every sample reaches the trainers once."""
     nodes = ("n0", "n1", "n2")
-    h = hosted(nodes=nodes, mesh=Mesh(dp=3))
+    batch = BatchSpec(global_batch=24, micro_batches=2, context_length=512, ring_bytes=128 << 10)
+    h = hosted(nodes=nodes, mesh=Mesh(dp=3), batch=batch)
     for node in nodes:
         h.start_sidecar(node)
     h.start_trainers(sleep="0.2")

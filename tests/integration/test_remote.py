@@ -174,3 +174,57 @@ def test_malformed_tickets_are_answered_with_a_message_and_the_endpoint_keeps_se
     seen = [k for rec in got.values() for batch in rec["keys"] for k in batch]
     assert len(seen) == len(set(seen)) and set(seen) == corpus_keys
     assert c.stop() == 0
+
+
+def _flight_server_pid(run_path) -> int:
+    from pathlib import Path
+
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"overlord.remote.server" in cmd and str(run_path).encode() in cmd:
+                return int(entry.name)
+    raise AssertionError(f"no Flight server of {run_path} runs")
+
+
+def test_a_stream_that_goes_silent_is_cancelled_not_waited_on_for_ever(cluster, monkeypatch):
+    """A reader that only receives never hears that its connection died (half-open
+    after a link cut): with no batch, not even a keep-alive, for STALL_S, its stream is
+    cancelled and the caller told, so it can open another. Here the serving Flight
+    endpoint is frozen (SIGSTOP)."""
+    import os
+    import signal
+    import time
+
+    from overlord.remote import flight as remote
+
+    monkeypatch.setattr(remote, "STALL_S", 3.0)
+    port = _free_port()
+    c = cluster(**JOB, flight_port=port)
+    c.start_sidecar()
+    _wait_port(port)
+    reader = RemoteReader(c.job, f"grpc://127.0.0.1:{port}", 0, token=job_token(c.job), timeout_s=1.0)
+    try:
+        try:
+            next(reader)  # the stream is open, records or keep-alives flow
+        except remote.RingTimeout:
+            pass
+        server = _flight_server_pid(c.job.run_path)
+        os.kill(server, signal.SIGSTOP)
+        try:
+            frozen = time.monotonic()
+            with pytest.raises(remote.StreamStalled, match="not even a keep-alive"):
+                while time.monotonic() - frozen < 60:
+                    try:
+                        next(reader)
+                    except remote.RingTimeout:
+                        pass
+            assert time.monotonic() - frozen < 30, "cancelled, but long after STALL_S"
+        finally:
+            os.kill(server, signal.SIGCONT)
+    finally:
+        reader.close()
+    assert c.stop() == 0
