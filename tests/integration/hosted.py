@@ -9,7 +9,8 @@ host's /dev/shm holds of the job) and `stall` (the trainers' longest wait betwee
 batches against the median, from the times ledger_trainer.py records); and the steps
 of a node_loss: `lose_node` (the node vanishes with its trainers), `stop_trainers` (as
 torchrun stops the others), `save_states`, `restart_node` (its host boots, its sidecar
-starts again) and `reconfigure` (another mesh for a resume)."""
+starts again) and `reconfigure` (another mesh for a resume). A run with no fault is
+`start` then `finish` (every rank to its end, every sidecar out cleanly, no segment left)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -122,6 +124,25 @@ class HostedJob:
                 log=self.workdir / f"trainer-{rank}.log",
                 name=f"trainer rank {rank} on {node}",
             )
+
+    def start(self, sidecar_args: Mapping[str, Sequence[str]] | None = None, **trainer_args) -> None:
+        """Every node's sidecar, in the order of `sidecar_args` (node -> its extra command
+        line; default: every node, none), then every trainer rank with `trainer_args`."""
+        for node, args in (sidecar_args or {n: () for n in self.job.node_ids}).items():
+            self.start_sidecar(node, *args)
+        self.start_trainers(**trainer_args)
+
+    def finish(self, timeout: float = 180) -> dict[int, dict]:
+        """Every rank's record of a run that must end cleanly: each rank read to the end
+        ("stop"), each sidecar exits 0 on SIGTERM, and no host's /dev/shm keeps a segment
+        of the job. A clean (reference) run is `start(...)` then `finish()`."""
+        out = self.results(timeout=timeout)
+        ends = {rank: rec["end"] for rank, rec in out.items()}
+        assert all(end == "stop" for end in ends.values()), f"{ends}\n{self.log()}"
+        assert self.stop() == {n: 0 for n in self.sidecars}, self.log()
+        left = {n: self.segments(n) for n in self.hosts}
+        assert not any(left.values()), f"segments left on a host: {left}"
+        return out
 
     def reconfigure(self, **changes) -> Job:
         """Change the job's config (e.g. its mesh, for a resume on another DP size); the
