@@ -1,7 +1,7 @@
 """A job whose nodes are hosts (hosts.py): its Redis on a host of its own reached over
 TCP, one sidecar per node host (Flight on the node's own address), and each trainer
-rank on the host torchrun would put it on. The same surface as harness.Cluster/Nodes
-(start_sidecar, start_trainers, results, log, stop, kill_all), plus the host faults.
+rank on the host torchrun would put it on. The surface of harness.Cluster, one sidecar per
+node (start_sidecar, start_trainers, results, log, stop, kill_all), plus the host faults.
 
 For tests and benches (bench/nodes.py) alike: `kill_roles` (a node's sidecar and roles
 die, its trainers live), `cut_for` (a node's link down for a while), `segments` (what a
