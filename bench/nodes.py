@@ -33,6 +33,8 @@ after `--warm` steps:
 
 - ``node_kill``: every process of n1 but its trainers dies (sidecar and roles); its
   sidecar is started again after `--down-s` (as systemd would).
+- ``loader_kill``: only n1's Source Loader processes die (SIGKILL); their shadows on
+  the other nodes take them over (with shadows on): the shadow takeover's own stall.
 - ``node_loss``: n1 vanishes with its trainers (the init of its PID namespace); as
   torchrun would, every other rank is killed too, and once n1 is back every rank
   restarts from its last `state_dict` (saved every `--save-every` batches).
@@ -58,6 +60,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -78,10 +81,18 @@ from overlord.demo.corpus import generate_many, read_manifest  # noqa: E402
 from overlord.errors import ConfigError  # noqa: E402
 from overlord.procmem import pss_of  # noqa: E402
 from overlord.store import Keys, connect  # noqa: E402
-from overlord.store.schema import PLANNER_DURABLE, built_field  # noqa: E402
+from overlord.store.schema import PLANNER_DURABLE, built_field, decode_active  # noqa: E402
 
 OUT = HERE / "out"
-FAULTS = ("node_kill", "node_loss", "partition_10s", "partition_60s", "redis_primary_kill", "second_failure")
+FAULTS = (
+    "node_kill",
+    "loader_kill",
+    "node_loss",
+    "partition_10s",
+    "partition_60s",
+    "redis_primary_kill",
+    "second_failure",
+)
 VICTIM = "n1"
 MIB = 1 << 20
 
@@ -243,6 +254,24 @@ def node_kill(run: Run) -> None:
     run.mark("n1's sidecar back")
 
 
+def loader_kill(run: Run) -> dict:
+    """Only n1's Source Loader processes die: their shadows on the other nodes take them
+    over (n1's sidecar, Data Constructors and trainers live), so the stall is the
+    shadow takeover's own."""
+    active = [decode_active(raw) for raw in run.r.hgetall(run.keys.active).values()]
+    pids = [pid for pid, node in filter(None, active) if node == VICTIM]
+    run.mark("n1's Source Loaders killed")
+    host, killed = run.h.hosts[VICTIM], []
+    for pid in pids:
+        machine = host.machine_pid(pid)
+        if machine is not None:
+            os.kill(machine, signal.SIGKILL)
+            killed.append(pid)
+    if not killed:
+        raise RuntimeError(f"no Source Loader process runs on {VICTIM} (active: {active})")
+    return {"loaders_killed": len(killed)}
+
+
 def node_loss(run: Run) -> None:
     host = run.h.hosts[VICTIM]
     run.mark("n1 lost with its trainers")
@@ -323,6 +352,7 @@ def second_failure(run: Run) -> dict:
 
 INJECT = {
     "node_kill": node_kill,
+    "loader_kill": loader_kill,
     "node_loss": node_loss,
     "partition_10s": partition(10),
     "partition_60s": partition(60),

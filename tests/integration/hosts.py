@@ -237,6 +237,19 @@ class Host:
                     pass
         return sorted(found, key=lambda p: p != self.init)
 
+    def machine_pid(self, pid: int) -> int | None:
+        """The pid on this machine of the process this host knows as `pid` (its PID
+        namespace's; what Redis records, e.g. `active`); None if none runs."""
+        for machine in self.pids():
+            try:
+                status = Path(f"/proc/{machine}/status").read_text()
+            except OSError:
+                continue
+            nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+            if nspids and int(nspids[-1]) == pid:
+                return machine
+        return None
+
     def kill(self) -> None:
         """The host vanishes: SIGKILL to its init takes every process with it."""
         if self.init is not None:
