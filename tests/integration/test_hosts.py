@@ -27,9 +27,10 @@ from overlord.plan.checkpoint import Checkpoints
 from overlord.store import Keys, connect
 from overlord.store.schema import PLANNER_DURABLE
 
+# the clean two-host run and the full /dev/shm refusal run in `make test` (about 20 s and
+# 5 s); the fault runs are marked slow (make test-slow, which .ci/run also runs)
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.slow,  # make test-slow
     pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
 ]
 
@@ -82,6 +83,7 @@ def test_two_hosts_deliver_every_sample_once_over_their_own_addresses(hosted, co
     assert all(any(a in e for e in endpoints) for a in addresses), (addresses, endpoints)
 
 
+@pytest.mark.slow
 def test_a_nodes_roles_killed_while_its_trainer_lives_reads_over_flight_and_back(hosted, corpus_keys):
     ref = _run_clean(hosted())
     h = hosted()
@@ -122,6 +124,7 @@ def test_a_nodes_roles_killed_while_its_trainer_lives_reads_over_flight_and_back
     assert {n: h.segments(n) for n in NODES} == {"n0": [], "n1": []}, "segments left on a host"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seconds", [10, 60])
 def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_keys, seconds):
     """n1's link down for `seconds`: its roles move to n0 (their heartbeats lapse) and
@@ -143,6 +146,7 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
     assert_delivered(out, corpus_keys, log=h.log)
 
 
+@pytest.mark.slow
 def test_a_second_node_failure_before_the_first_node_is_back_loses_and_repeats_nothing(hosted, corpus_keys):
     """Three nodes. n1's sidecar and roles die (its trainer lives): its Data Constructor
     moves to another node and n1's trainer reads from there over Flight. Before n1 is
@@ -181,6 +185,7 @@ def test_a_second_node_failure_before_the_first_node_is_back_loses_and_repeats_n
     assert {n: h.segments(n) for n in nodes} == {n: [] for n in nodes}, "segments left on a host"
 
 
+@pytest.mark.slow
 def test_the_redis_primarys_host_lost_mid_run_the_sentinels_fail_over_and_nothing_is_lost(hosted, corpus_keys):
     """The job's Redis is a primary and a replica on hosts of their own, watched by
     three Sentinels; the primary's host vanishes mid-run (its Sentinel with it): the
