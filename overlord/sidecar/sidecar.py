@@ -54,6 +54,8 @@ from overlord.sidecar.supervision import Roles
 from overlord.store import EmbeddedRedis, Keys, connect, redact
 from overlord.store.schema import RESUME_AWAITING, encode_position, encode_record, position_field
 
+LOCK_WAIT_S = 5.0  # a dead sidecar's children let go of its lock within this
+
 log = logging.getLogger("overlord.sidecar")
 
 POLL_S = 0.02
@@ -95,15 +97,25 @@ class Sidecar:
     # -- start-up ------------------------------------------------------------------------
 
     def _take_lock(self) -> None:
+        """The job's lock on this node. Held by a sidecar that has exited (the pid in the
+        file is dead), it is held by what its children left for a moment (they inherit
+        its descriptor, and die with it): waited for up to LOCK_WAIT_S, not refused."""
         self.job.make_run_path()
         self._lock_fh = open(lock_path(self.job), "a+")
-        try:
-            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise OverlordError(
-                f"a sidecar for job {self.job.name!r} already runs on this node (lock {lock_path(self.job)}); "
-                "stop it first or use another Job.name"
-            ) from None
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                self._lock_fh.seek(0)
+                holder = self._lock_fh.read().strip()
+                if (holder.isdigit() and _alive(int(holder))) or time.monotonic() > deadline:
+                    raise OverlordError(
+                        f"a sidecar for job {self.job.name!r} already runs on this node (lock {lock_path(self.job)}, "
+                        f"pid {holder or '?'}); stop it first or use another Job.name"
+                    ) from None
+                time.sleep(0.05)
         self._lock_fh.seek(0)
         self._lock_fh.truncate()
         self._lock_fh.write(str(os.getpid()))
