@@ -33,6 +33,7 @@ def _until_consuming(c, rank: int, batches: int = 3, timeout: float = 60) -> Non
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_killed_sidecar_makes_trainer_raise_and_restart_cleans_up(cluster):
     c = cluster(**SMALL)
     sidecar = c.start_sidecar()
@@ -170,6 +171,7 @@ def test_a_slow_pipeline_is_waited_for_not_reported_as_a_stall(cluster, corpus):
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_a_peer_rank_dead_without_leaving_is_named_not_waited_on_for_ever(cluster):
     """Outside torchrun nobody restarts the job when one rank dies: the Planner keeps
     within plan_ahead steps of the slowest trainer, so the living rank would wait on

@@ -76,6 +76,7 @@ def test_drop_last_both_ways_and_a_remainder_too_small_to_fill_the_micro_batches
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_a_resume_after_the_last_batch_ends_at_once(cluster, tmp_path):
     c = cluster(
         epochs=1,

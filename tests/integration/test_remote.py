@@ -190,6 +190,7 @@ def _flight_server_pid(run_path) -> int:
     raise AssertionError(f"no Flight server of {run_path} runs")
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_a_stream_that_goes_silent_is_cancelled_not_waited_on_for_ever(cluster, monkeypatch):
     """A reader that only receives never hears that its connection died (half-open
     after a link cut): with no batch, not even a keep-alive, for STALL_S, its stream is
