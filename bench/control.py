@@ -18,7 +18,11 @@ quarters of the way (the trainers' consumed step, the least `t<dp>` in `progress
   makes are subtracted);
 - ``planner_cpu_pct``: the Planner process's CPU time (user + system, /proc) over the
   window's wall time, in % of one core; ``planner_cpu_ms_per_step`` the same per step;
-- ``steps_per_s``: the window's step rate.
+- ``steps_per_s``: the window's step rate;
+- ``constructor_cpu_s_per_1k`` and ``loader_cpu_s_per_1k``: CPU seconds of the Data
+  Constructor processes (``ovl-constructor*``) and of the Source Loader processes
+  (``ovl-loader*``) per 1,000 samples delivered over the window, the cost of moving a
+  sample from a loader's transform into a trainer's ring.
 
 A figure from a real job on a shared machine: run it with the machine otherwise idle.
 """
@@ -52,6 +56,19 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process `pid` (its threads included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def role_cpu_s(prefix: str) -> float:
+    """CPU seconds of every process whose name (/proc/PID/comm) starts with `prefix`."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().startswith(prefix):
+                    total += cpu_s(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # exited meanwhile
+    return total
 
 
 def commandstats(r) -> dict[str, int]:
@@ -122,7 +139,8 @@ def measure(*, steps: int = 300, ranks: int = 4, step_ms: float = 0.0, out_dir: 
                     time.sleep(POLL_S)
                 pid = int(json.loads(r.get(keys.leader) or b"{}")["pid"])
                 own["get"] += 1
-                snaps.append((time.monotonic(), step, commandstats(r), cpu_s(pid), pid))
+                roles = (role_cpu_s("ovl-construct"), role_cpu_s("ovl-loader"))
+                snaps.append((time.monotonic(), step, commandstats(r), cpu_s(pid), pid, roles))
                 if len(snaps) == 1:
                     own = {"hgetall": 0, "info": 1, "get": 0}  # the first INFO is counted after it answers
             for t in trainers:
@@ -133,7 +151,7 @@ def measure(*, steps: int = 300, ranks: int = 4, step_ms: float = 0.0, out_dir: 
                     t.kill()
             sidecar.send_signal(signal.SIGTERM)
             sidecar.wait(timeout=60)
-    (t0, s0, c0, cpu0, pid0), (t1, s1, c1, cpu1, pid1) = snaps
+    (t0, s0, c0, cpu0, pid0, roles0), (t1, s1, c1, cpu1, pid1, roles1) = snaps
     if pid0 != pid1:
         raise RuntimeError("the Planner changed during the window (it restarted); run again")
     n, wall = s1 - s0, t1 - t0
@@ -145,6 +163,8 @@ def measure(*, steps: int = 300, ranks: int = 4, step_ms: float = 0.0, out_dir: 
         "planner_cpu_pct": round(100 * (cpu1 - cpu0) / wall, 1),
         "planner_cpu_ms_per_step": round(1e3 * (cpu1 - cpu0) / n, 3),
         "steps_per_s": round(n / wall, 1),
+        "constructor_cpu_s_per_1k": round(1e3 * (roles1[0] - roles0[0]) / (n * job.batch.global_batch), 3),
+        "loader_cpu_s_per_1k": round(1e3 * (roles1[1] - roles0[1]) / (n * job.batch.global_batch), 3),
         "window_steps": n,
         "ranks": ranks,
         "step_ms": step_ms,

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from overlord.config import Job
+from overlord.constructor.inputs import open_input
 from overlord.constructor.marks import STREAM_MAXLEN, MarkWatch, Owner, check
 from overlord.constructor.packing import pack, pad
 from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
@@ -48,6 +49,7 @@ from overlord.store.schema import (
     built_entry,
     built_field,
     consumed_field,
+    copied_field,
     replay_field,
     replay_request,
     skips,
@@ -103,8 +105,8 @@ class DataConstructor:
             ring = Ring.attach(sample_ring(job, loader, dp), timeout=job.timeout_s)
             # on several nodes this node's Flight endpoint may have served the ring to this
             # group's constructor elsewhere; it stops when it sees the claim change
-            ring.claim_consumer(take_over=bool(bridges))
-            self.inputs.append([ring] + ([bridges[loader]] if bridges else []))
+            local = open_input(ring, take_over=bool(bridges))
+            self.inputs.append([local] + ([bridges[loader]] if bridges else []))
         self.outputs: dict[int, Ring] = {}
         for rank in job.mesh.ranks_of_dp(dp):
             ring = Ring.attach(client_ring(job, rank), timeout=job.timeout_s)
@@ -112,6 +114,7 @@ class DataConstructor:
             self.outputs[rank] = ring
         self.written: dict[int, int] = {}  # rank -> the last step written to its ring
         self.truncated = 0
+        self.copied = 0  # samples copied out of the loader rings (inputs.py), published
         self.skip: dict[int, int] = {}
         # transformation reordering: the deferred half of a source's transform runs here
         self.decoders = {
@@ -164,7 +167,6 @@ class DataConstructor:
 
     def run(self) -> None:
         step = self._start()
-        transform = pack if self.job.batch.packing else pad
         marks = MarkWatch(self.job, self.dp, self.r, self.keys, self.outputs, self.written, self.owner).start()
         try:
             while not self.stop.is_set():
@@ -177,30 +179,8 @@ class DataConstructor:
                 if plan.encoder_items is not None:
                     wanted += [item for rank in receivers for item in map(tuple, plan.encoder_rows(rank).tolist())]
                 samples = self._collect(plan.step, wanted)
-                encoded = self._encoder_batches(plan, receivers, samples) if plan.encoder_items is not None else {}
-                # a plan without a sample only ends the job (see overlord.plan.dgraph): no rank
-                # is ever handed an empty micro-batch
-                for mb in range(bins if plan.samples() else 0):
-                    for b in buckets:
-                        batch_samples = [samples[item] for item in batches[b, mb]]
-                        arrays, truncated = transform([a for a, _ in batch_samples], self.job.batch.context_length)
-                        self.truncated += truncated
-                        if plan.encoder_items is not None:  # the pixels travel to their encoder ranks instead
-                            arrays.pop("pixel_values", None)
-                        meta = {
-                            "step": plan.step,
-                            "microbatch": mb,
-                            "dp": self.dp,
-                            "bucket": b,
-                            "keys": [k for _, k in batch_samples],
-                            "last": plan.last and mb == self.job.batch.micro_batches - 1,
-                        }
-                        cp_parts: dict[int, dict[str, np.ndarray]] = {}
-                        for rank in [r for r, rb in receivers.items() if rb == b]:
-                            out = self._for_rank(arrays, rank, plan, cp_parts)
-                            if mb == 0 and rank in encoded:  # the step's images this rank encodes
-                                out = {**out, **encoded[rank]}
-                            self._deliver(rank, out, meta)
+                self._build(plan, receivers, buckets, batches, samples)
+                del samples  # its leases end: the loaders get this step's ring space back
                 if not self.outputs:
                     log.info("DataConstructor dp=%d: every client left; idle until the sidecar stops", self.dp)
                     self.stop.wait()
@@ -209,6 +189,10 @@ class DataConstructor:
                 self.owner.write(built_field(self.dp), plan.step, entry=built_entry(self.dp, plan.step), client=pipe)
                 if self.truncated:
                     pipe.hset(self.keys.counters, truncated_field(self.dp), self.truncated)
+                copied = sum(i.copies for rings in self.inputs for i in rings[:1])
+                if copied > self.copied:  # a count across restarts of the group's constructor
+                    pipe.hincrby(self.keys.counters, copied_field(self.dp), copied - self.copied)
+                    self.copied = copied
                 check(pipe.execute()[0], self.dp)
                 step += 1
                 if plan.last:
@@ -219,6 +203,35 @@ class DataConstructor:
             marks.stop()
             for ring in [*(i for rings in self.inputs for i in rings), *self.outputs.values()]:
                 ring.close()
+
+    def _build(self, plan, receivers: dict[int, int], buckets: list[int], batches: dict, samples: dict) -> None:
+        """Pack the step's micro-batches from its samples and write each to its ranks."""
+        bins = self.job.batch.micro_batches
+        transform = pack if self.job.batch.packing else pad
+        encoded = self._encoder_batches(plan, receivers, samples) if plan.encoder_items is not None else {}
+        # a plan without a sample only ends the job (see overlord.plan.dgraph): no rank
+        # is ever handed an empty micro-batch
+        for mb in range(bins if plan.samples() else 0):
+            for b in buckets:
+                batch_samples = [samples[item] for item in batches[b, mb]]
+                arrays, truncated = transform([a for a, _ in batch_samples], self.job.batch.context_length)
+                self.truncated += truncated
+                if plan.encoder_items is not None:  # the pixels travel to their encoder ranks instead
+                    arrays.pop("pixel_values", None)
+                meta = {
+                    "step": plan.step,
+                    "microbatch": mb,
+                    "dp": self.dp,
+                    "bucket": b,
+                    "keys": [k for _, k in batch_samples],
+                    "last": plan.last and mb == self.job.batch.micro_batches - 1,
+                }
+                cp_parts: dict[int, dict[str, np.ndarray]] = {}
+                for rank in [r for r, rb in receivers.items() if rb == b]:
+                    out = self._for_rank(arrays, rank, plan, cp_parts)
+                    if mb == 0 and rank in encoded:  # the step's images this rank encodes
+                        out = {**out, **encoded[rank]}
+                    self._deliver(rank, out, meta)
 
     def _for_rank(self, arrays: dict[str, np.ndarray], rank: int, plan, cp_parts: dict) -> dict[str, np.ndarray]:
         """The parallelism transform: what this rank's role needs of the micro-batch.
@@ -294,8 +307,8 @@ class DataConstructor:
             progressed = False
             for k, rings in enumerate(self.inputs):
                 for ring in rings:
-                    while owed[k] and (view := self._try_read(ring)) is not None:
-                        owed[k] -= self._take(step, k, ring, view, wanted, got)
+                    while owed[k] and (record := ring.try_read()) is not None:
+                        owed[k] -= self._take(step, k, record, wanted, got)
                         progressed = True
             if progressed:
                 deadline = time.monotonic() + self.job.timeout_s
@@ -320,13 +333,13 @@ class DataConstructor:
             ring = rings[self._turn % len(rings)]
             self._turn += 1
             try:
-                view = ring.read(timeout=_WAIT_S / len(rings))
+                record = ring.read(timeout=_WAIT_S / len(rings))
             except RingTimeout:
                 continue
             except PeerDied:
                 time.sleep(_WAIT_S / len(rings))  # its loader process died: the sidecar starts another (or its shadow)
                 continue
-            owed[k] -= self._take(step, k, ring, view, wanted, got)
+            owed[k] -= self._take(step, k, record, wanted, got)
         return got
 
     def _replay_if_broken(self, step: int) -> None:
@@ -337,13 +350,6 @@ class DataConstructor:
             for b in self.bridges:
                 b.broke.clear()
             self.owner.write(replay_field(self.dp), replay_request(os.getpid(), step))
-
-    @staticmethod
-    def _try_read(ring: Ring):
-        try:
-            return ring.try_read()
-        except PeerDied:
-            return None
 
     def _decoded(self, meta: dict, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Apply the source's deferred decode (`Source.decode`), if it has one."""
@@ -363,14 +369,15 @@ class DataConstructor:
                 f"row {row}: decode {spec} raised {type(exc).__name__}: {exc}. Fix the data or Source.decode"
             ) from exc
 
-    def _take(self, step: int, loader: int, ring, view, wanted, got) -> int:
-        """Check a sample record against the plan and copy it out of the ring; 1 if it
-        was one this step still needed, 0 for a duplicate or a later step's sample."""
-        arrays, meta = decode_batch(view)
+    def _take(self, step: int, loader: int, record, wanted, got) -> int:
+        """Check a sample record against the plan and keep it (views over the record,
+        see inputs.py); 1 if it was one this step still needed, 0 for a duplicate or a
+        later step's sample."""
+        arrays, meta = decode_batch(record)
         ident, t = (meta["s"], meta["e"], meta["q"]), meta["t"]
         needed = 0
         if t > step:
-            self.stash[ident] = (t, self._decoded(meta, {name: a.copy() for name, a in arrays.items()}), meta["k"])
+            self.stash[ident] = (t, self._decoded(meta, arrays), meta["k"])
         elif t < step or ident in got:
             self.dropped += 1  # sent again after a restart
         elif ident not in wanted:
@@ -379,8 +386,6 @@ class DataConstructor:
                 f"{meta['k']} (step {t}), which this step did not plan; this is a bug"
             )
         else:
-            # copy out: the view is released on the ring's next read
-            got[ident] = (self._decoded(meta, {name: a.copy() for name, a in arrays.items()}), meta["k"])
+            got[ident] = (self._decoded(meta, arrays), meta["k"])
             needed = 1
-        ring.release()
         return needed

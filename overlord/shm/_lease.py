@@ -123,6 +123,31 @@ class LeasedReader:
                 )
             h.wait_data_at(self._cursor, bool(self._held), min(deadline - now, PEER_CHECK_S))
 
+    def try_read(self) -> np.ndarray | None:
+        """The next record as `read` hands it out, or None if none has landed; never
+        waits. A producer waiting for space the leases hold gets it (they are detached).
+
+        Raises:
+            RingClosed, RingError: as `Ring.read` (a dead producer is `read`'s to find).
+        """
+        ring = self.ring
+        while True:
+            self._settle()
+            if self._broken is not None:
+                raise RingError(self._broken)
+            h = ring._handle()
+            status, off, n, nxt = h.peek(self._cursor)
+            if status == _native.OK:
+                return self._hand_out(off, n, nxt)
+            if status == _native.EAGAIN and nxt != self._cursor:  # a lone WRAP record
+                self._skip_to(nxt)
+                continue
+            ring._raise_read_status(status)
+            if h.space_wanted and self._pinning():
+                self._detach()
+                continue
+            return None
+
     def held(self) -> int:
         """Records handed out whose lease has not ended."""
         with self._lock:

@@ -180,7 +180,7 @@ class Ring:
         """
         self._claim(False, pid)
 
-    def claim_consumer(self, pid: int | None = None, *, take_over: bool = False) -> None:
+    def claim_consumer(self, pid: int | None = None, *, take_over: bool = False) -> bool:
         """Record `pid` (default: this process) as the consumer; the producer watches it.
 
         Args:
@@ -188,20 +188,26 @@ class Ring:
                 claim change (a node's Flight endpoint, when a role that reads the ring
                 directly moves to the node).
 
+        Returns:
+            True if the side was taken from another live process (which may still
+            release a record it read before it saw the claim change).
+
         Raises:
             RingError: Another live process already holds the consumer side.
         """
-        self._claim(True, pid, take_over)
+        return self._claim(True, pid, take_over)
 
-    def _claim(self, consumer: bool, pid: int | None, take_over: bool = False) -> None:
+    def _claim(self, consumer: bool, pid: int | None, take_over: bool = False) -> bool:
         h = self._handle()
         pid = os.getpid() if pid is None else int(pid)
         current = h.consumer_pid if consumer else h.producer_pid
         current_ns = h.consumer_pidns if consumer else h.producer_pidns
-        if current and current != pid and not take_over and peer_alive(current, current_ns):
+        live = bool(current) and current != pid and peer_alive(current, current_ns)
+        if live and not take_over:
             role = "consumer" if consumer else "producer"
             raise RingError(f"ring {self._name!r}: {role} side already claimed by live pid {current}")
         h.set_pid(consumer, pid, self_identity()[1])
+        return live
 
     # ------------------------------------------------------------------ producer
     def reserve(self, nbytes: int, timeout: float) -> memoryview:

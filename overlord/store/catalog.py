@@ -13,6 +13,7 @@ from overlord.store.schema import (
     ASKED,
     BUILT,
     CONSUMED,
+    COPIED,
     COUNTER_DROPPED_LAST,
     COUNTER_OVER_BUDGET,
     LOADER_STATS,
@@ -244,6 +245,12 @@ SCHEMA: tuple[Key, ...] = (
             Field(f"{SKIPPED_GROUPS}<stream>:<uri>", "int", "row groups of the file skipped (each unreadable)"),
             Field(f"{SKIPPED_ROWS}<stream>:<uri>", "int", "rows of the file skipped"),
             Field(f"{TRUNCATED}<dp>", "int", "samples Data Constructor dp truncated"),
+            Field(
+                f"{COPIED}<dp>",
+                "int",
+                "samples Data Constructor dp copied out of a loader ring (its leases held the ring full) "
+                "instead of packed in place",
+            ),
             Field(COUNTER_DROPPED_LAST, "int", "samples a finite job's end left undelivered"),
             Field(COUNTER_OVER_BUDGET, "int", "scaling intervals over budget"),
         ),

@@ -406,6 +406,7 @@ def json_records(raw: Mapping[bytes, bytes]) -> dict[str, dict[str, Any]]:
 COUNTER_DROPPED_LAST = "dropped_last"  # int: samples a finite job's end left undelivered
 COUNTER_OVER_BUDGET = "over_budget_intervals"  # int: scaling intervals over the loaders' CPU budget
 TRUNCATED = "truncated:c"  # + dp
+COPIED = "copied:c"  # + dp
 SKIPPED = "skipped:"  # + stream: rows the stream skipped (every cause)
 SKIPPED_FILE = "skipped_file:"  # + stream + ":" + uri: 1, the file is skipped whole
 SKIPPED_GROUPS = "skipped_groups:"  # + stream + ":" + uri: row groups of the file skipped
@@ -416,6 +417,12 @@ SKIPPED_PER_FILE = {SKIPPED_FILE: "whole", SKIPPED_GROUPS: "groups", SKIPPED_ROW
 def truncated_field(dp: int) -> str:
     """`counters` field: samples Data Constructor `dp` truncated to fit."""
     return f"{TRUNCATED}{dp}"
+
+
+def copied_field(dp: int) -> str:
+    """`counters` field: samples Data Constructor `dp` copied out of a loader ring
+    instead of reading them in place (overlord.constructor.inputs)."""
+    return f"{COPIED}{dp}"
 
 
 def skipped_field(stream: str) -> str:
