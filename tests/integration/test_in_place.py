@@ -5,6 +5,7 @@ the loader overwrite it, and the trainers get the same bytes either way."""
 from __future__ import annotations
 
 import pytest
+
 from overlord.config import BatchSpec
 from overlord.store import Keys
 from overlord.store.schema import copied_field
