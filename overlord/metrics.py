@@ -13,6 +13,8 @@ ranks of its node plus the job-wide figures:
     overlord_planner_step                         last step planned
     overlord_constructor_step{dp}                 last step a Data Constructor wrote
     overlord_constructor_lag_steps{dp}            planned minus written
+    overlord_constructor_copies_total{dp}         samples copied out of a loader ring: the
+                                                  constructor held more than the ring holds
     overlord_role_heartbeat_age_seconds{role}     since the role's last heartbeat
     overlord_role_loop_age_seconds{role}          since its main loop last turned
     overlord_role_rss_bytes{role}
@@ -59,6 +61,7 @@ from overlord.runtime import service
 from overlord.store import Keys, connect
 from overlord.store.client import password_env
 from overlord.store.schema import (
+    copied_field,
     counter_values,
     dp_of,
     is_built_field,
@@ -176,6 +179,14 @@ class JobCollector:
                 lag.add_metric([*labels, str(dp)], max(0, snap["step"] - written))
         yield step
         yield lag
+        copied = counter(
+            "constructor_copies",
+            "samples copied out of a loader ring: the constructor held more than it holds",
+            ("dp",),
+        )
+        for dp in sorted(snap["progress"]):
+            copied.add_metric([*labels, str(dp)], snap["counters"].get(copied_field(dp), 0))
+        yield copied
         age = gauge("role_heartbeat_age_seconds", "seconds since the role's last heartbeat", ("role",))
         loop = gauge("role_loop_age_seconds", "seconds since the role's main loop last turned", ("role",))
         rss = gauge("role_rss_bytes", "resident memory of the role's process", ("role",))

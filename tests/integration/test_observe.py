@@ -74,6 +74,7 @@ def test_metrics_endpoint_top_and_json_logs_describe_a_running_job(cluster, monk
     assert all(v > 0 for v in _metric(samples, "overlord_role_rss_bytes", role="constructor0"))
     assert _metric(samples, "overlord_role_heartbeat_age_seconds", role="planner0")[0] < 5
     assert len(_metric(samples, "overlord_constructor_lag_steps")) == 2
+    assert _metric(samples, "overlord_constructor_copies_total") == [0, 0]  # 2 MiB rings hold what they keep
     assert _metric(samples, "overlord_trainer_wait_seconds_total", rank="0")[0] >= 0
 
     # `overlord top`: one view, rates between two snapshots
