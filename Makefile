@@ -10,7 +10,7 @@ STAMP := $(VENV)/.overlord-installed
 # CPU machines take the CPU wheel; set TORCH_SPEC= to keep an existing (CUDA) torch.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test test-slow lint install clean bench
+.PHONY: demo test test-slow lint install clean bench bench-peers
 
 $(STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringmodule.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,5 +48,20 @@ bench: $(STAMP)
 	$(BIN)/python bench/balance.py --json
 	$(BIN)/python bench/memory.py --sources 300 --ranks 8 --workers 4 --json
 
+# bench/peers.py runs in a venv of its own: the peers' pins (numpy<2.2, transformers<5 and
+# so huggingface-hub<1.0) conflict with the test extra's datasets (pyproject.toml, "peers").
+# The torch pin keeps pip from choosing a newer torch (and its CUDA wheels) for torchvision.
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.overlord-peers-installed
+$(PEERS_STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringmodule.c
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q --upgrade "pip>=23" setuptools wheel
+	$(PEERS_VENV)/bin/python -m pip install -q -e '.[peers]' $(or $(TORCH_SPEC),torch)
+	touch $(PEERS_STAMP)
+
+# Overlord, colocated DataLoader, MosaicML Streaming, LitData: one corpus, 8 ranks x 4 workers
+bench-peers: $(PEERS_STAMP)
+	$(PEERS_VENV)/bin/python bench/peers.py --json
+
 clean:
-	rm -rf $(VENV) build *.egg-info demo-data
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info demo-data

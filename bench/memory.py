@@ -34,24 +34,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import pyarrow.parquet as pq
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # a script in a checkout: import the checkout's package
 
+from harness import (  # noqa: E402  (bench/harness.py: the trainer protocol, the colocated dataset)
+    MIB,
+    Trainer,
+    await_event,
+    colocated_dataset,
+    command,
+    emit,
+    pad_collate,
+    pss_snapshot,
+)
+
 from overlord.demo.corpus import generate_many, read_manifest  # noqa: E402
-from overlord.procmem import pss_bytes, pss_of, tree_pids  # noqa: E402
+from overlord.procmem import pss_of, tree_pids  # noqa: E402
 
 OUT = REPO / "bench" / "out"
-MIB = 1 << 20
 
 
 def corpus_for(sources: int, *, rows_per_source: int, row_group_size: int, seed: int) -> Path:
@@ -72,121 +78,6 @@ def _corpus_sources(root: Path) -> list[tuple[str, list[str], str]]:
     ]
 
 
-# Trainer side: runs in the spawned trainer processes and their DataLoader workers.
-
-
-class _SourceReader:
-    """One source as one worker sees it: every file open, a bounded shuffle buffer."""
-
-    def __init__(self, files, shard, n_shards, window, rng):
-        self._rng, self._window = rng, window
-        self._files = [pq.ParquetFile(f) for f in files]  # the per-worker file state
-        units, first = [], 0  # (file, row group, index of its first row in the source)
-        for fi, pf in enumerate(self._files):
-            for rg in range(pf.metadata.num_row_groups):
-                units.append((fi, rg, first))
-                first += pf.metadata.row_group(rg).num_rows
-        self._stride = None if len(units) >= n_shards else (shard, n_shards)
-        self._units = units if self._stride else units[shard::n_shards]
-        self.rows = (
-            max(0, -(-(first - shard) // n_shards))
-            if self._stride
-            else sum(self._files[fi].metadata.row_group(rg).num_rows for fi, rg, _ in self._units)
-        )
-        self._order: list = []
-        self._buf: list = []
-
-    def _read(self, unit) -> None:
-        fi, rg, first = unit
-        table = self._files[fi].read_row_group(rg)
-        if self._stride:
-            shard, n = self._stride
-            table = table.take(np.arange((shard - first) % n, table.num_rows, n))
-        self._buf.extend(table.to_pylist())
-
-    def next_row(self) -> dict:
-        while len(self._buf) < self._window:
-            if not self._order:
-                if self._buf:
-                    break  # epoch's units all read: drain the buffer before the next one
-                self._order = [self._units[i] for i in self._rng.permutation(len(self._units))]
-            self._read(self._order.pop())
-        i = int(self._rng.integers(len(self._buf)))
-        self._buf[i], self._buf[-1] = self._buf[-1], self._buf[i]
-        return self._buf.pop()
-
-
-def _dataset(sources, *, rank: int, ranks: int, window: int, seed: int):
-    """The baseline IterableDataset (defined here so the harness never imports torch)."""
-    import torch.utils.data as tud
-
-    from overlord.transforms import resolve
-
-    transforms = [resolve(spec) for _, _, spec in sources]  # imported before the fork
-
-    class ColocatedDataset(tud.IterableDataset):
-        def __iter__(self):
-            info = tud.get_worker_info()
-            wid, workers = (info.id, info.num_workers) if info else (0, 1)
-            shard, n_shards = rank * workers + wid, ranks * workers
-            rng = np.random.default_rng([seed, shard])
-            readers = [_SourceReader(f, shard, n_shards, window, rng) for _, f, _ in sources]
-            weights = np.array([1.0 if r.rows else 0.0 for r in readers])
-            if not weights.any():
-                raise ValueError(f"shard {shard} of {n_shards} has no rows in any source")
-            weights /= weights.sum()
-            touched = weights == 0  # a source with no rows for this shard is done
-            while True:
-                for k in rng.choice(len(readers), size=1024, p=weights).tolist():
-                    sample = transforms[k](readers[k].next_row())
-                    touched[k] = True
-                    sample["_worker"], sample["_touched"] = wid, int(touched.sum())
-                    yield sample
-
-    return ColocatedDataset()
-
-
-def _collate(samples: list[dict]) -> dict:
-    """Pads input_ids to the longest in the batch; concatenates image patches."""
-    import torch
-
-    lengths = np.array([len(s["input_ids"]) for s in samples], dtype=np.int64)
-    ids = np.zeros((len(samples), int(lengths.max())), dtype=np.int32)
-    for row, s in enumerate(samples):
-        ids[row, : len(s["input_ids"])] = s["input_ids"]
-    batch = {"input_ids": torch.from_numpy(ids), "lengths": torch.from_numpy(lengths)}
-    images = [s for s in samples if "pixel_values" in s]
-    if images:
-        for key in ("pixel_values", "image_grid"):
-            batch[key] = torch.from_numpy(np.concatenate([s[key] for s in images]))
-    batch["_worker"] = samples[-1]["_worker"]
-    batch["_touched"] = max(s["_touched"] for s in samples)
-    return batch
-
-
-def _emit(event: str, **fields) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
-
-
-_stdin_pending = b""
-
-
-def _command(timeout: float) -> str:
-    """Next line from the harness, read from fd 0 unbuffered so select() sees every line."""
-    global _stdin_pending
-    deadline = time.monotonic() + timeout
-    while b"\n" not in _stdin_pending:
-        left = deadline - time.monotonic()
-        if left <= 0 or not select.select([0], [], [], left)[0]:
-            raise TimeoutError(f"trainer waited {timeout:.0f} s for the harness")
-        data = os.read(0, 4096)
-        if not data:
-            raise SystemExit("harness closed stdin")
-        _stdin_pending += data
-    line, _stdin_pending = _stdin_pending.split(b"\n", 1)
-    return line.decode().strip()
-
-
 def _trainer_main(cfg: dict) -> None:
     import warnings
 
@@ -198,8 +89,11 @@ def _trainer_main(cfg: dict) -> None:
 
     deadline = time.monotonic() + cfg["timeout_s"]
     sources = _corpus_sources(Path(cfg["corpus"]))
-    dataset = _dataset(
-        sources,
+    from overlord.transforms import resolve
+
+    dataset = colocated_dataset(
+        [files for _, files, _ in sources],
+        [resolve(spec) for _, _, spec in sources],  # imported before the fork
         rank=cfg["rank"],
         ranks=cfg["ranks"],
         window=cfg["shuffle_window"],
@@ -209,7 +103,7 @@ def _trainer_main(cfg: dict) -> None:
         dataset,
         batch_size=cfg["batch_size"],
         num_workers=cfg["workers"],
-        collate_fn=_collate,
+        collate_fn=pad_collate,
         multiprocessing_context="fork",
         timeout=cfg["timeout_s"],
     )
@@ -222,94 +116,15 @@ def _trainer_main(cfg: dict) -> None:
         touched[batch["_worker"]] = max(touched[batch["_worker"]], batch["_touched"])
         if time.monotonic() > deadline:
             raise TimeoutError(f"workers did not touch every source in {cfg['timeout_s']} s")
-    _emit("warm", samples=warm_samples)
-    if _command(deadline - time.monotonic()) != "go":
+    emit("warm", samples=warm_samples)
+    if command(deadline - time.monotonic()) != "go":
         raise SystemExit("expected 'go'")
     n, t0 = 0, time.monotonic()
     while n < cfg["samples"]:
         n += len(next(batches)["lengths"])
-    _emit("done", samples=n, t0=t0, t1=time.monotonic())
-    _command(deadline - time.monotonic())  # "stop": stay alive until measured
+    emit("done", samples=n, t0=t0, t1=time.monotonic())
+    command(deadline - time.monotonic())  # "stop": stay alive until measured
     del batches  # shuts the workers down
-
-
-# Harness side.
-
-
-class _Trainer:
-    """A spawned trainer process and the JSON events it prints."""
-
-    def __init__(self, rank: int, cfg: dict):
-        self.rank = rank
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--trainer", json.dumps({**cfg, "rank": rank})],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            start_new_session=True,
-        )
-        self._pending = b""
-
-    def send(self, command: str) -> None:
-        self.proc.stdin.write(command.encode() + b"\n")
-        self.proc.stdin.flush()
-
-    def events(self) -> list[dict]:
-        """Reads what is available (call when select says so); EOF is an error."""
-        data = os.read(self.proc.stdout.fileno(), 1 << 16)
-        if not data:
-            rc = self.proc.wait(timeout=10)
-            raise RuntimeError(f"trainer rank {self.rank} exited (rc={rc}); see its stderr above")
-        *lines, self._pending = (self._pending + data).split(b"\n")
-        return [json.loads(line) for line in lines if line.startswith(b"{")]
-
-    def kill(self) -> None:
-        """SIGTERM then SIGKILL the trainer's process group (it and its workers)."""
-        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-            if self.proc.poll() is not None:
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
-                pipe.close()
-            except OSError:  # a write to a dead trainer's stdin was still buffered
-                pass
-
-
-def _await(trainers, event: str, deadline: float, tick=None) -> dict[int, dict]:
-    """Waits until every trainer printed ``event``; calls ``tick()`` about once a second."""
-    got: dict[int, dict] = {}
-    by_fd = {t.proc.stdout.fileno(): t for t in trainers}
-    while len(got) < len(trainers):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            missing = sorted(t.rank for t in trainers if t.rank not in got)
-            raise TimeoutError(f"ranks {missing} did not report {event!r} in time")
-        ready, _, _ = select.select(list(by_fd), [], [], min(left, 1.0))
-        for fd in ready:
-            for ev in by_fd[fd].events():
-                if ev.get("event") == event:
-                    got[by_fd[fd].rank] = ev
-        if tick:
-            tick()
-    return got
-
-
-def _pss_snapshot(trainers) -> tuple[int, int, int]:
-    """``(worker PSS bytes, trainer PSS bytes, worker count)`` over all ranks."""
-    workers = trainer = count = 0
-    for t in trainers:
-        kids = tree_pids(t.proc.pid)[1:]
-        workers += pss_of(kids)
-        trainer += pss_bytes(t.proc.pid)
-        count += len(kids)
-    return workers, trainer, count
 
 
 def _measure(trainers, deadline: float, sample_pss, steady=None) -> tuple[dict, dict, float]:
@@ -318,13 +133,13 @@ def _measure(trainers, deadline: float, sample_pss, steady=None) -> tuple[dict, 
     Returns:
         (warm events, done events, samples per second over the window).
     """
-    warm = _await(trainers, "warm", deadline)
+    warm = await_event(trainers, "warm", deadline)
     if steady:
         steady()
     sample_pss()
     for t in trainers:
         t.send("go")
-    done = _await(trainers, "done", deadline, tick=sample_pss)
+    done = await_event(trainers, "done", deadline, tick=sample_pss)
     sample_pss()
     for t in trainers:
         t.send("stop")
@@ -377,15 +192,15 @@ def run_colocated(
     )
     start = time.monotonic()
     deadline = start + timeout_s
-    trainers: list[_Trainer] = []
+    trainers: list[Trainer] = []
     peak = {"workers": 0, "trainer": 0, "count": 0}
 
     def sample_pss() -> None:
-        w, t, c = _pss_snapshot(trainers)
+        w, t, c = pss_snapshot(trainers)
         peak.update(workers=max(peak["workers"], w), trainer=max(peak["trainer"], t), count=max(peak["count"], c))
 
     try:
-        trainers = [_Trainer(rank, cfg) for rank in range(ranks)]
+        trainers = [Trainer(__file__, rank, cfg) for rank in range(ranks)]
         warm, done, window = _measure(trainers, deadline, sample_pss)
     finally:
         for t in trainers:
@@ -417,15 +232,15 @@ def _overlord_trainer_main(cfg: dict) -> None:
     for _ in range(cfg["warm_batches"]):
         next(batches)
         warm_samples += len(loader.last_meta["keys"])
-    _emit("warm", samples=warm_samples)
-    if _command(deadline - time.monotonic()) != "go":
+    emit("warm", samples=warm_samples)
+    if command(deadline - time.monotonic()) != "go":
         raise SystemExit("expected 'go'")
     n, t0 = 0, time.monotonic()
     while n < cfg["samples"]:
         next(batches)
         n += len(loader.last_meta["keys"])
-    _emit("done", samples=n, t0=t0, t1=time.monotonic())
-    _command(deadline - time.monotonic())
+    emit("done", samples=n, t0=t0, t1=time.monotonic())
+    command(deadline - time.monotonic())
     loader.close()
 
 
@@ -481,7 +296,7 @@ def run_overlord(
         stdout=open(OUT / f"{job.name}-sidecar.log", "wb"),
         stderr=subprocess.STDOUT,
     )
-    trainers: list[_Trainer] = []
+    trainers: list[Trainer] = []
     peak = {"sidecar": 0, "trainer": 0, "procs": 0}
 
     by_role: dict[str, float] = {}
@@ -512,7 +327,7 @@ def run_overlord(
             warm_batches=max(8, len(job.sources) // batch_size),
             timeout_s=timeout_s,
         )
-        trainers = [_Trainer(rank, cfg) for rank in range(ranks)]
+        trainers = [Trainer(__file__, rank, cfg) for rank in range(ranks)]
         warm, done, window = _measure(
             trainers, deadline, sample_pss, steady=lambda: _await_every_source_read(job, deadline)
         )
