@@ -195,7 +195,7 @@ def run_loader(loader: str, corpus: Path, tokenizer: Path, args: argparse.Namesp
     start = time.monotonic()
     deadline = start + args.timeout
     sidecar, trainers, extra = None, [], {}
-    log = OUT / f"peers-{loader}.log"
+    log = args.out / f"peers-{loader}.log"
     try:
         if loader == "mosaic":
             _clean_mosaic_shm()
@@ -204,7 +204,7 @@ def run_loader(loader: str, corpus: Path, tokenizer: Path, args: argparse.Namesp
             from overlord.sidecar.sidecar import sidecar_running
 
             job = _overlord_job(corpus, tokenizer, args)
-            config = OUT / f"{job.name}.json"
+            config = args.out / f"{job.name}.json"
             config.write_text(job.to_json())
             cfg["config"] = str(config)
             sidecar = subprocess.Popen(
@@ -344,13 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per loader")
     p.add_argument("--only", default=",".join(LOADERS), help="comma-separated loaders to run")
-    p.add_argument("--png", type=Path, default=OUT / "peers.png")
+    p.add_argument("--out", type=Path, default=OUT, help="where logs, the PSS series and the PNG go")
+    p.add_argument("--png", type=Path, help="the PNG (default: OUT/peers.png)")
     p.add_argument("--json", action="store_true", help="print one JSON line (the default)")
     args = p.parse_args(argv)
     only = [n for n in args.only.split(",") if n]
     if unknown := set(only) - set(LOADERS):
         p.error(f"--only: unknown loaders {sorted(unknown)}; choose from {list(LOADERS)}")
-    OUT.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.png = args.png or args.out / "peers.png"
     t_start = time.monotonic()
     load_avg = [round(v, 2) for v in os.getloadavg()]
     corpus = peers_data.corpus(args.corpus, args.sources, args.rows, seed=args.seed)
@@ -395,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - t_start, 1),
     }
     result["targets"] = {k: result["ratios"][k] >= v for k, v in TARGETS.items() if k in result["ratios"]}
-    (OUT / "peers-series.json").write_text(json.dumps({k: v["pss_series"] for k, v in loaders.items()}))
+    (args.out / "peers-series.json").write_text(json.dumps({k: v["pss_series"] for k, v in loaders.items()}))
     try:
         _plot(result, args.png)
         result["png"] = str(args.png)
