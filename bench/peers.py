@@ -20,8 +20,8 @@ then a timed window of ``--samples`` each. The loaders: bench/peers_trainers.py.
 Measured per loader, one loader at a time, page cache warmed for every format first:
 - ``pss_mb``: peak PSS of the loading processes: every process but the trainers (the
   DataLoader workers; Overlord's sidecar, redis-server, Planner, Source Loaders, Data
-  Constructor host, with its shared-memory rings). ``tree_pss_mb``: the same with the
-  trainers, at the same instant. Sampled once a second while the ranks warm up and for
+  Constructor host, with its shared-memory rings). ``tree_pss_mb``: peak of the same
+  with the trainers, summed at one instant (``trainer_pss_mb``: the trainers' part then). Sampled once a second while the ranks warm up and for
   ``--hold`` seconds after the window (ranks paused, their prefetch full), never during
   the timed window, so sampling costs no loader throughput however many processes it has.
 - ``samples_per_s``: samples of every rank over the window (first rank's start to the
@@ -114,11 +114,10 @@ class _Probe:
         pss_loading, pss_trainers = pss_of(loading), pss_of(trainers)
         tree = pss_loading + pss_trainers
         self.series.append((time.monotonic() - self.t0, pss_loading / MIB, tree / MIB))
+        if tree > self.peak["tree"]:  # the trainers' share at the tree's peak (alone, before their workers
+            self.peak.update(tree=tree, trainers=pss_trainers)  # fork, they hold every page they map)
         self.peak.update(
-            loading=max(self.peak["loading"], pss_loading),
-            tree=max(self.peak["tree"], tree),
-            trainers=max(self.peak["trainers"], pss_trainers),
-            processes=max(self.peak["processes"], len(loading)),
+            loading=max(self.peak["loading"], pss_loading), processes=max(self.peak["processes"], len(loading))
         )
 
     def cpu(self) -> float:
@@ -136,7 +135,9 @@ def _clean_mosaic_shm() -> None:
 
 
 def _overlord_job(corpus: Path, tokenizer: Path, args: argparse.Namespace):
-    """The Overlord job over the corpus: the settings bench/memory.py measures with."""
+    """The Overlord job over the corpus: bench/memory.py's settings (``--loader-processes``
+    Source Loader processes, 64-sample buffers, 1 MiB sample rings), with 4 MiB trainer rings
+    for the image patches (memory.py's 2 MiB hold its smaller toy samples)."""
     # deferred: the harness imports Overlord's config only when it runs Overlord
     from overlord.config import BatchSpec, Job, Mesh, Source
 
@@ -308,7 +309,8 @@ def _plot(result: dict, path: Path) -> None:
     c = result["config"]
     fig.suptitle(
         f"{c['sources']} sources x {c['rows']} rows, {c['ranks']} ranks x {c['workers']} workers, "
-        f"{c['samples']} samples a rank timed (load average {result['load_avg'][0]:.1f} at start)",
+        f"{c['samples']} samples a rank timed (2 cores; 1-min load average {result['load_avg'][0]:.1f} at start, "
+        f"{result['load_avg_end'][0]:.1f} at end)",
         fontsize=11,
     )
     fig.tight_layout()
