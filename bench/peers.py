@@ -31,7 +31,9 @@ Measured per loader, one loader at a time, page cache warmed for every format fi
 - ``cpu_s_per_1k``: user + system CPU of the whole tree (``/proc/<pid>/stat``) over the
   window, per 1,000 samples.
 
-Every wait has a timeout; trainers' process groups and the sidecar are killed on error;
+Every wait has a timeout; trainers' process groups and the sidecar are killed on error
+(and a loader's run is stopped, its entry ``{"error": ...}``, when the machine's available
+memory falls under ``--memory-floor``: the machine is shared);
 MosaicML's shared memory is cleaned before and after its run.
 """
 
@@ -123,6 +125,18 @@ class _Probe:
     def cpu(self) -> float:
         loading, trainers = self.pids()
         return cpu_seconds(loading + trainers)
+
+
+def _memory_guard(floor_mb: float) -> None:
+    """Stops a run before it takes the machine's last memory (others' processes share it).
+
+    Raises:
+        MemoryError: ``MemAvailable`` is under ``floor_mb``.
+    """
+    with open("/proc/meminfo", encoding="ascii") as f:
+        available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 1024
+    if available < floor_mb:
+        raise MemoryError(f"{available:.0f} MiB available, under --memory-floor {floor_mb:.0f} MiB: run stopped")
 
 
 def _clean_mosaic_shm() -> None:
@@ -223,15 +237,21 @@ def run_loader(loader: str, corpus: Path, tokenizer: Path, args: argparse.Namesp
         trainers = _spawn(cfg, env)
         probe = _Probe(trainers, sidecar)
         probe.sample()
-        await_event(trainers, "warm", deadline, tick=probe.sample)
+
+        def warm_tick() -> None:
+            _memory_guard(args.memory_floor)
+            probe.sample()
+
+        await_event(trainers, "warm", deadline, tick=warm_tick)
         probe.sample()
         cpu0 = probe.cpu()
         for t in trainers:
             t.send("go")
-        done = await_event(trainers, "done", deadline)
+        done = await_event(trainers, "done", deadline, tick=lambda: _memory_guard(args.memory_floor))
         cpu1 = probe.cpu()
         for _ in range(max(1, int(args.hold))):
             time.sleep(1.0)
+            _memory_guard(args.memory_floor)
             probe.sample()
         for t in trainers:
             t.send("stop")
@@ -271,8 +291,11 @@ def run_loader(loader: str, corpus: Path, tokenizer: Path, args: argparse.Namesp
 
 
 def _ratios(loaders: dict[str, dict]) -> dict[str, float]:
+    """Overlord's ratios to the peers that finished (a stopped run has only ``error``)."""
     ovl = loaders["overlord"]
-    peers = {k: v for k, v in loaders.items() if k in PEERS}
+    if "error" in ovl:
+        return {}
+    peers = {k: v for k, v in loaders.items() if k in PEERS and "error" not in v}
     ratios = {}
     if "colocated" in peers:
         ratios["pss_vs_colocated"] = peers["colocated"]["pss_mb"] / ovl["pss_mb"]
@@ -291,7 +314,7 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     loaders = result["loaders"]
-    names = [n for n in LOADERS if n in loaders]
+    names = [n for n in LOADERS if n in loaders and "error" not in loaders[n]]
     colors = {"overlord": "#1f77b4", "colocated": "#d62728", "mosaic": "#ff7f0e", "litdata": "#2ca02c"}
     panels = [
         ("pss_mb", "PSS of the loading processes (MiB)"),
@@ -345,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold", type=float, default=3, help="seconds of PSS samples after the window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per loader")
+    p.add_argument("--memory-floor", type=float, default=2048, help="MiB of MemAvailable that stops a loader's run")
     p.add_argument("--only", default=",".join(LOADERS), help="comma-separated loaders to run")
     p.add_argument("--out", type=Path, default=OUT, help="where logs, the PSS series and the PNG go")
     p.add_argument("--png", type=Path, help="the PNG (default: OUT/peers.png)")
@@ -367,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     _warm_page_cache(corpus)
     loaders = {}
     for loader in only:
-        loaders[loader] = run_loader(loader, corpus, tokenizer, args)
+        try:
+            loaders[loader] = run_loader(loader, corpus, tokenizer, args)
+        except MemoryError as exc:  # the others still run: their figures stand alone
+            loaders[loader] = {"error": str(exc), "pss_series": []}
         print(
             f"{loader}: {json.dumps({k: v for k, v in loaders[loader].items() if k != 'pss_series'})}",
             file=sys.stderr,
