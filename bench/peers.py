@@ -30,6 +30,8 @@ Measured per loader, one loader at a time, page cache warmed for every format fi
   sidecar's spawn, so its start is included; ``ttfb_trainer_s`` from the trainer's).
 - ``cpu_s_per_1k``: user + system CPU of the whole tree (``/proc/<pid>/stat``) over the
   window, per 1,000 samples.
+- ``image_share``: image-text samples among the window's (about 0.2 for every loader: the
+  same mix through the same transform).
 
 Every wait has a timeout; trainers' process groups and the sidecar are killed on error
 (and a loader's run is stopped, its entry ``{"error": ...}``, when the machine's available
@@ -283,6 +285,7 @@ def run_loader(loader: str, corpus: Path, tokenizer: Path, args: argparse.Namesp
         "loading_processes": probe.peak["processes"],
         "window_s": round(window, 2),
         "samples": total,
+        "image_share": round(sum(ev["images"] for ev in done.values()) / total, 3),
         "pss_series": [[round(v, 1) for v in row] for row in probe.series],
     }
     if sidecar is not None:

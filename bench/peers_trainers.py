@@ -161,10 +161,12 @@ def main(cfg: dict) -> None:
     emit("warm", samples=n)
     if command(deadline - time.monotonic()) != "go":
         raise SystemExit("expected 'go'")
-    n, t0 = 0, time.monotonic()
+    n, images, t0 = 0, 0, time.monotonic()
     while n < cfg["samples"]:
-        n += count(next(batches))
-    emit("done", samples=n, t0=t0, t1=time.monotonic())
+        batch = next(batches)
+        n += count(batch)
+        images += len(batch["image_grid"]) if "image_grid" in batch else 0  # one row per image, every loader
+    emit("done", samples=n, images=images, t0=t0, t1=time.monotonic())
     command(deadline - time.monotonic())  # "stop": stay alive (workers too) until measured
     if close:
         close()

@@ -89,4 +89,5 @@ def test_a_run_prints_one_json_line(corpus, tmp_path):
     assert set(result["loaders"]) == {"colocated"} and fields <= set(result["loaders"]["colocated"])
     figures = result["loaders"]["colocated"]
     assert figures["samples"] >= 32 and 0 < figures["pss_mb"] < figures["tree_pss_mb"] and figures["samples_per_s"] > 0
+    assert 0 <= figures["image_share"] <= 1
     assert result["config"]["sources"] == 5 and len(result["load_avg"]) == 3
