@@ -53,6 +53,7 @@ def budget_of(job: Job) -> Budget:
         "constructor_cpus": max(0.25, min(1.0, cpus / 8)),
         "planner_cpus": max(0.1, min(0.5, cpus / 16)),
         "memory_mb": _available_mb() / 2,
+        "buffer_bytes": job.buffer_bytes,
         "buffer_samples": job.buffer_samples,
         "max_workers_per_loader": 1,  # a loader process runs one transform at a time today
     }
@@ -81,7 +82,7 @@ def autoscale(job: Job, r, keys, *, resume: bool = False) -> tuple[Job, Partitio
         samples = int(configured or PROFILE_SAMPLES)
         measured = measure(dataclasses.replace(job, sources=tuple(missing)), samples) if missing else {}
         costs = [profiled.get(s.name) or measured[s.name] for s in job.sources]
-        part = partition(costs, budget_of(job))
+        part = partition(costs, budget_of(job), global_batch=job.batch.global_batch, plan_ahead=job.plan_ahead)
         costs_ms = {c.name: c.transform_ms for c in costs}
         how = f"{len(profiled)} source(s) from the profile journal, {len(measured)} profiled now"
     log.info("auto-partitioned the sources (%s):\n%s", how, part.render())

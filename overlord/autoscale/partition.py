@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 
 from overlord.errors import ConfigError
+from overlord.runtime.readbuffer import draw_per_step, target_bytes
 
 
 class PartitionError(ConfigError):
@@ -66,7 +67,8 @@ class Budget:
             and 0.5).
         planner_mb: MiB the Planner takes.
         process_mb: the fixed MiB of one loader process (interpreter, libraries).
-        buffer_samples: read-buffer bound per loader partition (Job.buffer_samples).
+        buffer_bytes: byte cap of each loader partition's read buffer (Job.buffer_bytes).
+        buffer_samples: sample cap of each read buffer (Job.buffer_samples), None for none.
         max_workers_per_source: w_src, the most workers one source may get.
         max_workers_per_loader: w_actor, the most workers one loader process may run.
         max_partitions: the most partitions one source may be split into (its data
@@ -82,7 +84,8 @@ class Budget:
     planner_cpus: float = 0.5
     planner_mb: float = 128.0
     process_mb: float = 80.0
-    buffer_samples: int = 512
+    buffer_bytes: int = 64 << 20
+    buffer_samples: int | None = None
     max_workers_per_source: int = 8
     max_workers_per_loader: int = 4
     max_partitions: int = 16
@@ -145,8 +148,12 @@ class Partitioning:
         return "\n".join(lines)
 
 
-def partition(costs: list[SourceCost], budget: Budget) -> Partitioning:
+def partition(costs: list[SourceCost], budget: Budget, *, global_batch: int = 32, plan_ahead: int = 4) -> Partitioning:
     """Workers, partitions and loader processes for `costs` within `budget`.
+
+    `global_batch` (BatchSpec.global_batch) and `plan_ahead` (Job.plan_ahead) size the
+    read buffers: each holds what the Planner draws from its partition over plan_ahead
+    steps and one refill (overlord.runtime.readbuffer), within `budget.buffer_bytes`.
 
     Raises:
         PartitionError: no source, or the CPU or memory budget cannot hold them.
@@ -186,7 +193,7 @@ def partition(costs: list[SourceCost], budget: Budget) -> Partitioning:
             )
         if by_memory > by_cpu:
             notes.append(f"{c.name}: {parts} partitions for its {c.state_mb:g} MiB of file state")
-        buffers = parts * budget.buffer_samples * c.sample_kb / 1024
+        buffers = parts * buffer_mb(c, costs, parts, budget, global_batch, plan_ahead)
         plans.append(
             SourcePlan(
                 c.name, cluster_of[c.name], round(demand[c.name], 6), round(w, 3), parts, round(c.state_mb + buffers, 1)
@@ -199,9 +206,9 @@ def partition(costs: list[SourceCost], budget: Budget) -> Partitioning:
     if memory > budget.loader_mb:
         raise PartitionError(
             f"the Source Loaders need {memory:.0f} MiB ({len(loaders)} processes of {budget.process_mb:g} MiB, file "
-            f"state and read buffers of {budget.buffer_samples} samples per partition) but the budget leaves "
-            f"{budget.loader_mb:.0f} MiB after the Data Constructors and the Planner; raise the memory budget "
-            "or lower Job.buffer_samples"
+            f"state and read buffers of at most {budget.buffer_bytes / 2**20:g} MiB per partition) but the budget "
+            f"leaves {budget.loader_mb:.0f} MiB after the Data Constructors and the Planner; raise the memory budget "
+            "or lower Job.buffer_bytes"
         )
     return Partitioning(
         sources=sorted(plans, key=lambda p: [c.name for c in costs].index(p.name)),
@@ -210,6 +217,20 @@ def partition(costs: list[SourceCost], budget: Budget) -> Partitioning:
         memory_mb=round(memory, 1),
         notes=notes,
     )
+
+
+def buffer_mb(
+    c: SourceCost, costs: list[SourceCost], parts: int, budget: Budget, global_batch: int, plan_ahead: int
+) -> float:
+    """MiB one read buffer of source `c` holds when split into `parts` partitions: what
+    the Planner draws from it over plan_ahead steps and one refill, at its profiled
+    sample size, floored and capped as the loader does (overlord.runtime.readbuffer)."""
+    draw = draw_per_step(global_batch, [x.weight for x in costs], costs.index(c), parts)
+    nbytes = max(c.sample_kb * 1024, 1.0)
+    held = target_bytes(draw, plan_ahead, 1, nbytes, budget.buffer_bytes)
+    if budget.buffer_samples is not None:
+        held = min(held, int(budget.buffer_samples * nbytes))
+    return held / 2**20
 
 
 def _allocate(demand: dict[str, float], blocks: int, cap: int) -> dict[str, float]:

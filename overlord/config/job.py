@@ -43,7 +43,14 @@ class Job:
             file.
         run_dir: where the sidecar keeps its socket, logs and embedded Redis data.
         loader_processes: processes hosting Source Loaders (the CPU budget); None picks.
-        buffer_samples: bound of each Source Loader's read buffer, in samples.
+        buffer_bytes: byte cap of each Source Loader's read buffer (per loader partition;
+            Source.buffer_bytes overrides it per source). Within it a buffer holds what
+            the Planner can draw from the stream before its loader refills: the stream's
+            share of a step (global_batch x weight share / partitions) x (plan_ahead +
+            refill steps) x its mean sample bytes, at least two steps' draw
+            (overlord.runtime.readbuffer).
+        buffer_samples: an explicit sample cap on each read buffer, over buffer_bytes;
+            None (default): bytes only. Kept for configs written before buffer_bytes.
         sample_ring_bytes: capacity of each ring from a loader process to a Data Constructor.
         plan_ahead: how many steps the Planner may plan past what the slowest trainer consumed
             (and past the slowest Data Constructor): a metric reported at step t shapes the plan
@@ -97,7 +104,8 @@ class Job:
     redis_url: str | None = None
     run_dir: str | None = None
     loader_processes: int | None = None
-    buffer_samples: int = 512
+    buffer_bytes: int = 64 << 20  # 64 MiB per loader partition
+    buffer_samples: int | None = None
     sample_ring_bytes: int = 8 << 20
     plan_ahead: int = 4
     timeout_s: float = 60.0
@@ -168,8 +176,10 @@ class Job:
             raise ConfigError(f"Job.loader_processes={self.loader_processes!r} must be >= 1 or null")
         if self.sample_ring_bytes < 1 << 16:
             raise ConfigError(f"Job.sample_ring_bytes={self.sample_ring_bytes} is below 64 KiB; raise it")
-        if self.buffer_samples < 1 or self.plan_ahead < 1 or self.timeout_s <= 0:
+        if (self.buffer_samples is not None and self.buffer_samples < 1) or self.plan_ahead < 1 or self.timeout_s <= 0:
             raise ConfigError("Job.buffer_samples, Job.plan_ahead and Job.timeout_s must be positive")
+        if isinstance(self.buffer_bytes, bool) or not isinstance(self.buffer_bytes, int) or self.buffer_bytes < 1:
+            raise ConfigError(f"Job.buffer_bytes={self.buffer_bytes!r} must be an int >= 1 (bytes per read buffer)")
         slow = [
             s.name
             for s in self.sources

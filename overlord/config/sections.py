@@ -103,7 +103,10 @@ class Autoscale:
             and 0.5).
         planner_mb: MiB the Planner takes.
         process_mb: the fixed MiB of one loader process (interpreter, libraries).
-        buffer_samples: read-buffer bound per loader partition (default Job.buffer_samples).
+        buffer_bytes: byte cap of each loader partition's read buffer in the memory
+            budget (default Job.buffer_bytes).
+        buffer_samples: sample cap of each read buffer in the memory budget (default
+            Job.buffer_samples).
         max_workers_per_source: the most workers one source may get.
         max_workers_per_loader: the most workers one loader process may run (default 1).
         max_partitions: the most partitions one source may be split into.
@@ -123,6 +126,7 @@ class Autoscale:
     planner_cpus: float | None = None
     planner_mb: float | None = None
     process_mb: float | None = None
+    buffer_bytes: int | None = None
     buffer_samples: int | None = None
     max_workers_per_source: int | None = None
     max_workers_per_loader: int | None = None

@@ -66,6 +66,9 @@ class Source:
             files are read again; on several nodes it runs on a node other than its
             loader's and takes over a dead or cut-off node's loader (costs the memory
             of a second read buffer).
+        buffer_bytes: byte cap of each of this source's read buffers (one per loader
+            partition); None: Job.buffer_bytes. A source of large samples (images) may
+            want more room, one read rarely less.
     """
 
     name: str
@@ -82,6 +85,7 @@ class Source:
     difficulty: str | None = None
     decode: str | None = None
     shadow: bool = False
+    buffer_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_name("Source.name", self.name)
@@ -114,6 +118,10 @@ class Source:
                 ) from None
         if not isinstance(self.weight, (int, float)) or not math.isfinite(self.weight) or self.weight < 0:
             raise ConfigError(f"{where}: Source.weight={self.weight!r} must be a finite number >= 0")
+        if self.buffer_bytes is not None and (
+            isinstance(self.buffer_bytes, bool) or not isinstance(self.buffer_bytes, int) or self.buffer_bytes < 1
+        ):
+            raise ConfigError(f"{where}: Source.buffer_bytes={self.buffer_bytes!r} must be an int >= 1, or null")
         if self.columns is not None:
             object.__setattr__(self, "columns", tuple(self.columns))
         if not isinstance(self.shuffle_window, int) or self.shuffle_window < 1:

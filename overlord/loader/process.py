@@ -53,6 +53,7 @@ from overlord.plan.step_plan import Plan
 from overlord.plan.waiting import resume_point
 from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import sample_ring
+from overlord.runtime.readbuffer import ReadBudget, draw_per_step
 from overlord.shm import Ring
 from overlord.store.durable import Durability
 from overlord.store.schema import (
@@ -108,6 +109,10 @@ class LoaderProcess:
                 max_sample_bytes=ring_max_record(job.sample_ring_bytes),
             )
         self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in self.hosted}  # not yet sent
+        self.held_bytes: dict[int, int] = {i: 0 for i in self.hosted}  # bytes of each read buffer
+        self.budgets = {i: self._budget(i) for i in self.hosted}
+        self._pace: list[float | None] = [None, None]  # (seconds a refill turn takes, seconds between plans)
+        self._served_at: float | None = None
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every trainer read the step
         self.kept: dict[Item, Prepared] = {}  # samples of those steps
         self.active = ctx.role == "loader"
@@ -119,7 +124,6 @@ class LoaderProcess:
         self.skip_upto: dict[int, int] = {}  # dp -> steps it finished before this process started
         self.token: bytes | None = None  # the Planner's fencing token last seen
         self.demand: dict[str, int] = {}
-        self.low_water = max(1, job.buffer_samples // 2)
         self.last_step: int | None = None
         self.step = 0
         self.first = 0  # the job's first step (0, or the resume's)
@@ -127,6 +131,19 @@ class LoaderProcess:
         self._journaled = time.monotonic()
         self._stated = 0.0  # when the running totals were last published
         self._skips_published: dict[int, int] = {}  # stream -> Skips.version last written to Redis
+
+    def _budget(self, i: int) -> ReadBudget:
+        """Stream i's read-buffer budget (runtime/readbuffer.py): its share of a step."""
+        job, layout = self.job, self.layout
+        src = layout.stream_source[i]
+        source = job.sources[src]
+        parts = layout.stream_source.count(src)
+        return ReadBudget(
+            draw=draw_per_step(job.batch.global_batch, [s.weight for s in job.sources], src, parts),
+            plan_ahead=job.plan_ahead,
+            cap_bytes=source.buffer_bytes if source.buffer_bytes is not None else job.buffer_bytes,
+            cap_samples=job.buffer_samples,
+        )
 
     # -- start -------------------------------------------------------------------------
 
@@ -166,6 +183,7 @@ class LoaderProcess:
         for (stream, epoch), seqs in deferred.items():
             for sample in self.loaders[stream].prepare_at(epoch, seqs):
                 self.buffers[stream][(sample.epoch, sample.seq)] = sample
+                self.held_bytes[stream] += sample.nbytes
         log.info(
             "rebuilt read buffers at step %d from the planner checkpoint (%d deferred samples re-read)",
             step,
@@ -220,6 +238,7 @@ class LoaderProcess:
                 if raw_plan is not None:
                     plan = Plan.decode(raw_plan)
                     self._serve(plan)
+                    self._paced(time.monotonic())
                     self.step += 1
                     if plan.last:
                         self.last_step = plan.step
@@ -372,6 +391,7 @@ class LoaderProcess:
                 f"plan {step} asks stream {self.layout.streams[stream]!r} for epoch {epoch} seq {seq}, "
                 "which its Source Loader does not hold (planner and loader disagree; this is a bug)"
             )
+        self.held_bytes[stream] -= sample.nbytes
         return sample
 
     def _prepare_through(self, stream: int, epoch: int, seq: int) -> None:
@@ -400,19 +420,33 @@ class LoaderProcess:
 
     # -- reading and reporting ---------------------------------------------------------
 
+    def _paced(self, now: float) -> None:
+        """A plan was served at `now`: fold the time since the last into the pace."""
+        if self._served_at is not None:
+            self._pace[1] = _ewma(self._pace[1], now - self._served_at)
+        self._served_at = now
+
     def _refill(self) -> bool:
         """Top up every stream below its low-water mark by one chunk; True if any was."""
+        refill_s, step_s = self._pace
+        if refill_s is not None and step_s is not None:
+            for budget in self.budgets.values():
+                budget.pace(refill_s, step_s)
+        started = time.monotonic()
         filled = False
         for i, loader in self.loaders.items():
-            # refill only below the low-water mark, so a step that takes one sample
-            # from each of many streams does not cost one Redis write per stream
+            # refill only below the low-water mark (in bytes, runtime/readbuffer.py), so
+            # a step that takes one sample from each of many streams does not cost one
+            # Redis write per stream; what the Planner asks for (`demand`) is read at once
             wanted = self.demand.get(self.layout.streams[i], 0)
-            room = max(self.job.buffer_samples, wanted) - len(self.buffers[i])
-            if loader.finished or room <= 0 or (room < self.low_water and wanted <= len(self.buffers[i])):
+            room = 0 if loader.finished else self.budgets[i].room(len(self.buffers[i]), self.held_bytes[i], wanted)
+            if room <= 0:
                 continue
             self._prepare(i, min(CHUNK, room))
             filled = True
         self._flush_reports()
+        if filled:
+            self._pace[0] = _ewma(self._pace[0], time.monotonic() - started)
         return filled
 
     def _prepare(self, i: int, limit: int) -> None:
@@ -420,6 +454,8 @@ class LoaderProcess:
         samples, ended = loader.prepare(limit)
         for s in samples:
             self.buffers[i][(s.epoch, s.seq)] = s
+            self.held_bytes[i] += s.nbytes
+        self.budgets[i].observe(s.nbytes for s in samples)
         if self.active:
             self._report(i, samples, ended, loader.epoch)
 
@@ -488,7 +524,8 @@ class LoaderProcess:
                 "skipped_files": loader.skips.files_skipped,
                 "skipped_row_groups": loader.skips.groups_skipped,
                 "epoch": loader.epoch,
-                "buffered_bytes": sum(p.nbytes for p in self.buffers[i].values()),
+                "buffered_bytes": self.held_bytes[i],
+                "budget_bytes": self.budgets[i].target_bytes(),
             }
         kept = sum(p.nbytes for p in self.kept.values())  # sent, kept until every trainer read the step
         record = {
@@ -516,6 +553,10 @@ class LoaderProcess:
             if not by_epoch and self.loaders[i].finished:
                 self._report(i, [], [], self.loaders[i].epoch)
         self._flush_reports()
+
+
+def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:
+    return new if old is None else old + alpha * (new - old)
 
 
 def run_loader(ctx) -> None:

@@ -35,7 +35,7 @@ class NeedMetadata(Exception):
 
     `wanted` maps a stream to how many unplanned samples it must hold for this step, so
     the Planner can ask a loader whose read buffer is full to hold more (a step may take
-    more samples from one stream than `Job.buffer_samples`).
+    more samples from one stream than its read buffer holds).
     """
 
     def __init__(self, wanted: dict[int, int]) -> None:

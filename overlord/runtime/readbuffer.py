@@ -31,7 +31,6 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-DEFAULT_BUFFER_BYTES = 64 << 20  # per stream (loader partition)
 MIN_SAMPLES = 4  # the smallest floor: a rare source still reads ahead of one draw
 MAX_REFILL_STEPS = 8  # a burst of plans (the Planner's first plan_ahead steps) is not a pace
 
@@ -57,9 +56,7 @@ def floor_samples(draw: float) -> int:
     return max(MIN_SAMPLES, 2 * math.ceil(draw))
 
 
-def target_bytes(
-    draw: float, plan_ahead: int, refill_steps: int, mean_nbytes: float, cap_bytes: int
-) -> int:
+def target_bytes(draw: float, plan_ahead: int, refill_steps: int, mean_nbytes: float, cap_bytes: int) -> int:
     """The bytes a stream aims to hold (module docstring): derived, floored, capped."""
     horizon = plan_ahead + max(1, refill_steps)
     derived = draw * horizon * mean_nbytes

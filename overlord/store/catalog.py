@@ -270,7 +270,7 @@ SCHEMA: tuple[Key, ...] = (
         "demand",
         "demand",
         "hash",
-        "samples the Planner needs each stream to hold (when a step takes more than buffer_samples)",
+        "samples the Planner needs each stream to hold (when a step takes more than its read buffer holds)",
         "Planner",
         "loaders",
         fields=(Field("<stream>", "int", ""),),

@@ -1,0 +1,109 @@
+"""The read-buffer budget's arithmetic: weights, sample sizes, floor, cap, demand."""
+
+from __future__ import annotations
+
+import pytest
+
+from overlord.runtime.readbuffer import MIN_SAMPLES, ReadBudget, draw_per_step, floor_samples, target_bytes
+
+MiB = 1 << 20
+
+
+def test_the_draw_follows_the_weight_share_and_the_partitions():
+    weights = [3.0, 1.0, 0.0]
+    assert draw_per_step(64, weights, 0, 1) == pytest.approx(48.0)
+    assert draw_per_step(64, weights, 0, 4) == pytest.approx(12.0)
+    assert draw_per_step(64, weights, 1, 1) == pytest.approx(16.0)
+    assert draw_per_step(64, weights, 2, 1) == 0.0
+
+
+def test_the_target_is_draw_times_horizon_times_mean_size():
+    # 12 samples a step, plan_ahead 4 + 1 refill step, 10 KiB each
+    assert target_bytes(12.0, 4, 1, 10240, 64 * MiB) == 12 * 5 * 10240
+    # a slower refill (3 steps) holds more
+    assert target_bytes(12.0, 4, 3, 10240, 64 * MiB) == 12 * 7 * 10240
+    # the refill latency is at least one step
+    assert target_bytes(12.0, 4, 0, 10240, 64 * MiB) == 12 * 5 * 10240
+
+
+def test_the_floor_holds_two_steps_and_the_cap_wins_over_it():
+    # a rare source: 0.1 sample a step -> the floor (MIN_SAMPLES)
+    assert floor_samples(0.1) == MIN_SAMPLES
+    assert target_bytes(0.1, 4, 1, 1000, 64 * MiB) == MIN_SAMPLES * 1000
+    assert floor_samples(30.0) == 60
+    # images of 2 MiB, 48 a step over 5 steps: 480 MiB derived, capped at 64 MiB
+    assert target_bytes(48.0, 4, 1, 2 * MiB, 64 * MiB) == 64 * MiB
+    # the cap wins over the floor too
+    assert target_bytes(48.0, 4, 1, 2 * MiB, 8 * MiB) == 8 * MiB
+
+
+def test_heavier_samples_hold_fewer_and_weight_follows():
+    light = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB)
+    light.observe([1000] * 10)
+    heavy = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB)
+    heavy.observe([1 << 20] * 10)
+    assert light.target_samples() == 40  # 8 x 5 steps
+    assert light.target_bytes() == 40 * 1000
+    assert heavy.target_samples() == 40  # 40 MiB, under the cap
+    rare = ReadBudget(draw=0.05, plan_ahead=4, cap_bytes=64 * MiB)
+    rare.observe([1000])
+    assert rare.target_samples() == MIN_SAMPLES
+    big = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB)
+    big.observe([4 << 20] * 3)
+    assert big.target_samples() == 16  # 64 MiB / 4 MiB
+
+
+def test_the_running_mean_follows_the_prepared_samples():
+    b = ReadBudget(draw=1.0, plan_ahead=1, cap_bytes=MiB)
+    b.observe([100, 300])
+    assert b.mean_nbytes == pytest.approx(200.0)
+    b.observe([600])
+    assert b.mean_nbytes == pytest.approx(1000 / 3)
+    assert b.seen == 3
+
+
+def test_before_any_sample_the_first_read_is_the_floor():
+    b = ReadBudget(draw=20.0, plan_ahead=4, cap_bytes=64 * MiB)
+    assert b.room(0, 0) == 40
+    assert ReadBudget(draw=20.0, plan_ahead=4, cap_bytes=64 * MiB, cap_samples=8).room(0, 0) == 8
+
+
+def test_low_water_is_half_the_target_in_bytes():
+    b = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB)
+    b.observe([1000] * 40)  # target 40 samples, 40,000 B; low water 20,000 B
+    assert b.room(0, 0) == 40
+    assert b.room(30, 30000) == 0  # above low water
+    assert b.room(21, 21000) == 0
+    assert b.room(19, 19000) == 21  # below: top up to the target
+    # twenty large samples are above low water in bytes though few in count
+    assert b.room(10, 25000) == 0
+    assert b.room(40, 40000) == 0
+
+
+def test_the_sample_cap_bounds_the_buffer_over_the_bytes():
+    b = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB, cap_samples=10)
+    b.observe([1000] * 40)
+    assert b.target_samples() == 10
+    assert b.room(0, 0) == 10
+    assert b.room(10, 10000) == 0
+
+
+def test_what_the_planner_asks_for_wins_over_cap_and_low_water():
+    b = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=4000)  # the cap holds 4 samples of 1000 B
+    b.observe([1000] * 4)
+    assert b.target_samples() == 4
+    assert b.room(4, 4000) == 0
+    assert b.room(4, 4000, wanted=30) == 26  # one step needs 30: hold them
+    assert b.room(30, 30000, wanted=30) == 0
+
+
+def test_the_pace_sets_the_refill_steps_within_bounds():
+    b = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB)
+    b.pace(refill_s=0.25, step_s=0.1)
+    assert b.refill_steps == 3
+    b.pace(refill_s=0.001, step_s=0.1)
+    assert b.refill_steps == 1
+    b.pace(refill_s=10.0, step_s=0.001)  # a burst of plans is not a pace
+    assert b.refill_steps == 8
+    b.pace(refill_s=1.0, step_s=0.0)  # no pace measured: unchanged
+    assert b.refill_steps == 8
