@@ -28,11 +28,7 @@ from overlord.store.schema import (
     skipped_file_of,
     stats_rank,
 )
-from overlord.store.server import SOCKET_NAME
-
-
-def redis_url_of(job: Job) -> str:
-    return job.redis_url or f"unix://{job.run_path / SOCKET_NAME}"
+from overlord.store.server import redis_url_of
 
 
 def collect(job: Job) -> dict[str, Any]:

@@ -29,6 +29,14 @@ from overlord import heap
 from overlord.errors import StoreError
 
 SOCKET_NAME = "redis.sock"
+
+
+def redis_url_of(job) -> str:
+    """The job's Redis: its `redis_url`, else the embedded server's socket in its run directory."""
+    url: str = job.redis_url or f"unix://{job.run_path / SOCKET_NAME}"
+    return url
+
+
 _PR_SET_PDEATHSIG = 1
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the NUL
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import redis
 
 from overlord.config import Job
-from overlord.status import redis_url_of
 from overlord.store import connect, redact
+from overlord.store.server import redis_url_of
 
 
 class Control:

@@ -23,7 +23,6 @@ from overlord.errors import PeerDied, RemoteRoleError, RingClosed, RingError, Ri
 from overlord.runtime.layout import client_ring
 from overlord.shm import Ring
 from overlord.shm import pid_alive as alive
-from overlord.sidecar.membership import clear_dead
 from overlord.store import Keys
 from overlord.torch.control import Control
 from overlord.torch.local import SLICE_S, Leases
@@ -115,6 +114,9 @@ class ServingNodeReader:
                     self.ring, self.serving_node = ring, self.job.node
                     return
                 if not self.sidecar.running():
+                    # deferred: membership brings the autoscaler and the loaders, for a dead sidecar only
+                    from overlord.sidecar.membership import clear_dead
+
                     clear_dead(r, keys, self.job.node)  # so the Planner moves this node's roles now
                     if self.sidecar.may_spawn:
                         self.sidecar.spawn()
@@ -156,6 +158,9 @@ class ServingNodeReader:
         if pid in self._cleared or alive(pid):
             return
         self._cleared.add(pid)
+        # deferred: membership brings the autoscaler and the loaders, for a dead sidecar only
+        from overlord.sidecar.membership import clear_dead
+
         clear_dead(self.control.client(), Keys(self.job.name), self.job.node)
 
     def _attach_local(self) -> Ring | None:

@@ -13,9 +13,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from overlord.status import redis_url_of
 from overlord.store import Keys, connect
 from overlord.store.schema import encode_record, trainer_stats_field
+from overlord.store.server import redis_url_of
 
 PUBLISH_S = 1.0
 
