@@ -5,9 +5,16 @@ Usage::
     python bench/memory.py --sources 300 --ranks 8 --workers 4 --json
     python bench/memory.py --sources 300 --ranks 4 --workers 4 --baseline-only --json
 
-prints ONE JSON line (``overlord_pss_mb``, ``colocated_pss_mb``, ``ratio`` =
-colocated / overlord, ``overlord_samples_per_s``, ``colocated_samples_per_s``,
-``trainer_pss_mb``, ``sources``, ``ranks``, ``workers`` and details).
+prints ONE JSON line: the loading processes (``overlord_pss_mb``: the sidecar and every
+process under it; ``colocated_pss_mb``: the DataLoader workers; ``ratio`` = colocated /
+overlord) and the whole tree with the trainers (``overlord_tree_pss_mb``,
+``colocated_tree_pss_mb``, ``tree_ratio``), the trainers apart (``overlord_trainer_pss_mb``,
+``trainer_pss_mb`` for the colocated ones, and each rank's mean), the Source Loader
+processes (``overlord_loader_pss_mb``, ``overlord_loader_pss_mb_each``),
+``overlord_samples_per_s``, ``colocated_samples_per_s``, ``sources``, ``ranks``,
+``workers`` and details. Every figure is a peak over the window, each summed over one
+look at /proc (PSS splits a shared page among the processes that map it, so a sum over
+a tree counts a page shared inside it once).
 
 The colocated baseline is what a torchrun job does today: one trainer process per rank
 (spawned here with subprocess), each with one ``torch.utils.data.DataLoader`` of
@@ -193,11 +200,16 @@ def run_colocated(
     start = time.monotonic()
     deadline = start + timeout_s
     trainers: list[Trainer] = []
-    peak = {"workers": 0, "trainer": 0, "count": 0}
+    peak = {"workers": 0, "trainer": 0, "count": 0, "tree": 0}
 
     def sample_pss() -> None:
         w, t, c = pss_snapshot(trainers)
-        peak.update(workers=max(peak["workers"], w), trainer=max(peak["trainer"], t), count=max(peak["count"], c))
+        peak.update(
+            workers=max(peak["workers"], w),
+            trainer=max(peak["trainer"], t),
+            count=max(peak["count"], c),
+            tree=max(peak["tree"], w + t),
+        )
 
     try:
         trainers = [Trainer(__file__, rank, cfg) for rank in range(ranks)]
@@ -211,8 +223,10 @@ def run_colocated(
     total = sum(ev["samples"] for ev in done.values())
     return {
         "colocated_pss_mb": round(peak["workers"] / MIB, 1),
+        "colocated_tree_pss_mb": round(peak["tree"] / MIB, 1),
         "colocated_samples_per_s": round(total / window, 1),
         "trainer_pss_mb": round(peak["trainer"] / MIB, 1),
+        "trainer_pss_mb_each": round(peak["trainer"] / MIB / ranks, 1),
         "colocated_pss_mb_per_worker": round(peak["workers"] / MIB / max(peak["count"], 1), 1),
         "colocated_worker_processes": peak["count"],
         "colocated_warmup_samples": sum(ev["samples"] for ev in warm.values()),
@@ -232,7 +246,9 @@ def _overlord_trainer_main(cfg: dict) -> None:
     for _ in range(cfg["warm_batches"]):
         next(batches)
         warm_samples += len(loader.last_meta["keys"])
-    emit("warm", samples=warm_samples)
+    # what the trainer side imported, DataLoader created and batches read
+    ours = [m for m in sys.modules if m == "overlord" or m.startswith("overlord.")]
+    emit("warm", samples=warm_samples, modules=len(sys.modules), overlord_modules=len(ours))
     if command(deadline - time.monotonic()) != "go":
         raise SystemExit("expected 'go'")
     n, t0 = 0, time.monotonic()
@@ -255,6 +271,8 @@ def run_overlord(
     seed: int = 0,
     timeout_s: float = 600.0,
     loader_processes: int = 2,
+    buffer_samples: int | None = None,
+    buffer_bytes: int = 64 << 20,
 ) -> dict:
     """The same sources, transforms, row-group reads and shuffle window through Overlord.
 
@@ -266,7 +284,9 @@ def run_overlord(
     sizes its loader processes by CPU, not by rank.
 
     Returns:
-        ``overlord_pss_mb``, ``overlord_samples_per_s``, ``overlord_trainer_pss_mb`` and details.
+        ``overlord_pss_mb``, ``overlord_tree_pss_mb`` (with the trainers),
+        ``overlord_samples_per_s``, ``overlord_trainer_pss_mb``, ``overlord_loader_pss_mb``
+        and details.
     """
     from overlord.config import BatchSpec, Job, Mesh, Source
     from overlord.sidecar.sidecar import sidecar_running
@@ -282,7 +302,8 @@ def run_overlord(
         seed=seed,
         run_dir=f"/tmp/overlord-bench-{os.getpid()}",
         loader_processes=loader_processes,
-        buffer_samples=64,
+        buffer_samples=buffer_samples,
+        buffer_bytes=buffer_bytes,
         sample_ring_bytes=1 << 20,
         timeout_s=120.0,
     )
@@ -297,21 +318,26 @@ def run_overlord(
         stderr=subprocess.STDOUT,
     )
     trainers: list[Trainer] = []
-    peak = {"sidecar": 0, "trainer": 0, "procs": 0}
+    peak = {"sidecar": 0, "trainer": 0, "procs": 0, "tree": 0, "loaders": 0}
 
     by_role: dict[str, float] = {}
 
     def sample_pss() -> None:
         pids = tree_pids(sidecar.pid)
-        total = pss_of(pids)
+        each = {pid: pss_of([pid]) for pid in pids}
+        total = sum(each.values())
+        trainer = pss_of(pid for t in trainers for pid in tree_pids(t.proc.pid))
+        loaders = sum(n for pid, n in each.items() if _role_of(pid).startswith("loader"))
         if total > peak["sidecar"]:
             by_role.clear()
-            for pid in pids:
-                by_role[_role_of(pid)] = by_role.get(_role_of(pid), 0) + round(pss_of([pid]) / MIB, 1)
+            for pid, n in each.items():
+                by_role[_role_of(pid)] = round(by_role.get(_role_of(pid), 0) + n / MIB, 1)
         peak.update(
             sidecar=max(peak["sidecar"], total),
             procs=max(peak["procs"], len(pids)),
-            trainer=max(peak["trainer"], pss_of(t.proc.pid for t in trainers)),
+            trainer=max(peak["trainer"], trainer),
+            tree=max(peak["tree"], total + trainer),
+            loaders=max(peak["loaders"], loaders),
         )
 
     try:
@@ -341,8 +367,16 @@ def run_overlord(
     total = sum(ev["samples"] for ev in done.values())
     return {
         "overlord_pss_mb": round(peak["sidecar"] / MIB, 1),
+        "overlord_tree_pss_mb": round(peak["tree"] / MIB, 1),
         "overlord_samples_per_s": round(total / window, 1),
         "overlord_trainer_pss_mb": round(peak["trainer"] / MIB, 1),
+        "overlord_trainer_pss_mb_each": round(peak["trainer"] / MIB / ranks, 1),
+        "overlord_loader_pss_mb": round(peak["loaders"] / MIB, 1),
+        "overlord_loader_pss_mb_each": round(peak["loaders"] / MIB / loader_processes, 1),
+        "overlord_trainer_modules": max(ev["modules"] for ev in warm.values()),
+        "overlord_trainer_overlord_modules": max(ev["overlord_modules"] for ev in warm.values()),
+        "overlord_buffer_bytes": buffer_bytes,
+        "overlord_buffer_samples": buffer_samples,
         "overlord_processes": peak["procs"],
         "overlord_pss_mb_by_process": by_role,
         "overlord_loader_processes": loader_processes,
@@ -363,8 +397,8 @@ def _role_of(pid: int) -> str:
 
 def _await_every_source_read(job, deadline: float) -> None:
     """Steady state: every Source Loader has read its source (its metadata is in Redis)."""
-    from overlord.status import redis_url_of
     from overlord.store import Keys, connect
+    from overlord.store.server import redis_url_of
 
     r, keys = connect(redis_url_of(job)), Keys(job.name)
     streams = [f"{s.name}.0" for s in job.sources]
@@ -391,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows-per-source", type=int, default=500)
     p.add_argument("--row-group-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--buffer-bytes", type=int, default=64 << 20, help="Job.buffer_bytes of the Overlord half")
+    p.add_argument(
+        "--buffer-samples", type=int, default=None, help="Job.buffer_samples (a sample cap; none by default)"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per half")
     p.add_argument("--baseline-only", action="store_true", help="skip the Overlord half")
     p.add_argument("--json", action="store_true", help="print one JSON line (the default)")
@@ -415,10 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = {"sources": args.sources, "ranks": args.ranks, "workers": args.workers}
     if not args.baseline_only:
-        result.update(run_overlord(corpus, **common))
+        result.update(
+            run_overlord(corpus, **common, buffer_bytes=args.buffer_bytes, buffer_samples=args.buffer_samples)
+        )
     result.update(run_colocated(corpus, **common))
     if not args.baseline_only:
         result["ratio"] = round(result["colocated_pss_mb"] / result["overlord_pss_mb"], 2)
+        result["tree_ratio"] = round(result["colocated_tree_pss_mb"] / result["overlord_tree_pss_mb"], 2)
     result.update(
         samples=args.samples,
         shuffle_window=args.shuffle_window,
