@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from overlord.procmem import pss_bytes, pss_of, tree_pids
 
@@ -45,6 +44,8 @@ class SourceReader:
 
     def __init__(self, files: Sequence[str], shard: int, n_shards: int, window: int, rng: np.random.Generator):
         self._rng, self._window = rng, window
+        import pyarrow.parquet as pq  # deferred: an Overlord trainer (same scripts) never reads a file
+
         self._files = [pq.ParquetFile(f) for f in files]  # the per-worker file state
         units, first = [], 0  # (file, row group, index of its first row in the source)
         for fi, pf in enumerate(self._files):

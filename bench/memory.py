@@ -61,7 +61,6 @@ from harness import (  # noqa: E402  (bench/harness.py: the trainer protocol, th
     pss_snapshot,
 )
 
-from overlord.demo.corpus import generate_many, read_manifest  # noqa: E402
 from overlord.procmem import pss_of, tree_pids  # noqa: E402
 
 OUT = REPO / "bench" / "out"
@@ -70,12 +69,16 @@ OUT = REPO / "bench" / "out"
 def corpus_for(sources: int, *, rows_per_source: int, row_group_size: int, seed: int) -> Path:
     """Generates (or reuses) the benchmark corpus under ``bench/out``; returns its root."""
     root = OUT / f"corpus-s{sources}-r{rows_per_source}-g{row_group_size}-seed{seed}"
+    from overlord.demo.corpus import generate_many  # deferred: pyarrow and PIL stay out of the trainers
+
     generate_many(root, sources, rows_per_source, seed=seed, row_group_size=row_group_size)
     return root
 
 
 def _corpus_sources(root: Path) -> list[tuple[str, list[str], str]]:
     """``[(source, files, transform spec)]`` in the corpus's source order."""
+    from overlord.demo.corpus import read_manifest  # deferred: pyarrow and PIL stay out of the trainers
+
     manifest = read_manifest(root)
     if manifest is None:
         raise FileNotFoundError(f"{root} has no corpus manifest; generate it with corpus_for()")
@@ -89,7 +92,10 @@ def _trainer_main(cfg: dict) -> None:
     import warnings
 
     import PIL.Image  # noqa: F401  (a training script imports its decoders up front)
+    import pyarrow.parquet  # noqa: F401  (and its readers, before the workers fork)
     import torch.utils.data as tud
+
+    import overlord.demo.corpus  # noqa: F401  (as the colocated trainers always did)
 
     # More workers than cores is the point of the benchmark, not a mistake to warn about.
     warnings.filterwarnings("ignore", message="This DataLoader will create")
