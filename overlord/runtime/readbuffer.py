@@ -31,7 +31,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-MIN_SAMPLES = 4  # the smallest floor: a rare source still reads ahead of one draw
+MIN_SAMPLES = 8  # the smallest floor: a rare stream refills every few samples, not every one
 MAX_REFILL_STEPS = 8  # a burst of plans (the Planner's first plan_ahead steps) is not a pace
 
 
