@@ -66,12 +66,14 @@ from overlord.procmem import pss_of, tree_pids  # noqa: E402
 OUT = REPO / "bench" / "out"
 
 
-def corpus_for(sources: int, *, rows_per_source: int, row_group_size: int, seed: int) -> Path:
+def corpus_for(sources: int, *, rows_per_source: int, row_group_size: int, seed: int, image_every: int = 30) -> Path:
     """Generates (or reuses) the benchmark corpus under ``bench/out``; returns its root."""
     root = OUT / f"corpus-s{sources}-r{rows_per_source}-g{row_group_size}-seed{seed}"
+    if image_every != 30:
+        root = root.with_name(f"{root.name}-i{image_every}")
     from overlord.demo.corpus import generate_many  # deferred: pyarrow and PIL stay out of the trainers
 
-    generate_many(root, sources, rows_per_source, seed=seed, row_group_size=row_group_size)
+    generate_many(root, sources, rows_per_source, seed=seed, row_group_size=row_group_size, image_every=image_every)
     return root
 
 
@@ -431,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows-per-source", type=int, default=500)
     p.add_argument("--row-group-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--image-every", type=int, default=30, help="one image-text source per this many")
     p.add_argument("--buffer-bytes", type=int, default=64 << 20, help="Job.buffer_bytes of the Overlord half")
     p.add_argument(
         "--buffer-samples", type=int, default=None, help="Job.buffer_samples (a sample cap; none by default)"
@@ -446,7 +449,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.monotonic()
     corpus = corpus_for(
-        args.sources, rows_per_source=args.rows_per_source, row_group_size=args.row_group_size, seed=args.seed
+        args.sources,
+        rows_per_source=args.rows_per_source,
+        row_group_size=args.row_group_size,
+        seed=args.seed,
+        image_every=args.image_every,
     )
     common = dict(
         ranks=args.ranks,
@@ -472,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         rows_per_source=args.rows_per_source,
         row_group_size=args.row_group_size,
+        image_every=args.image_every,
         wall_s=round(time.monotonic() - start, 1),
     )
     print(json.dumps(result), flush=True)
