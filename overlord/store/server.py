@@ -22,16 +22,20 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 
 from overlord import heap
 from overlord.errors import StoreError
 
+if TYPE_CHECKING:
+    from overlord.config import Job
+
 SOCKET_NAME = "redis.sock"
 
 
-def redis_url_of(job) -> str:
+def redis_url_of(job: Job) -> str:
     """The job's Redis: its `redis_url`, else the embedded server's socket in its run directory."""
     url: str = job.redis_url or f"unix://{job.run_path / SOCKET_NAME}"
     return url
