@@ -368,10 +368,14 @@ class LoaderProcess:
         """Send this process's samples of `plan` to their Data Constructors, in plan order."""
         sends = loader_do_plan(plan, self.job.mesh, set(self.buffers))
         samples = []
+        took = dict.fromkeys(self.budgets, 0)
         for _, _, _, item in sends:  # a sample may go to two constructors (tokens and images apart)
             if item not in self.kept:
                 self.kept[item] = self._take(plan.step, item)
+                took[item[0]] += 1
             samples.append(self.kept[item])
+        for i, n in took.items():  # what a step takes, measured: a mixing schedule moves it
+            self.budgets[i].took(n)
         self.sent[plan.step] = sends
         if not self.active:
             return

@@ -3,7 +3,9 @@
 A stream (one partition of a source) must hold what the Planner can draw from it
 before its loader refills, no more:
 
-    draw     = global_batch x (source weight / all weights) / partitions of the source
+    draw     = global_batch x (source weight / all weights) / partitions of the source,
+               or what the plans served took from the stream a step (a moving average),
+               whichever is larger: a mixing schedule that turns to a source is followed
     horizon  = plan_ahead + refill steps (the steps that pass while the loader process
                turns once over its streams; measured, at least 1)
     target   = draw x horizon x mean sample bytes     (running mean of prepared samples,
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 MIN_SAMPLES = 8  # the smallest floor: a rare stream refills every few samples, not every one
 MAX_REFILL_STEPS = 8  # a burst of plans (the Planner's first plan_ahead steps) is not a pace
+DRAW_ALPHA = 0.1  # weight of one plan in the measured draw (about the last 10 steps)
 
 
 def draw_per_step(global_batch: int, weights: Iterable[float], source: int, partitions: int) -> float:
@@ -69,13 +72,14 @@ class ReadBudget:
     """One stream's read-buffer budget, following its measured sample sizes.
 
     Attributes:
-        draw: samples per step the Planner takes from the stream (`draw_per_step`).
+        draw: samples per step the weights give the stream (`draw_per_step`).
         plan_ahead: Job.plan_ahead.
         cap_bytes: the byte cap (Source.buffer_bytes, else Job.buffer_bytes).
         cap_samples: the sample cap (Job.buffer_samples), None for none.
         refill_steps: steps that pass while the loader turns once over its streams.
         mean_nbytes: running mean of the prepared samples' bytes (0: none seen yet).
         seen: samples the mean covers.
+        drawn: moving average of the samples a plan took from the stream (`took`).
     """
 
     draw: float
@@ -85,6 +89,15 @@ class ReadBudget:
     refill_steps: int = 1
     mean_nbytes: float = 0.0
     seen: int = 0
+    drawn: float = 0.0
+
+    def took(self, n: int) -> None:
+        """A plan took `n` samples of the stream: fold them into the measured draw."""
+        self.drawn += DRAW_ALPHA * (n - self.drawn)
+
+    def step_draw(self) -> float:
+        """Samples a step takes: the weights' share, or the measured one when larger."""
+        return max(self.draw, self.drawn)
 
     def observe(self, nbytes: Iterable[int]) -> None:
         """Fold prepared samples' sizes into the running mean."""
@@ -99,13 +112,14 @@ class ReadBudget:
             self.refill_steps = max(1, min(MAX_REFILL_STEPS, math.ceil(refill_s / step_s)))
 
     def target_bytes(self) -> int:
-        return target_bytes(self.draw, self.plan_ahead, self.refill_steps, max(self.mean_nbytes, 1.0), self.cap_bytes)
+        draw = self.step_draw()
+        return target_bytes(draw, self.plan_ahead, self.refill_steps, max(self.mean_nbytes, 1.0), self.cap_bytes)
 
     def target_samples(self) -> int:
         """The samples the buffer aims to hold (at least 1); before any sample is seen,
         the floor (the first read seeds the mean)."""
         if not self.seen:
-            n = floor_samples(self.draw)
+            n = floor_samples(self.step_draw())
         else:
             n = max(1, math.ceil(self.target_bytes() / max(self.mean_nbytes, 1.0)))
         return max(1, min(n, self.cap_samples)) if self.cap_samples is not None else n

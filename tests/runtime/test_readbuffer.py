@@ -107,3 +107,18 @@ def test_the_pace_sets_the_refill_steps_within_bounds():
     assert b.refill_steps == 8
     b.pace(refill_s=1.0, step_s=0.0)  # no pace measured: unchanged
     assert b.refill_steps == 8
+
+
+def test_a_draw_larger_than_the_weights_give_is_measured_and_followed():
+    # a mixing schedule turned to this source: the plans take 20 a step, the weights said 2
+    b = ReadBudget(draw=2.0, plan_ahead=4, cap_bytes=64 * MiB)
+    b.observe([1000] * 10)
+    assert b.target_samples() == 10  # 2 x 5 steps
+    for _ in range(60):
+        b.took(20)
+    assert b.step_draw() == pytest.approx(20.0, rel=0.01)
+    assert b.target_samples() == 100  # 20 x 5 steps
+    # a schedule that turns away keeps the weights' share
+    for _ in range(200):
+        b.took(0)
+    assert b.step_draw() == 2.0
