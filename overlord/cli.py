@@ -113,7 +113,13 @@ def _partition(args: argparse.Namespace) -> int:
     missing = [s for s in job.sources if s.name not in profiled]
     measured = measure(dataclasses.replace(job, sources=tuple(missing)), args.samples) if missing else {}
     costs = [profiled.get(s.name) or measured[s.name] for s in job.sources]
-    result = partition(costs, budget_of(job), global_batch=job.batch.global_batch, plan_ahead=job.plan_ahead)
+    result = partition(
+        costs,
+        budget_of(job),
+        global_batch=job.batch.global_batch,
+        plan_ahead=job.plan_ahead,
+        buffer_caps={s.name: s.buffer_bytes for s in job.sources if s.buffer_bytes is not None},
+    )
     if args.json:
         print(
             json.dumps(

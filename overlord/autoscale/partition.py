@@ -148,12 +148,20 @@ class Partitioning:
         return "\n".join(lines)
 
 
-def partition(costs: list[SourceCost], budget: Budget, *, global_batch: int = 32, plan_ahead: int = 4) -> Partitioning:
+def partition(
+    costs: list[SourceCost],
+    budget: Budget,
+    *,
+    global_batch: int = 32,
+    plan_ahead: int = 4,
+    buffer_caps: dict[str, int] | None = None,
+) -> Partitioning:
     """Workers, partitions and loader processes for `costs` within `budget`.
 
     `global_batch` (BatchSpec.global_batch) and `plan_ahead` (Job.plan_ahead) size the
     read buffers: each holds what the Planner draws from its partition over plan_ahead
-    steps and one refill (overlord.runtime.readbuffer), within `budget.buffer_bytes`.
+    steps and one refill (overlord.runtime.readbuffer), within `budget.buffer_bytes`
+    or the source's own cap in `buffer_caps` (Source.buffer_bytes).
 
     Raises:
         PartitionError: no source, or the CPU or memory budget cannot hold them.
@@ -193,7 +201,8 @@ def partition(costs: list[SourceCost], budget: Budget, *, global_batch: int = 32
             )
         if by_memory > by_cpu:
             notes.append(f"{c.name}: {parts} partitions for its {c.state_mb:g} MiB of file state")
-        buffers = parts * buffer_mb(c, costs, parts, budget, global_batch, plan_ahead)
+        cap = (buffer_caps or {}).get(c.name, budget.buffer_bytes)
+        buffers = parts * buffer_mb(c, costs, parts, budget, global_batch, plan_ahead, cap)
         plans.append(
             SourcePlan(
                 c.name, cluster_of[c.name], round(demand[c.name], 6), round(w, 3), parts, round(c.state_mb + buffers, 1)
@@ -220,14 +229,14 @@ def partition(costs: list[SourceCost], budget: Budget, *, global_batch: int = 32
 
 
 def buffer_mb(
-    c: SourceCost, costs: list[SourceCost], parts: int, budget: Budget, global_batch: int, plan_ahead: int
+    c: SourceCost, costs: list[SourceCost], parts: int, budget: Budget, global_batch: int, plan_ahead: int, cap: int
 ) -> float:
     """MiB one read buffer of source `c` holds when split into `parts` partitions: what
     the Planner draws from it over plan_ahead steps and one refill, at its profiled
     sample size, floored and capped as the loader does (overlord.runtime.readbuffer)."""
     draw = draw_per_step(global_batch, [x.weight for x in costs], costs.index(c), parts)
     nbytes = max(c.sample_kb * 1024, 1.0)
-    held = target_bytes(draw, plan_ahead, 1, nbytes, budget.buffer_bytes)
+    held = target_bytes(draw, plan_ahead, 1, nbytes, cap)
     if budget.buffer_samples is not None:
         held = min(held, int(budget.buffer_samples * nbytes))
     return held / 2**20

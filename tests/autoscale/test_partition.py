@@ -95,3 +95,20 @@ def test_sums_within_budget_and_limits_respected(costs, weights, cpus, w_src, w_
     by_cluster = {}
     for s in p.sources:
         by_cluster.setdefault(s.cluster, []).append(s)
+
+
+def test_read_buffers_are_budgeted_in_bytes_from_weight_sample_size_and_horizon():
+    costs = [
+        SourceCost(name="text", weight=3, transform_ms=1.0, sample_kb=4, state_mb=0),
+        SourceCost(name="images", weight=1, transform_ms=1.0, sample_kb=1024, state_mb=0),
+    ]
+    budget = Budget(cpus=4, memory_mb=10**6, buffer_bytes=64 << 20)
+    p = partition(costs, budget, global_batch=64, plan_ahead=4)
+    # text: 48 a step x 5 steps x 4 KiB; images: 16 a step x 5 steps x 1 MiB = 80 MiB, capped at 64
+    assert p.of("text").memory_mb == pytest.approx(48 * 5 * 4 / 1024, abs=0.1)
+    assert p.of("images").memory_mb == pytest.approx(64.0, abs=0.1)
+    # the source's own cap, and the sample cap
+    capped = partition(costs, budget, global_batch=64, plan_ahead=4, buffer_caps={"images": 8 << 20})
+    assert capped.of("images").memory_mb == pytest.approx(8.0, abs=0.1)
+    few = partition(costs, Budget(cpus=4, memory_mb=10**6, buffer_samples=10), global_batch=64, plan_ahead=4)
+    assert few.of("images").memory_mb == pytest.approx(10.0, abs=0.1)
