@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -211,7 +212,7 @@ def run_loader(loader: str, corpus: Path, tokenizer: Path, args: argparse.Namesp
     env = _env(args.ranks)
     start = time.monotonic()
     deadline = start + args.timeout
-    sidecar, trainers, extra = None, [], {}
+    sidecar, trainers, extra, job = None, [], {}, None
     log = args.out / f"peers-{loader}.log"
     try:
         if loader == "mosaic":
@@ -224,13 +225,14 @@ def run_loader(loader: str, corpus: Path, tokenizer: Path, args: argparse.Namesp
             config = args.out / f"{job.name}.json"
             config.write_text(job.to_json())
             cfg["config"] = str(config)
-            sidecar = subprocess.Popen(
-                [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config)],
-                stdout=open(log, "wb"),
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+            with open(log, "wb") as out:
+                sidecar = subprocess.Popen(
+                    [sys.executable, "-m", "overlord.cli", "sidecar", "--config", str(config)],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                )
             while not sidecar_running(job):
                 if sidecar.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"sidecar did not start; see {log}")
@@ -270,6 +272,8 @@ def run_loader(loader: str, corpus: Path, tokenizer: Path, args: argparse.Namesp
             except subprocess.TimeoutExpired:
                 os.killpg(sidecar.pid, signal.SIGKILL)
                 sidecar.wait(timeout=10)
+        if job is not None and job.run_dir:
+            shutil.rmtree(job.run_dir, ignore_errors=True)
         if loader == "mosaic":
             _clean_mosaic_shm()
     first = [t.seen["first"]["t"] for t in trainers]
