@@ -21,7 +21,8 @@ Measured per loader, one loader at a time, page cache warmed for every format fi
 - ``pss_mb``: peak PSS of the loading processes: every process but the trainers (the
   DataLoader workers; Overlord's sidecar, redis-server, Planner, Source Loaders, Data
   Constructor host, with its shared-memory rings). ``tree_pss_mb``: peak of the same
-  with the trainers, summed at one instant (``trainer_pss_mb``: the trainers' part then). Sampled once a second while the ranks warm up and for
+  with the trainers, summed at one instant (``trainer_pss_mb``: the trainers' part then;
+  ``pss_mb_by_process``: the loading processes' PSS at its peak, by process name). Sampled once a second while the ranks warm up and for
   ``--hold`` seconds after the window (ranks paused, their prefetch full), never during
   the timed window, so sampling costs no loader throughput however many processes it has.
 - ``samples_per_s``: samples of every rank over the window (first rank's start to the
@@ -105,6 +106,7 @@ class _Probe:
         self.trainers, self.sidecar, self.t0 = trainers, sidecar, time.monotonic()
         self.series: list[tuple[float, float, float]] = []  # (s since start, loading MiB, tree MiB)
         self.peak = {"loading": 0, "tree": 0, "trainers": 0, "processes": 0}
+        self.by_process: dict[str, int] = {}  # process name -> PSS bytes, at the loading peak
 
     def pids(self) -> tuple[list[int], list[int]]:
         """(loading processes, trainers) now."""
@@ -116,11 +118,17 @@ class _Probe:
 
     def sample(self) -> None:
         loading, trainers = self.pids()
-        pss_loading, pss_trainers = pss_of(loading), pss_of(trainers)
+        each = {pid: pss_of([pid]) for pid in loading}
+        pss_loading, pss_trainers = sum(each.values()), pss_of(trainers)
         tree = pss_loading + pss_trainers
         self.series.append((time.monotonic() - self.t0, pss_loading / MIB, tree / MIB))
         if tree > self.peak["tree"]:  # the trainers' share at the tree's peak (alone, before their workers
             self.peak.update(tree=tree, trainers=pss_trainers)  # fork, they hold every page they map)
+        if pss_loading > self.peak["loading"]:
+            self.by_process = {}
+            for pid, pss in each.items():
+                name = _name_of(pid)
+                self.by_process[name] = self.by_process.get(name, 0) + pss
         self.peak.update(
             loading=max(self.peak["loading"], pss_loading), processes=max(self.peak["processes"], len(loading))
         )
@@ -128,6 +136,14 @@ class _Probe:
     def cpu(self) -> float:
         loading, trainers = self.pids()
         return cpu_seconds(loading + trainers)
+
+
+def _name_of(pid: int) -> str:
+    """A process's name (``/proc/<pid>/comm``: Overlord's roles name themselves ``ovl-<role><i>``)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
 
 
 def _memory_guard(floor_mb: float) -> None:
@@ -290,6 +306,7 @@ def run_loader(loader: str, corpus: Path, tokenizer: Path, args: argparse.Namesp
         "window_s": round(window, 2),
         "samples": total,
         "image_share": round(sum(ev["images"] for ev in done.values()) / total, 3),
+        "pss_mb_by_process": {k: round(v / MIB, 1) for k, v in sorted(probe.by_process.items())},
         "pss_series": [[round(v, 1) for v in row] for row in probe.series],
     }
     if sidecar is not None:
