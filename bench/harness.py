@@ -213,23 +213,38 @@ class Trainer:
         return [json.loads(line) for line in lines if line.startswith(b"{")]
 
     def kill(self) -> None:
-        """SIGTERM then SIGKILL the trainer's process group (it and its workers)."""
+        """SIGTERM then SIGKILL the trainer's process group (it and its workers).
+
+        The group is signalled even when the trainer has exited: a loader's workers can
+        outlive their trainer (LitData's did, idle, after a clean exit).
+        """
         for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-            if self.proc.poll() is not None:
-                break
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
+                break  # nobody left in the group
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None and not _group_alive(self.proc.pid):
+                    break
+                time.sleep(0.05)
+            else:
+                continue
+            break
         for pipe in (self.proc.stdin, self.proc.stdout):
             try:
                 pipe.close()
             except OSError:  # a write to a dead trainer's stdin was still buffered
                 pass
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process is left in process group `pgid`."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def await_event(trainers: Sequence[Trainer], event: str, deadline: float, tick=None) -> dict[int, dict]:
