@@ -216,7 +216,7 @@ class Trainer:
         """SIGTERM then SIGKILL the trainer's process group (it and its workers).
 
         The group is signalled even when the trainer has exited: a loader's workers can
-        outlive their trainer (LitData's did, idle, after a clean exit).
+        outlive their trainer (LitData's did, after its clean exit).
         """
         for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
             try:
