@@ -273,3 +273,24 @@ def test_without_the_extra_the_error_says_pip_install_overlord_hf(bpe):
         [sys.executable, "-c", code, bpe], capture_output=True, text=True, timeout=60, env=dict(os.environ)
     )
     assert "ConfigError" in out.stdout and "pip install 'overlord[hf]'" in out.stdout, out.stdout + out.stderr
+
+
+def test_sources_naming_one_tokenizer_file_share_one_loaded_tokenizer(bpe, wordpiece, tmp_path):
+    # a loader process hosting many sources of one tokenizer holds it once, each source
+    # with its own settings
+    a, b = Tokenize(tokenizer=bpe, context_length=4), Tokenize(tokenizer=os.path.dirname(bpe), bos=None, eos=None)
+    assert a.tokenizer is b.tokenizer
+    row = {"text": TEXTS[3]}
+    assert len(a(row)["input_ids"]) == 4 and len(b(row)["input_ids"]) > 4
+    assert b(row)["input_ids"].tolist() == Tokenizer.from_file(bpe).encode(TEXTS[3]).ids
+    # a file rewritten with another tokenizer is loaded anew, never served from the cache
+    path = tmp_path / "tokenizer.json"
+    path.write_text(open(bpe).read())
+    before = Tokenize(tokenizer=str(path), bos=None, eos=None)
+    path.write_text(open(wordpiece).read())
+    after = Tokenize(tokenizer=str(path), bos=None, eos=None)
+    assert after.tokenizer is not before.tokenizer
+    assert (
+        after({"text": "the quick fox"})["input_ids"].tolist()
+        == Tokenizer.from_file(wordpiece).encode("the quick fox", add_special_tokens=False).ids
+    )
