@@ -1,11 +1,14 @@
 """Publishing: each plan, with the checkpoint after it, written once under the lease.
 
-One fenced MULTI (see lease.py) writes the plan (`plan:<step>`, expiring), notifies
-(`plans` stream, entry id `<step+1>-0` so a reader waiting for step t asks for ids
-after `t-0` and cannot miss it) and saves the differential checkpoint of the state
-before the next step (see checkpoint.py) — so the state in Redis never refers to a
-plan that was not written. A write cut short is retried unless it landed: a step is
-published once.
+One fenced script (step_write.py: the lease checked, then every write, atomically)
+writes the plan (`plan:<step>`, expiring), notifies (`plans` stream, entry id
+`<step+1>-0` so a reader waiting for step t asks for ids after `t-0` and cannot miss
+it) and saves the differential checkpoint of the state before the next step (see
+checkpoint.py) — so the state in Redis never refers to a plan that was not written.
+The durability marker and the wait for the replicas (and, about once a second, the
+primary's fsync) go in the same round trip. A script sent again (a lost reply, a wait
+that fell short) writes the step only if the `planner` hash does not have it yet: a
+step is published once.
 
 It plans step s only while s <= (the trainers' consumed step) + plan_ahead and
 s <= (the slowest Data Constructor's last step) + plan_ahead (`Bound`): the trainers'
@@ -35,7 +38,8 @@ import redis
 
 from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.step_plan import Plan
-from overlord.runtime.lease import Lease, Superseded, WriteUncertain
+from overlord.planner.step_write import StepScript, StepWrite, noscript
+from overlord.runtime.lease import Lease, Superseded
 from overlord.store import Keys
 from overlord.store.durable import Durability
 from overlord.store.schema import (
@@ -49,7 +53,6 @@ from overlord.store.schema import (
     consumed_field,
     is_built_field,
     is_consumed_field,
-    planner_step,
     plans_entry,
     plans_entry_id,
     progressed_mark,
@@ -101,6 +104,7 @@ class Publisher:
             a failover promotes a replica within it).
         """
         self.durable = Durability(r, timeout_s=durable_s)
+        self.script = StepScript(r)
         self.durable_ms = 0.0  # the last wait for a durable write
         self.fsynced_at = 0.0  # monotonic: when the last step was confirmed in the fsynced append-only file
         self.r, self.keys, self.lease, self.ckpts, self.dp = r, keys, lease, ckpts, dp
@@ -155,7 +159,8 @@ class Publisher:
         self.marks_read = time.monotonic()
 
     def publish(self, plan: Plan, delta: dict, state: Callable[[], dict], bound: Bound) -> None:
-        """Write `plan` and the checkpoint of the step after it, once.
+        """Write `plan` and the checkpoint of the step after it, once: one fenced script
+        (see step_write.py) with the durability wait behind it on the same connection.
 
         Args:
             plan: the step's plan.
@@ -164,39 +169,41 @@ class Publisher:
             bound: the marks read before planning (plans far behind the slowest go).
 
         Raises:
-            Superseded: another Planner leads, or no try landed.
+            Superseded: another Planner leads (nothing was written), or the server kept
+                losing the script.
         """
         keys = self.keys
         old = range(self.pruned, min(self.pruned + PRUNE_MAX, bound.slowest - PLAN_KEEP_STEPS + 1))
+        write = StepWrite()
+        if old:  # Redis holds a bounded window of plans, not every step of the job
+            write.delete(*[keys.plan(s) for s in old])
+        write.set(keys.plan(plan.step), plan.encode(), ex=PLAN_TTL_S)
+        write.xadd(
+            keys.plans,
+            plans_entry(plan.step, plan.last),
+            id=plans_entry_id(plan.step),
+            maxlen=1000,
+            approximate=True,
+        )
+        write.hset(
+            keys.planner,
+            mapping={PLANNER_STEP: plan.step, PLANNER_UPDATED: time.time(), **({PLANNER_DONE: 1} if plan.last else {})},
+        )
+        if plan.dropped:
+            write.hset(keys.counters, COUNTER_DROPPED_LAST, plan.dropped)
+        self.ckpts.write(write, plan.step + 1, delta, state)  # where a resume at the next step starts
 
-        def write(pipe) -> None:
-            if old:  # Redis holds a bounded window of plans, not every step of the job
-                pipe.delete(*[keys.plan(s) for s in old])
-            pipe.set(keys.plan(plan.step), plan.encode(), ex=PLAN_TTL_S)
-            pipe.xadd(
-                keys.plans,
-                plans_entry(plan.step, plan.last),
-                id=plans_entry_id(plan.step),
-                maxlen=1000,
-                approximate=True,
-            )
-            pipe.hset(
-                keys.planner,
-                mapping={
-                    PLANNER_STEP: plan.step,
-                    PLANNER_UPDATED: time.time(),
-                    **({PLANNER_DONE: 1} if plan.last else {}),
-                },
-            )
-            if plan.dropped:
-                pipe.hset(keys.counters, COUNTER_DROPPED_LAST, plan.dropped)
-            self.ckpts.write(pipe, plan.step + 1, delta, state)  # where a resume at the next step starts
+        def fenced(reply: Any) -> None:
+            if reply == -1:
+                self.lease.lost.set()
+                raise Superseded(f"the Planner lease (token {self.lease.token}) is no longer this process's")
 
         for _ in range(PUBLISH_TRIES):
-            self._once(write, plan.step)
             # the replicas every step (a failover loses what none has); the primary's
             # fsync about once a second (WAITAOF waits for the server's next fsync,
-            # ~100 ms under appendfsync everysec) and on the last step
+            # ~100 ms under appendfsync everysec) and on the last step. A wait that
+            # falls short sends the script again: it writes the step again only if a
+            # failover lost it.
             now = time.monotonic()
             fsync = plan.last or now - self.fsynced_at >= FSYNC_EVERY_S or not self.durable.want.local
             mark: dict[str, Any] = (
@@ -204,35 +211,25 @@ class Publisher:
                 if fsync
                 else {PLANNER_UPDATED: time.time()}
             )
-            ms = self.durable.acknowledge(
-                partial(self.lease.queue_fenced_hset, key=keys.planner, mapping=mark), local=fsync
+            queue = partial(
+                self.script.queue,
+                keys=keys,
+                lease_value=self.lease.value or b"",
+                step=plan.step,
+                write=write,
+                marker=mark,
             )
+            try:
+                ms = self.durable.acknowledge(queue, local=fsync, check=fenced)
+            except redis.ResponseError as exc:
+                if not noscript(exc):
+                    raise
+                log.info("Redis lost the publishing script (restarted or failed over); loading it again")
+                self.script.load()
+                continue
             if fsync:
                 self.durable_ms, self.fsynced_at = ms, now
-            if self._landed(plan.step):
-                break
-            # The primary failed over after EXEC and before its replica had the write: the
-            # promoted replica never saw this step. Its plan is the same again: publish it.
-            log.warning(
-                "the plan of step %d was lost in a Redis failover before a replica had it; publishing it again",
-                plan.step,
-            )
+            break
         else:
-            raise Superseded(f"step {plan.step} did not stay written in {PUBLISH_TRIES} tries (Redis failing over?)")
+            raise Superseded(f"could not publish step {plan.step}: Redis kept losing the publishing script")
         self.pruned = max(self.pruned, old.stop)
-
-    def _landed(self, step: int) -> bool:
-        landed = planner_step(self.r, self.keys)
-        return landed is not None and landed >= step
-
-    def _once(self, write, step: int) -> None:
-        """Write a step under the lease exactly once, though a try may be cut short."""
-        for _ in range(PUBLISH_TRIES):
-            try:
-                self.lease.fenced(write)
-                return
-            except WriteUncertain:
-                landed = planner_step(self.r, self.keys)
-                if landed is not None and landed >= step:
-                    return  # it landed before the cut
-        raise Superseded(f"could not publish step {step} under the lease in {PUBLISH_TRIES} tries")

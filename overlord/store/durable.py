@@ -102,11 +102,18 @@ class Durability:
         self.read_at = time.monotonic()
         self.warned = False
 
-    def acknowledge(self, marker: Callable[[Any], object], *, local: bool = True) -> float:
+    def acknowledge(
+        self,
+        marker: Callable[[Any], object],
+        *,
+        local: bool = True,
+        check: Callable[[Any], None] | None = None,
+    ) -> float:
         """Queue the marker write (`marker(pipe)`, e.g. a fenced HSET of the step made
         durable), then wait until it, and every earlier write of this process, is durable:
         on the replicas, and with `local` also in the primary's fsynced append-only file.
-        Returns the milliseconds the wait took.
+        Returns the milliseconds the wait took. `check`, if given, sees the marker's reply
+        each time it is sent (before the wait is judged) and may raise to stop.
 
         WAITAOF returns at the server's next fsync: with `appendfsync everysec` that is
         ~100 ms on average (measured on the embedded server), so a caller writing many
@@ -124,7 +131,9 @@ class Durability:
                 self._warn_once()
             with self.r.pipeline(transaction=False) as pipe:
                 marker(pipe)
-                pipe.execute()
+                reply = pipe.execute()[0]
+            if check is not None:
+                check(reply)
             return 0.0
         while True:
             with self.r.pipeline(transaction=False) as pipe:
@@ -133,7 +142,9 @@ class Durability:
                     pipe.execute_command("WAITAOF", 1, 0, WAIT_MS)
                 if self.want.replicas:
                     pipe.execute_command("WAIT", self.want.replicas, WAIT_MS)
-                replies = pipe.execute()[1:]
+                reply, *replies = pipe.execute()
+            if check is not None:
+                check(reply)
             fsynced = int(replies[0][0]) if want_local else 0
             replicas = int(replies[-1]) if self.want.replicas else 0
             if fsynced >= want_local and replicas >= self.want.replicas:
