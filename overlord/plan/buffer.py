@@ -91,10 +91,20 @@ class Stream:
                 break
         return np.concatenate(out) if out else np.empty(0, dtype=ITEM)
 
+    def _at(self, i: int) -> np.void:
+        """The item `i` places after the next one (i < count), without copying the others."""
+        i += self.offset
+        for chunk in self.chunks:
+            if i < len(chunk):
+                row: np.void = chunk[i]
+                return row
+            i -= len(chunk)
+        raise IndexError(f"stream {self.name!r} holds {self.count} items, not {i + 1}")
+
     def consume(self, n: int) -> None:
         if n == 0:
             return
-        last = self.peek(n)[-1]
+        last = self._at(n - 1)
         self.count -= n
         n += self.offset
         while n and n >= len(self.chunks[0]):

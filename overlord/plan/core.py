@@ -223,22 +223,25 @@ class PlannerCore:
         selected = [triples(self.deferred)]
         selected += [triples(self.streams[i].peek(n)) for i, n in planned.take.items()]
         planned_items = np.asarray(planned.plan.items, dtype=np.int64).reshape(-1, 3)
-        given = _sorted(np.concatenate([planned_items, triples(planned.deferred)]))
-        wanted = _sorted(np.concatenate(selected))
-        duplicated = len(given) > 1 and bool((np.diff(given, axis=0) == 0).all(axis=1).any())
-        if duplicated or not np.array_equal(given, wanted):
+        given = np.concatenate([planned_items, triples(planned.deferred)])
+        wanted = np.concatenate(selected)
+        given_keys, wanted_keys = _sorted_keys(given, wanted)
+        same = np.diff(given_keys, axis=0) == 0  # neighbours that are one sample (whole rows where not keys)
+        duplicated = bool((same.all(axis=1) if same.ndim == 2 else same).any())
+        if duplicated or not np.array_equal(given_keys, wanted_keys):
             raise PlanError(
                 f"step {self.step}: the strategy's plan does not hold every selected sample exactly once "
                 f"({len(planned_items)} planned, {len(planned.deferred)} deferred, {len(wanted)} selected); fix the strategy"
             )
 
 
-def _sorted(rows: NDArray[np.int64]) -> NDArray[np.int64]:
-    """(stream, epoch, seq) rows in lexicographic order: one sort of one int64 key per
-    row where the three fit it (as they do but for seqs past ~2**40), else lexsort."""
-    if not len(rows) or rows.min() < 0:
-        return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
-    top = rows.max(axis=0) + 1
-    if int(top[0]) * int(top[1]) * int(top[2]) >= 1 << 63:
-        return rows[np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))]
-    return rows[np.argsort((rows[:, 0] * top[1] + rows[:, 1]) * top[2] + rows[:, 2])]
+def _sorted_keys(*rows: NDArray[np.int64]) -> list[NDArray[np.int64]]:
+    """Each set of (stream, epoch, seq) rows in lexicographic order, comparable with the
+    others: as one int64 key per row where the three fit it (as they do but for seqs
+    past ~2**40; a sort of the values, no argsort), else the rows themselves, lexsorted."""
+    both = np.concatenate(rows)
+    if len(both) and both.min() >= 0:
+        top = both.max(axis=0) + 1
+        if int(top[0]) * int(top[1]) * int(top[2]) < 1 << 63:
+            return [np.sort((r[:, 0] * top[1] + r[:, 1]) * top[2] + r[:, 2]) for r in rows]
+    return [r[np.lexsort((r[:, 2], r[:, 1], r[:, 0]))] for r in rows]

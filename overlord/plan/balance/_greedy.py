@@ -8,7 +8,7 @@ import heapq
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from overlord.plan.balance._limits import Bins, Costs, check, lpt_order, repair
+from overlord.plan.balance._limits import Bins, Costs, check, group_order, lpt_order, repair, slots
 
 
 def greedy(
@@ -94,9 +94,9 @@ def greedy_groups(
     idx = lpt_order(c, s, capacity)
     if not len(idx):
         return out
-    o = idx[np.argsort(group[idx], kind="stable")]  # by group, then LPT order (idx is in it)
+    o = idx[group_order(group[idx], n_groups)]  # by group, then LPT order (idx is in it)
     g = group[o]
-    rank = np.arange(len(o)) - np.searchsorted(g, g)  # position within its group
+    rank = slots(g, n_groups)  # position within its group
     table = np.full((n_groups, int(rank.max()) + 1), -1, dtype=np.int64)
     table[g, rank] = o
     loads = np.zeros((n_groups, k))

@@ -57,8 +57,44 @@ def check(
 
 def lpt_order(c: Costs, s: Costs | None, capacity: float | None) -> NDArray[np.intp]:
     """Items that fit a bin on their own, largest cost first, ties by index."""
-    order = np.argsort(-c, kind="stable")
+    order = cost_order(c, descending=True)
     return order if capacity is None or s is None else order[s[order] <= capacity]
+
+
+def cost_order(c: Costs, *, descending: bool = False) -> NDArray[np.intp]:
+    """Indices of `c` by cost (ascending, or descending), ties by index: what a stable
+    argsort gives. numpy sorts floats stably by merge sort, ~5x its SIMD quicksort
+    (9 ms against 1.8 ms for 65,536 costs here), so this sorts unstably and then puts
+    each run of equal costs in index order with one sort of unique int64 keys."""
+    n = len(c)
+    order = np.argsort(-c if descending else c)
+    v = c[order]
+    ties = v[1:] == v[:-1]
+    if not ties.any():
+        return order
+    run = np.zeros(n, dtype=np.int64)  # which run of equal costs each sorted position is in
+    np.cumsum(~ties, out=run[1:])
+    key = run * n + order  # < n * n: fits int64 for any n an array can hold here
+    key.sort()  # unique keys: any sort gives the one order
+    out: NDArray[np.intp] = key % n
+    return out
+
+
+def slots(sorted_group: NDArray[np.int64], bound: int) -> NDArray[np.int64]:
+    """Position of each item within its group, for group numbers in [0, bound) sorted
+    ascending (the column of a padded table of the groups' members)."""
+    counts = np.bincount(sorted_group, minlength=bound)
+    first = np.cumsum(counts) - counts
+    out: NDArray[np.int64] = np.arange(len(sorted_group)) - first[sorted_group]
+    return out
+
+
+def group_order(group: NDArray[np.int64], bound: int) -> NDArray[np.intp]:
+    """Stable argsort of `group` (values in [0, bound)): by radix as 16-bit ints where
+    they fit (O(n), ~6x numpy's stable sort of int64), else as they are."""
+    if bound <= 1 << 16:
+        return np.argsort(group.astype(np.uint16), kind="stable")
+    return np.argsort(group, kind="stable")
 
 
 def repair(

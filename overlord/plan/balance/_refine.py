@@ -17,7 +17,7 @@ from typing import cast
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from overlord.plan.balance._limits import Bins, Costs, check
+from overlord.plan.balance._limits import Bins, Costs, check, group_order, slots
 
 
 def swap_refine(
@@ -61,11 +61,11 @@ def swap_refine(
     if capacity is None:
         return _refine_pairs(c, out, placed, k, tol, 4 * k if max_iter is None else max_iter)
     # Members of each bin as a padded table, so a swap is two writes.
-    o = placed[np.argsort(out[placed], kind="stable")]
+    o = placed[group_order(out[placed], k)]
     b_of = out[o]
     cnt = np.bincount(b_of, minlength=k)
     table = np.full((k, int(cnt.max())), -1, dtype=np.int64)
-    table[b_of, np.arange(len(o)) - np.searchsorted(b_of, b_of)] = o
+    table[b_of, slots(b_of, k)] = o
     # cast: numpy's stubs type bincount as intp even when float weights make it float64
     loads = cast(Costs, np.bincount(b_of, weights=c[o], minlength=k))
     sz = s if s is not None else np.zeros_like(c)  # read only with a capacity
@@ -151,16 +151,25 @@ def _refine_pairs(c: Costs, out: Bins, placed: NDArray[np.int64], k: int, tol: f
     the heavy one); every pair that has one swaps. Stops within the tolerance, when no
     pair finds a swap at any shift, or after `max_swaps` swaps in all.
     """
-    o = placed[np.argsort(out[placed], kind="stable")]
+    o = placed[group_order(out[placed], k)]
     b_of = out[o]
     cnt = np.bincount(b_of, minlength=k)
     m = int(cnt.max())
     table = np.full((k, m), -1, dtype=np.int64)  # the members of each bin; -1 pads
-    table[b_of, np.arange(len(o)) - np.searchsorted(b_of, b_of)] = o
+    table[b_of, slots(b_of, k)] = o
     loads = cast(Costs, np.bincount(b_of, weights=c[o], minlength=k))
     scale = float(c[o].max()) or 1.0
     cn = np.append(c / scale, 1.0)  # costs in [0, 1] for the batched search; a pad (-1) reads 1.0
     cz = np.append(c, 0.0)  # a pad costs nothing
+    # A light bin's members by cost, ties by their slot, is the order of the unique keys
+    # (rank of the cost among the distinct costs) * m + slot: an int sort, not a stable
+    # sort of floats, each round.
+    by_cost = np.argsort(cn)  # the ties' order does not matter: only the values rank
+    distinct = np.zeros(len(cn), dtype=np.int64)
+    np.cumsum(cn[by_cost][1:] != cn[by_cost][:-1], out=distinct[1:])
+    rank = np.empty(len(cn), dtype=np.int64)
+    rank[by_cost] = distinct
+    slot = np.arange(m, dtype=np.int64)
     stop = loads.mean() * (1 + tol)
     half, shift, swaps = k // 2, 0, 0
     while swaps < max_swaps:
@@ -174,7 +183,7 @@ def _refine_pairs(c: Costs, out: Bins, placed: NDArray[np.int64], k: int, tol: f
         la, lb = loads[a_bins], loads[b_bins]
         gap = la - lb
         rows_a, rows_b = table[a_bins], table[b_bins]
-        ob = np.argsort(cn[rows_b], axis=1, kind="stable")  # each light bin's members by cost
+        ob = np.argsort(rank[rows_b] * m + slot, axis=1)  # each light bin's members by cost, ties by slot
         sorted_b = np.take_along_axis(rows_b, ob, axis=1)
         # one searchsorted for every pair: row r's sorted costs shifted into band r
         band = _SEARCH_BAND * np.arange(hot)[:, None]
