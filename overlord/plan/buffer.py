@@ -80,7 +80,12 @@ class Stream:
         self.final = self.final or chunk.final
 
     def peek(self, n: int) -> np.ndarray:
-        """The next `n` items (n <= count), not consumed."""
+        """The next `n` items (n <= count), not consumed: a read-only view where one
+        chunk holds them all, else a copy."""
+        if self.chunks and self.offset + n <= len(self.chunks[0]):
+            view = self.chunks[0][self.offset : self.offset + n]
+            view.flags.writeable = False
+            return view
         out, need, offset = [], n, self.offset
         for chunk in self.chunks:
             part = chunk[offset : offset + need]

@@ -238,10 +238,11 @@ class PlannerCore:
 def _sorted_keys(*rows: NDArray[np.int64]) -> list[NDArray[np.int64]]:
     """Each set of (stream, epoch, seq) rows in lexicographic order, comparable with the
     others: as one int64 key per row where the three fit it (as they do but for seqs
-    past ~2**40; a sort of the values, no argsort), else the rows themselves, lexsorted."""
-    both = np.concatenate(rows)
-    if len(both) and both.min() >= 0:
-        top = both.max(axis=0) + 1
-        if int(top[0]) * int(top[1]) * int(top[2]) < 1 << 63:
+    past ~2**40; a sort of the values, no argsort), else the rows themselves, lexsorted.
+    Extremes are taken column by column: numpy's max(axis=0) over [n, 3] is ~10x slower."""
+    live = [r for r in rows if len(r)]
+    if live and min(int(r.min()) for r in live) >= 0:
+        top = [max(int(r[:, col].max()) for r in live) + 1 for col in range(3)]
+        if top[0] * top[1] * top[2] < 1 << 63:
             return [np.sort((r[:, 0] * top[1] + r[:, 1]) * top[2] + r[:, 2]) for r in rows]
     return [r[np.lexsort((r[:, 2], r[:, 1], r[:, 0]))] for r in rows]

@@ -144,7 +144,7 @@ class DGraph:
             per_mb = None if per_mb is None else [c * 0 for c in per_mb]
         self.after = 0 if self.last else self._after(schedule, counts)
         fresh, self.take, self.round_robin = d.buffer.select(counts, d.round_robin)
-        self.items = np.concatenate([d.deferred, fresh])
+        self.items = np.concatenate([d.deferred, fresh]) if len(d.deferred) else fresh  # fresh is a copy already
         self.sub = None if per_mb is None else _sub_batches(d.deferred, fresh, per_mb, d.micro_batches)
         return self
 

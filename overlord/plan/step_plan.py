@@ -180,7 +180,7 @@ class Plan:
         rows = np.concatenate([self.items, e_items]) if len(e_items) else self.items
         if len(rows) and rows.min() < 0:
             raise PlanError(f"plan of step {self.step}: a (stream, epoch, seq) row is negative; this is a bug")
-        top = rows.max(axis=0).tolist() if len(rows) else [0, 0, 0]
+        top = [int(rows[:, col].max()) for col in range(3)] if len(rows) else [0, 0, 0]  # not max(axis=0): ~10x slower
         widths = [next(w for w in _WIDTHS if v < 1 << (8 * w)) for v in top]
         text = ";".join((self.axis, *self.broadcast)).encode("ascii")
         counts, e_counts = np.diff(self.bounds), np.diff(e_bounds)

@@ -3,13 +3,15 @@ micro-batches in each bucket), composed from the balancers and `swap_refine`."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
 
 from overlord.errors import ConfigError, PlanError
 from overlord.plan.balance._greedy import greedy, greedy_groups
 from overlord.plan.balance._kk import karmarkar_karp
-from overlord.plan.balance._limits import Bins, Costs, check, positive_int
+from overlord.plan.balance._limits import Bins, Costs, check, cost_order, positive_int, restrict
 from overlord.plan.balance._refine import swap_refine
 from overlord.plan.balance._registry import Balancer, get_balancer
 
@@ -104,12 +106,14 @@ def assign(
         bucket[idx[on]], mbin[idx[on]] = owner[flat[on]], local[flat[on]]
         return bucket, mbin
     room = None if bin_capacity is None else bins * bin_capacity
-    bk = _level(inter, ci, buckets, si, room, equal_count, refine)
-    idx, bk = idx[bk >= 0], bk[bk >= 0]
+    lpt = cost_order(ci, descending=True)  # the LPT order, for both levels' shipped balancers
+    bk = _level(inter, ci, buckets, si, room, equal_count, refine, lpt)
+    keep = bk >= 0
+    idx, bk = idx[keep], bk[keep]
     ci, si = c[idx], None if s is None else s[idx]
     fn = get_balancer(intra) if isinstance(intra, str) else intra
     if fn is greedy:  # the batched form: one numpy round per item rank, not per item
-        mb = greedy_groups(ci, si, bk, buckets, bins, bin_capacity)
+        mb = greedy_groups(ci, si, bk, buckets, bins, bin_capacity, restrict(lpt, keep))
     else:
         mb = np.full(len(idx), -1, dtype=np.int64)
         o = np.argsort(bk, kind="stable")
@@ -138,13 +142,24 @@ def _keep_order(n: int, s: Costs | None, buckets: int, bins: int, capacity: floa
 
 
 def _level(
-    name: str | Balancer, c: Costs, k: int, s: Costs | None, capacity: float | None, equal_count: bool, refine: bool
+    name: str | Balancer,
+    c: Costs,
+    k: int,
+    s: Costs | None,
+    capacity: float | None,
+    equal_count: bool,
+    refine: bool,
+    lpt: NDArray[np.intp] | None = None,
 ) -> Bins:
-    """One balancing level: the named balancer (or its fast stand-in), then refinement."""
+    """One balancing level: the named balancer (or its fast stand-in), then refinement.
+    `lpt` (the LPT order of `c`) is handed to the shipped balancers, which need it."""
     fn = get_balancer(name) if isinstance(name, str) else name
     if fn is karmarkar_karp and refine and not equal_count and len(c) * k > _CLASSIC_KK_MAX_WORK:
         fn = greedy
-    out = _call(fn, c, k, s, capacity, equal_count)
+    if lpt is not None and (fn is karmarkar_karp or fn is greedy):
+        out = _call(partial(fn, order=lpt), c, k, s, capacity, equal_count)
+    else:
+        out = _call(fn, c, k, s, capacity, equal_count)
     return swap_refine(c, out, k, sizes=s, capacity=capacity) if refine else out
 
 

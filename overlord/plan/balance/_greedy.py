@@ -19,6 +19,7 @@ def greedy(
     capacity: float | None = None,
     max_count: int | None = None,
     equal_count: bool = False,
+    order: NDArray[np.intp] | None = None,
 ) -> Bins:
     """LPT: largest cost first, each into the least-loaded bin that can take it.
 
@@ -30,6 +31,7 @@ def greedy(
         max_count: maximum items per bin.
         equal_count: bin counts differ by at most 1 (each bin gets floor or ceil of
             placed/k); the ceil slots go to the bins that reach them first.
+        order: `cost_order(costs, descending=True)`, where the caller has it.
 
     Returns:
         int64 [n]: the bin of each item, -1 where no bin can take it.
@@ -40,7 +42,7 @@ def greedy(
     """
     c, s, k = check(costs, k, sizes, capacity, max_count)
     out = np.full(len(c), -1, dtype=np.int64)
-    order = lpt_order(c, s, capacity)
+    order = lpt_order(c, s, capacity, order)
     n_eff = len(order) if max_count is None else min(len(order), k * max_count)
     q, r = divmod(n_eff, k)
     limit = max_count if max_count is not None else len(c) + 1
@@ -82,16 +84,22 @@ def greedy(
 
 
 def greedy_groups(
-    c: Costs, s: Costs | None, group: NDArray[np.int64], n_groups: int, k: int, capacity: float | None
+    c: Costs,
+    s: Costs | None,
+    group: NDArray[np.int64],
+    n_groups: int,
+    k: int,
+    capacity: float | None,
+    order: NDArray[np.intp] | None = None,
 ) -> Bins:
     """`greedy` (no count limits) run in every group at once, one numpy round per rank.
 
     Round r places the r-th largest item of every group; identical, item for item, to
     calling `greedy` on each group, but the Python loop runs max(group size) times
-    instead of n times.
+    instead of n times. `order`: `cost_order(c, descending=True)`, where the caller has it.
     """
     out = np.full(len(c), -1, dtype=np.int64)
-    idx = lpt_order(c, s, capacity)
+    idx = lpt_order(c, s, capacity, order)
     if not len(idx):
         return out
     o = idx[group_order(group[idx], n_groups)]  # by group, then LPT order (idx is in it)

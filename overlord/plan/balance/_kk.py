@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
-from numpy.typing import ArrayLike
+from numpy.typing import ArrayLike, NDArray
 
 from overlord.plan.balance._limits import Bins, Costs, check, lpt_order, repair
 
@@ -30,6 +30,7 @@ def karmarkar_karp(
     capacity: float | None = None,
     max_count: int | None = None,
     equal_count: bool = False,
+    order: NDArray[np.intp] | None = None,
 ) -> Bins:
     """k-way Karmarkar-Karp (largest differencing), repaired to honour the limits.
 
@@ -40,6 +41,7 @@ def karmarkar_karp(
         capacity: maximum sum of sizes per bin (repaired after differencing).
         max_count: maximum items per bin; only the k*max_count largest items take part.
         equal_count: use the equal-size variant: bin counts differ by at most 1.
+        order: `cost_order(costs, descending=True)`, where the caller has it.
 
     Returns:
         int64 [n]: the bin of each item, -1 where no bin can take it. Bins are
@@ -51,7 +53,7 @@ def karmarkar_karp(
     """
     c, s, k = check(costs, k, sizes, capacity, max_count)
     out = np.full(len(c), -1, dtype=np.int64)
-    order = lpt_order(c, s, capacity)
+    order = lpt_order(c, s, capacity, order)
     if max_count is not None:
         order = order[: k * max_count]  # the rest could never all be placed: defer the smallest
     out[order] = differencing(c[order], k, equal_count)

@@ -55,10 +55,24 @@ def check(
     return c, s, k
 
 
-def lpt_order(c: Costs, s: Costs | None, capacity: float | None) -> NDArray[np.intp]:
-    """Items that fit a bin on their own, largest cost first, ties by index."""
-    order = cost_order(c, descending=True)
+def lpt_order(
+    c: Costs, s: Costs | None, capacity: float | None, order: NDArray[np.intp] | None = None
+) -> NDArray[np.intp]:
+    """Items that fit a bin on their own, largest cost first, ties by index (`order`:
+    `cost_order(c, descending=True)` where the caller has it already)."""
+    if order is None:
+        order = cost_order(c, descending=True)
     return order if capacity is None or s is None else order[s[order] <= capacity]
+
+
+def restrict(order: NDArray[np.intp], keep: NDArray[np.bool_]) -> NDArray[np.intp]:
+    """`order` (of every item) of the items `keep` selects, as positions among them:
+    what `cost_order` gives for the kept items, since keeping preserves index order."""
+    if keep.all():
+        return order
+    position = np.cumsum(keep) - 1
+    out: NDArray[np.intp] = position[order[keep[order]]]
+    return out
 
 
 def cost_order(c: Costs, *, descending: bool = False) -> NDArray[np.intp]:

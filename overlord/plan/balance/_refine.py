@@ -179,35 +179,27 @@ def _refine_pairs(c: Costs, out: Bins, placed: NDArray[np.int64], k: int, tol: f
         if hot == 0:
             break
         a_bins = heavy[:hot]
-        b_bins = np.roll(order[:half], -shift)[:hot]
+        b_bins = order[:half][(np.arange(hot) + shift) % half]  # the lightest, shifted by `shift`
         la, lb = loads[a_bins], loads[b_bins]
         gap = la - lb
+        pair = np.arange(hot)[:, None]
         rows_a, rows_b = table[a_bins], table[b_bins]
-        ob = np.argsort(rank[rows_b] * m + slot, axis=1)  # each light bin's members by cost, ties by slot
-        sorted_b = np.take_along_axis(rows_b, ob, axis=1)
+        sorted_b = rows_b[pair, np.argsort(rank[rows_b] * m + slot, axis=1)]  # by cost, ties by slot
         # one searchsorted for every pair: row r's sorted costs shifted into band r
-        band = _SEARCH_BAND * np.arange(hot)[:, None]
+        band = _SEARCH_BAND * pair
         target = np.clip(cn[rows_a] - (gap / (2 * scale))[:, None], -0.5, 1.0) + band
-        pos = np.searchsorted((cn[sorted_b] + band).ravel(), target.ravel()).reshape(hot, m)
-        pos -= m * np.arange(hot)[:, None]
-        best = la.copy()
-        best_i = np.full(hot, -1, dtype=np.int64)
-        best_y = np.full(hot, -1, dtype=np.int64)
-        ca = cz[rows_a]
-        live_a = rows_a >= 0
-        pair = np.arange(hot)
-        for p in (np.maximum(pos - 1, 0), np.minimum(pos, m - 1)):
-            y = np.take_along_axis(sorted_b, p, axis=1)
-            d = ca - cz[y]
-            new = np.maximum(la[:, None] - d, lb[:, None] + d)
-            ok = live_a & (y >= 0) & (d > 0) & (new < best[:, None])
-            new = np.where(ok, new, np.inf)
-            i = new.argmin(axis=1)
-            v = new[pair, i]
-            better = v < best
-            best = np.where(better, v, best)
-            best_i = np.where(better, i, best_i)
-            best_y = np.where(better, y[pair, i], best_y)
+        pos = np.searchsorted((cn[sorted_b] + band).ravel(), target.ravel()).reshape(hot, m) - m * pair
+        # each x's two candidates, the y just below its ideal partner (columns 0..m-1)
+        # and the one at it (m..2m-1): the first minimum of the new max load wins, so
+        # on a tie the lower x and the first candidate do
+        y = sorted_b[pair, np.concatenate([np.maximum(pos - 1, 0), np.minimum(pos, m - 1)], axis=1)]
+        d = np.tile(cz[rows_a], 2) - cz[y]
+        new = np.maximum(la[:, None] - d, lb[:, None] + d)
+        ok = np.tile(rows_a >= 0, 2) & (y >= 0) & (d > 0) & (new < la[:, None])
+        col = np.where(ok, new, np.inf).argmin(axis=1)
+        found = ok[pair[:, 0], col]
+        best_i = np.where(found, col % m, -1)
+        best_y = y[pair[:, 0], col]
         go = np.flatnonzero(best_i >= 0)
         if best_i[0] < 0:  # the heaviest found no partner: try it with the next lighter ones
             shift += 1
