@@ -18,8 +18,9 @@ doing per step exactly the Redis operations the real role does:
   each of progress, the planner hash field, the active hash and the workers hash (the
   loop-turn pipeline);
 - 256 Data Constructors (one per DP group): a GET of the plan and an HSET of progress;
-- the Planner: an XREAD of metadata, an HGETALL of progress, its fenced MULTI
-  (WATCH, GET lease, SET plan, XADD plans, HSET planner, HSET checkpoint delta), and
+- the Planner: an XREAD of metadata, an HGETALL of progress, its one fenced script
+  (`overlord/planner/step_write.py`: the lease checked, SET plan, XADD plans, HSET
+  planner, HSET checkpoint delta; the real one's durability wait is left out), and
   the renewals of its lease (EVALSHA, every `RENEW_S`);
 - heartbeats of every role, once a second (counted per second of steps, as a step
   of about a second).
@@ -223,6 +224,7 @@ def main() -> None:
     from overlord.plan.core import PlannerCore, resolve_strategy
     from overlord.plan.meta import MetaChunk
     from overlord.plan.tree import ClientPlaceTree
+    from overlord.planner.step_write import StepScript, StepWrite
     from overlord.runtime.lease import RENEW_S, Lease
     from overlord.store import EmbeddedRedis, Keys, connect
     from overlord.store.schema import built_entry
@@ -267,9 +269,12 @@ def main() -> None:
         try:
             r = connect(server.url)
             keys = Keys("scale")
-            lease = Lease(r, keys, node="n0")
+            # renewed once per RENEW_S of a one-second step, not by a thread: a TTL of a
+            # minute keeps a step that takes seconds (65,536 samples on a loaded machine) leading
+            lease = Lease(r, keys, node="n0", ttl_s=60.0)
             lease.acquire(threading.Event())
             ckpts = Checkpoints(keys)
+            script = StepScript(r)
             pipe = r.pipeline()
             ckpts.write(pipe, 0, None, core.state)
             pipe.execute()
@@ -335,13 +340,18 @@ def main() -> None:
                     encoded = plan.encode()
                     delta = core.delta()
 
-                    def publish(p, plan=plan, encoded=encoded, delta=delta) -> None:
-                        p.set(keys.plan(plan.step), encoded, ex=3600)
-                        p.xadd(keys.plans, {"step": plan.step, "last": 0}, id=f"{plan.step + 1}-0")
-                        p.hset(keys.planner, mapping={"step": plan.step, "updated": time.time()})
-                        ckpts.write(p, core.step, delta, core.state)
-
-                    lease.fenced(publish)
+                    write = StepWrite()  # the Planner's one fenced script (its durability wait left out)
+                    write.set(keys.plan(plan.step), encoded, ex=3600)
+                    write.xadd(keys.plans, {"step": plan.step, "last": 0}, id=f"{plan.step + 1}-0")
+                    write.hset(keys.planner, mapping={"step": plan.step, "updated": time.time()})
+                    ckpts.write(write, core.step, delta, core.state)
+                    with r.pipeline(transaction=False) as p:
+                        marker = {"updated": time.time()}
+                        script.queue(
+                            p, keys=keys, lease_value=lease.value or b"", step=plan.step, write=write, marker=marker
+                        )
+                        if p.execute()[0] == -1:
+                            raise RuntimeError("the simulated Planner lost its lease")
                     elapsed = time.perf_counter() - t0
                     # plan readers (Data Constructors, or every rank): all fetch the plan at
                     # once, each on its own connection, then report progress
