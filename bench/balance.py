@@ -38,8 +38,12 @@ with `overlord.plan.cost`. What is measured:
   (`PlannerCore.plan_step` with the shipped vlm_hybrid strategy, plus encoding the
   plan) at 64 ranks x 8 on navit 4k metadata, over `--planner-steps` steps;
   planner_ms_512dp / _p99 the same at 512 ranks x 8 with 16x the samples (65,536), over
-  a third as many steps. planner_imbalance(_512dp) is the max / mean per-rank cost of
-  those plans (median over steps), planner_plan_bytes(_512dp) their encoded size.
+  a third as many steps. planner_cpu_ms(_p99, _512dp, _512dp_p99) are the same steps'
+  CPU time of this process (`time.process_time`): on a shared machine the wall time
+  counts other processes' turns on the cores, the CPU time does not (the targets are
+  for the wall time, on a machine otherwise idle). planner_imbalance(_512dp) is the
+  max / mean per-rank cost of those plans (median over steps), planner_plan_bytes(_512dp)
+  their encoded size.
   assign_ms / assign_ms_512dp time the balancer call alone.
 
 Usage: python bench/balance.py [--json] [--seed 0] [--steps 5] [--planner-steps 60] [--png bench/out/balance.png]
@@ -161,7 +165,8 @@ def time_assign(dp: int, samples: int, steps: int, seed: int) -> float:
 def time_planner_step(dp: int, samples: int, steps: int, seed: int) -> dict:
     """One whole Planner step (`PlannerCore.plan_step` with the shipped `vlm_hybrid`
     strategy: selection, DGraph costs, assign, exactly-once check, plan) plus encoding
-    the plan, `steps` times after a warm-up step: p50 and p99 ms, the plan's bytes, and
+    the plan, `steps` times after a warm-up step: p50 and p99 ms (wall, and this
+    process's CPU time), the plan's bytes, and
     the imbalance (max / mean per-DP-rank cost, median over steps) of the plans made."""
     from overlord.config import Mesh
     from overlord.plan.core import PlannerCore
@@ -190,19 +195,22 @@ def time_planner_step(dp: int, samples: int, steps: int, seed: int) -> dict:
         cost.append(transformer_cost(tokens) + encoder_cost(patches))  # what vlm_hybrid balances
         core.add(i, MetaChunk(0, np.arange(per_stream), tokens.astype(np.int64), patches, tokens.astype(np.int64) * 4))
     costs = np.stack(cost)
-    ms, imbalance, nbytes = [], [], []
+    ms, cpu_ms, imbalance, nbytes = [], [], [], []
     for step in range(steps + 1):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plan = core.plan_step()
         raw = plan.encode()
         if step:  # the first call warms caches and imports
             ms.append(1e3 * (time.perf_counter() - t0))
+            cpu_ms.append(1e3 * (time.process_time() - c0))
         per_rank = np.bincount(plan.bucket_of_rows(), weights=costs[plan.items[:, 0], plan.items[:, 2]], minlength=dp)
         imbalance.append(per_rank.max() / per_rank.mean())
         nbytes.append(len(raw))
     return {
         "p50": round(float(np.percentile(ms, 50)), 2),
         "p99": round(float(np.percentile(ms, 99)), 2),
+        "cpu_p50": round(float(np.percentile(cpu_ms, 50)), 2),
+        "cpu_p99": round(float(np.percentile(cpu_ms, 99)), 2),
         "imbalance": round(statistics.median(imbalance), 5),
         "plan_bytes": int(statistics.median(nbytes)),
         "steps": steps,
@@ -262,11 +270,15 @@ def main() -> None:
         "planner_ms": small["p50"],
         "planner_ms_p99": small["p99"],
         "planner_ms_target": 5,
+        "planner_cpu_ms": small["cpu_p50"],
+        "planner_cpu_ms_p99": small["cpu_p99"],
         "planner_imbalance": small["imbalance"],
         "planner_plan_bytes": small["plan_bytes"],
         "planner_ms_512dp": large["p50"],
         "planner_ms_512dp_p99": large["p99"],
         "planner_ms_512dp_target": 50,
+        "planner_cpu_ms_512dp": large["cpu_p50"],
+        "planner_cpu_ms_512dp_p99": large["cpu_p99"],
         "planner_imbalance_512dp": large["imbalance"],
         "planner_plan_bytes_512dp": large["plan_bytes"],
         "planner_steps": [small["steps"], large["steps"]],
