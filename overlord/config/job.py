@@ -44,11 +44,11 @@ class Job:
         run_dir: where the sidecar keeps its socket, logs and embedded Redis data.
         loader_processes: processes hosting Source Loaders (the CPU budget); None picks.
         buffer_bytes: byte cap of each Source Loader's read buffer (per loader partition;
-            Source.buffer_bytes overrides it per source). Within it a buffer holds what
-            the Planner can draw from the stream before its loader refills: the stream's
-            share of a step (global_batch x weight share / partitions) x (plan_ahead +
-            refill steps) x its mean sample bytes, at least two steps' draw
-            (overlord.runtime.readbuffer).
+            Source.buffer_bytes overrides it per source). Within it a buffer holds twice
+            what the Planner can draw from the stream before its loader refills: the
+            stream's share of a step (global_batch x weight share / partitions) x
+            (plan_ahead + refill steps), plus three standard deviations of that draw, x
+            its mean sample bytes; at least two steps' draw (overlord.runtime.readbuffer).
         buffer_samples: an explicit sample cap on each read buffer, over buffer_bytes;
             None (default): bytes only. Kept for configs written before buffer_bytes.
         sample_ring_bytes: capacity of each ring from a loader process to a Data Constructor.

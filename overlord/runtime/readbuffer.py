@@ -8,10 +8,15 @@ before its loader refills, no more:
                whichever is larger: a mixing schedule that turns to a source is followed
     horizon  = plan_ahead + refill steps (the steps that pass while the loader process
                turns once over its streams; measured, at least 1)
-    target   = draw x horizon x mean sample bytes     (running mean of prepared samples,
-                                                       seeded from the first chunk read)
+    need     = draw x horizon + 3 sqrt(draw x horizon)   (what the Planner may take before
+               a refill: the mixer draws each step's counts at random (multinomial), so
+               the mean plus three standard deviations)
+    target   = 2 x need x mean sample bytes       (running mean of prepared samples,
+                                                   seeded from the first chunk read)
 
-bounded below by `floor_samples` (one step's draw and as much again, at least
+so that at low water (half the target) the buffer still holds `need`: a step rarely
+finds a stream short and waits for the Planner's demand to reach the loader. The
+target is bounded below by `floor_samples` (one step's draw and as much again, at least
 MIN_SAMPLES) and above by the byte cap (`Source.buffer_bytes`, else `Job.buffer_bytes`)
 and the sample cap (`Job.buffer_samples`, when set). The cap wins over the floor. Low
 water is half the target, in bytes. What the Planner asks for (`demand`: one step needs
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 
 MIN_SAMPLES = 8  # the smallest floor: a rare stream refills every few samples, not every one
 MAX_REFILL_STEPS = 8  # a burst of plans (the Planner's first plan_ahead steps) is not a pace
+SIGMAS = 3.0  # standard deviations of the random draw a buffer holds beyond its mean
 DRAW_ALPHA = 0.1  # weight of one plan in the measured draw (about the last 10 steps)
 
 
@@ -61,8 +67,8 @@ def floor_samples(draw: float) -> int:
 
 def target_bytes(draw: float, plan_ahead: int, refill_steps: int, mean_nbytes: float, cap_bytes: int) -> int:
     """The bytes a stream aims to hold (module docstring): derived, floored, capped."""
-    horizon = plan_ahead + max(1, refill_steps)
-    derived = draw * horizon * mean_nbytes
+    drawn = draw * (plan_ahead + max(1, refill_steps))
+    derived = 2 * (drawn + SIGMAS * math.sqrt(drawn)) * mean_nbytes
     floor = floor_samples(draw) * mean_nbytes
     return int(min(max(derived, floor), cap_bytes))
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from overlord.runtime.readbuffer import MIN_SAMPLES, ReadBudget, draw_per_step, floor_samples, target_bytes
 
 MiB = 1 << 20
+
+
+def held(draw: float, steps: int) -> float:
+    """Twice the draw over `steps` plus three standard deviations (the module docstring)."""
+    return 2 * (draw * steps + 3 * math.sqrt(draw * steps))
 
 
 def test_the_draw_follows_the_weight_share_and_the_partitions():
@@ -17,19 +24,20 @@ def test_the_draw_follows_the_weight_share_and_the_partitions():
     assert draw_per_step(64, weights, 2, 1) == 0.0
 
 
-def test_the_target_is_draw_times_horizon_times_mean_size():
-    # 12 samples a step, plan_ahead 4 + 1 refill step, 10 KiB each
-    assert target_bytes(12.0, 4, 1, 10240, 64 * MiB) == 12 * 5 * 10240
+def test_the_target_is_twice_the_horizon_draw_with_its_spread_times_mean_size():
+    # 12 samples a step, plan_ahead 4 + 1 refill step, 10 KiB each: 2 x (60 + 3 sqrt 60)
+    assert target_bytes(12.0, 4, 1, 10240, 64 * MiB) == int(held(12.0, 5) * 10240)
+    assert held(12.0, 5) == pytest.approx(166.5, abs=0.1)
     # a slower refill (3 steps) holds more
-    assert target_bytes(12.0, 4, 3, 10240, 64 * MiB) == 12 * 7 * 10240
+    assert target_bytes(12.0, 4, 3, 10240, 64 * MiB) == int(held(12.0, 7) * 10240)
     # the refill latency is at least one step
-    assert target_bytes(12.0, 4, 0, 10240, 64 * MiB) == 12 * 5 * 10240
+    assert target_bytes(12.0, 4, 0, 10240, 64 * MiB) == int(held(12.0, 5) * 10240)
 
 
 def test_the_floor_holds_two_steps_and_the_cap_wins_over_it():
-    # a rare source: 0.1 sample a step -> the floor (MIN_SAMPLES)
-    assert floor_samples(0.1) == MIN_SAMPLES
-    assert target_bytes(0.1, 4, 1, 1000, 64 * MiB) == MIN_SAMPLES * 1000
+    # a rare source: 0.01 sample a step -> the floor (MIN_SAMPLES)
+    assert floor_samples(0.01) == MIN_SAMPLES
+    assert target_bytes(0.01, 4, 1, 1000, 64 * MiB) == MIN_SAMPLES * 1000
     assert floor_samples(30.0) == 60
     # images of 2 MiB, 48 a step over 5 steps: 480 MiB derived, capped at 64 MiB
     assert target_bytes(48.0, 4, 1, 2 * MiB, 64 * MiB) == 64 * MiB
@@ -42,10 +50,10 @@ def test_heavier_samples_hold_fewer_and_weight_follows():
     light.observe([1000] * 10)
     heavy = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB)
     heavy.observe([1 << 20] * 10)
-    assert light.target_samples() == 40  # 8 x 5 steps
-    assert light.target_bytes() == 40 * 1000
-    assert heavy.target_samples() == 40  # 40 MiB, under the cap
-    rare = ReadBudget(draw=0.05, plan_ahead=4, cap_bytes=64 * MiB)
+    assert light.target_samples() == math.ceil(held(8.0, 5))  # 2 x (40 + 3 sqrt 40) = 118
+    assert light.target_bytes() == int(held(8.0, 5) * 1000)
+    assert heavy.target_samples() == 64  # 118 MiB, capped at 64 MiB
+    rare = ReadBudget(draw=0.005, plan_ahead=4, cap_bytes=64 * MiB)
     rare.observe([1000])
     assert rare.target_samples() == MIN_SAMPLES
     big = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB)
@@ -70,14 +78,15 @@ def test_before_any_sample_the_first_read_is_the_floor():
 
 def test_low_water_is_half_the_target_in_bytes():
     b = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB)
-    b.observe([1000] * 40)  # target 40 samples, 40,000 B; low water 20,000 B
-    assert b.room(0, 0) == 40
-    assert b.room(30, 30000) == 0  # above low water
-    assert b.room(21, 21000) == 0
-    assert b.room(19, 19000) == 21  # below: top up to the target
-    # twenty large samples are above low water in bytes though few in count
-    assert b.room(10, 25000) == 0
-    assert b.room(40, 40000) == 0
+    b.observe([1000] * 40)  # target 118 samples, 118,000 B; low water 59,000 B
+    assert b.target_samples() == 118
+    assert b.room(0, 0) == 118
+    assert b.room(90, 90000) == 0  # above low water
+    assert b.room(60, 60000) == 0
+    assert b.room(58, 58000) == 60  # below: top up to the target
+    # thirty large samples are above low water in bytes though few in count
+    assert b.room(30, 75000) == 0
+    assert b.room(118, 118000) == 0
 
 
 def test_the_sample_cap_bounds_the_buffer_over_the_bytes():
@@ -113,11 +122,11 @@ def test_a_draw_larger_than_the_weights_give_is_measured_and_followed():
     # a mixing schedule turned to this source: the plans take 20 a step, the weights said 2
     b = ReadBudget(draw=2.0, plan_ahead=4, cap_bytes=64 * MiB)
     b.observe([1000] * 10)
-    assert b.target_samples() == 10  # 2 x 5 steps
+    assert b.target_samples() == math.ceil(held(2.0, 5))  # 39
     for _ in range(60):
         b.took(20)
     assert b.step_draw() == pytest.approx(20.0, rel=0.01)
-    assert b.target_samples() == 100  # 20 x 5 steps
+    assert b.target_samples() == pytest.approx(held(20.0, 5), abs=2)  # 2 x (100 + 30)
     # a schedule that turns away keeps the weights' share
     for _ in range(200):
         b.took(0)
