@@ -365,6 +365,7 @@ def run_overlord(
         warm, done, window = _measure(
             trainers, deadline, sample_pss, steady=lambda: _await_every_source_read(job, deadline)
         )
+        demanded = _demanded(job)
     finally:
         for t in trainers:
             t.kill()
@@ -391,6 +392,7 @@ def run_overlord(
         "overlord_warmup_samples": sum(ev["samples"] for ev in warm.values()),
         "overlord_warmup_s": round(warm_s, 1),
         "overlord_window_s": round(window, 2),
+        "overlord_demanded_streams": demanded,
     }
 
 
@@ -401,6 +403,14 @@ def _role_of(pid: int) -> str:
     except OSError:
         return "gone"
     return comm.removeprefix("ovl-") if comm.startswith(("ovl-", "redis")) else "sidecar"
+
+
+def _demanded(job) -> int:
+    """Streams the Planner ever found short for a step (its `demand` hash): each cost a wait."""
+    from overlord.store import Keys, connect
+    from overlord.store.server import redis_url_of
+
+    return int(connect(redis_url_of(job)).hlen(Keys(job.name).demand))
 
 
 def _await_every_source_read(job, deadline: float) -> None:
