@@ -50,7 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # a script in a checkout: import the checkout's package
 
-from harness import (  # noqa: E402  (bench/harness.py: the trainer protocol, the colocated dataset)
+from loadkit import (  # noqa: E402  (bench/loadkit.py: the trainer protocol, the colocated dataset)
     MIB,
     Trainer,
     await_event,

@@ -59,7 +59,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO))  # a script in a checkout: import the checkout's package
 
 import peers_data  # noqa: E402  (bench/: the corpus, tokenizer and transform)
-from harness import MIB, Trainer, await_event, cpu_seconds  # noqa: E402
+from loadkit import MIB, Trainer, await_event, cpu_seconds  # noqa: E402
 
 from overlord.procmem import pss_of, tree_pids  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Trainer processes of bench/peers.py: one rank of one loader, spawned by the harness.
 
 ``python bench/peers_trainers.py --trainer <json>`` builds the loader the JSON names and
-runs the harness protocol (bench/harness.py): it prints ``first`` at its first batch,
+runs the harness protocol (bench/loadkit.py): it prints ``first`` at its first batch,
 ``warm`` after ``warm`` samples, waits for ``go``, consumes ``samples`` samples and prints
 ``done`` with the window's monotonic start and end, then waits for ``stop``.
 
@@ -9,7 +9,7 @@ Every rank joins a gloo process group first, as a torchrun job does (LitData rea
 rank and world size from torch.distributed; MosaicML Streaming from RANK/WORLD_SIZE).
 
 The loaders, each as its documentation sets it up, all with `peers_data.Sample`:
-- ``colocated``: ``torch.utils.data.DataLoader`` over bench/harness.py's one dataset of
+- ``colocated``: ``torch.utils.data.DataLoader`` over bench/loadkit.py's one dataset of
   every source per rank (each worker opens every Parquet file, per-source shuffle buffer).
 - ``mosaic``: ``streaming.StreamingDataset`` with one ``Stream`` per source (local MDS
   directories), ``shuffle=True``, ``batch_size`` given; a ``torch.utils.data.DataLoader``.
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # a script in a checkout: import the checkout's package
 
 import peers_data  # noqa: E402  (bench/: the corpus, tokenizer and transform)
-from harness import colocated_dataset, command, emit, pad_collate  # noqa: E402
+from loadkit import colocated_dataset, command, emit, pad_collate  # noqa: E402
 
 
 class _ByKind:
