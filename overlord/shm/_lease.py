@@ -91,31 +91,20 @@ class LeasedReader:
         deadline = time.monotonic() + timeout
         next_check = time.monotonic() + PEER_CHECK_S
         while True:
-            self._settle()
-            if self._broken is not None:
-                raise RingError(self._broken)
-            h = ring._handle()
-            status, off, n, nxt = h.peek(self._cursor)
-            if status == _native.OK:
-                return self._hand_out(off, n, nxt)
-            if status == _native.EAGAIN and nxt != self._cursor:  # a lone WRAP record
-                self._skip_to(nxt)
-                continue
-            ring._raise_read_status(status)
-            if h.space_wanted and self._pinning():
-                self._detach()
-                continue
+            record = self.try_read()
+            if record is not None:
+                return record
             now = time.monotonic()
             if now >= next_check:
                 try:
                     ring._check_peer("producer")
                 except PeerDied:
-                    status, off, n, nxt = h.peek(self._cursor)  # its last record may have landed
-                    if status == _native.OK:
-                        return self._hand_out(off, n, nxt)
-                    ring._raise_read_status(status)
+                    record = self.try_read()  # its last record may have landed
+                    if record is not None:
+                        return record
                     raise
                 next_check = now + PEER_CHECK_S
+            h = ring._handle()
             if now >= deadline:
                 raise RingTimeout(
                     f"ring {ring.name!r}: no record within {timeout:.3g} s "
