@@ -9,7 +9,6 @@ import os
 import sys
 
 from overlord import heap
-from overlord.autoscale.partition import partition
 from overlord.config import Job
 from overlord.errors import OverlordError
 from overlord.logs import setup_logging
@@ -99,7 +98,7 @@ def _partition(args: argparse.Namespace) -> int:
     """Print the auto-partitioning a job would get: costs from the profile journal of a
     running (or stopped, embedded) job's Redis where there is one, else profiled now."""
     # deferred: each subcommand imports only what it runs (pyarrow, redis, numpy: 0.2-0.5 s), so the rest start fast
-    from overlord.autoscale.apply import budget_of
+    from overlord.autoscale.apply import partition_job
     from overlord.autoscale.profile import costs_from, journaled, measure
     from overlord.status import redis_url_of
     from overlord.store import Keys, connect
@@ -113,13 +112,7 @@ def _partition(args: argparse.Namespace) -> int:
     missing = [s for s in job.sources if s.name not in profiled]
     measured = measure(dataclasses.replace(job, sources=tuple(missing)), args.samples) if missing else {}
     costs = [profiled.get(s.name) or measured[s.name] for s in job.sources]
-    result = partition(
-        costs,
-        budget_of(job),
-        global_batch=job.batch.global_batch,
-        plan_ahead=job.plan_ahead,
-        buffer_caps={s.name: s.buffer_bytes for s in job.sources if s.buffer_bytes is not None},
-    )
+    result = partition_job(job, costs)
     if args.json:
         print(
             json.dumps(

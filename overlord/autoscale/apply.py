@@ -29,6 +29,18 @@ log = logging.getLogger("overlord.autoscale")
 PROFILE_SAMPLES = 32
 
 
+def partition_job(job: Job, costs) -> Partitioning:
+    """`partition` of the job's sources at `costs`, under this node's budget and the
+    job's batch, plan horizon and per-source read-buffer caps."""
+    return partition(
+        costs,
+        budget_of(job),
+        global_batch=job.batch.global_batch,
+        plan_ahead=job.plan_ahead,
+        buffer_caps={s.name: s.buffer_bytes for s in job.sources if s.buffer_bytes is not None},
+    )
+
+
 def budget_of(job: Job) -> Budget:
     """The node's budget: its `autoscale` fields over defaults from this machine.
 
@@ -82,13 +94,7 @@ def autoscale(job: Job, r, keys, *, resume: bool = False) -> tuple[Job, Partitio
         samples = int(configured or PROFILE_SAMPLES)
         measured = measure(dataclasses.replace(job, sources=tuple(missing)), samples) if missing else {}
         costs = [profiled.get(s.name) or measured[s.name] for s in job.sources]
-        part = partition(
-            costs,
-            budget_of(job),
-            global_batch=job.batch.global_batch,
-            plan_ahead=job.plan_ahead,
-            buffer_caps={s.name: s.buffer_bytes for s in job.sources if s.buffer_bytes is not None},
-        )
+        part = partition_job(job, costs)
         costs_ms = {c.name: c.transform_ms for c in costs}
         how = f"{len(profiled)} source(s) from the profile journal, {len(measured)} profiled now"
     log.info("auto-partitioned the sources (%s):\n%s", how, part.render())
