@@ -38,14 +38,6 @@ return 0
 """
 
 
-_FENCED_HSET = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('HSET', KEYS[2], unpack(ARGV, 2))
-end
-return -1
-"""
-
-
 class Superseded(Exception):
     """This Planner no longer holds the lease: another one leads, or it lapsed."""
 
@@ -65,7 +57,6 @@ class Lease:
         self.token: int | None = None
         self.value: bytes | None = None
         self._renew = r.register_script(_RENEW)
-        self._fenced_hset = r.register_script(_FENCED_HSET)
         self.lost = threading.Event()
 
     def acquire(self, stop: threading.Event, beat=None) -> int:
@@ -126,13 +117,6 @@ class Lease:
                     raise WriteUncertain(f"a write under lease token {self.token} was cut short") from None
                 self.lost.set()
                 raise Superseded(f"the Planner lease changed while writing (token {self.token})") from None
-
-    def queue_fenced_hset(self, pipe, key: str, mapping: dict) -> None:
-        """Queue on `pipe` an HSET of `mapping` on `key` that Redis makes only while this
-        process still holds the lease (one script, so no WATCH: for a marker write that
-        must share a connection with what follows it, as Durability's does)."""
-        flat = [x for kv in mapping.items() for x in kv]
-        self._fenced_hset(keys=[self.keys.leader, key], args=[self.value or b"", *flat], client=pipe)
 
     def release(self) -> None:
         if self.value is not None:
