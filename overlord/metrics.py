@@ -14,7 +14,8 @@ ranks of its node plus the job-wide figures:
     overlord_constructor_step{dp}                 last step a Data Constructor wrote
     overlord_constructor_lag_steps{dp}            planned minus written
     overlord_constructor_copies_total{dp}         samples copied out of a loader ring: the
-                                                  constructor held more than the ring holds
+                                                  constructor held more than the ring holds,
+                                                  or took the ring over from a Flight endpoint
     overlord_role_heartbeat_age_seconds{role}     since the role's last heartbeat
     overlord_role_loop_age_seconds{role}          since its main loop last turned
     overlord_role_rss_bytes{role}
@@ -181,7 +182,7 @@ class JobCollector:
         yield lag
         copied = counter(
             "constructor_copies",
-            "samples copied out of a loader ring: the constructor held more than it holds",
+            "samples copied out of a loader ring: held more than it holds, or taken from a Flight endpoint",
             ("dp",),
         )
         for dp in sorted(snap["progress"]):

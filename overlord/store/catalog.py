@@ -248,8 +248,8 @@ SCHEMA: tuple[Key, ...] = (
             Field(
                 f"{COPIED}<dp>",
                 "int",
-                "samples Data Constructor dp copied out of a loader ring (its leases held the ring full) "
-                "instead of packed in place",
+                "samples Data Constructor dp copied out of a loader ring instead of packed in place (its "
+                "leases held the ring full, or it took the ring over from this node's Flight endpoint)",
             ),
             Field(COUNTER_DROPPED_LAST, "int", "samples a finite job's end left undelivered"),
             Field(COUNTER_OVER_BUDGET, "int", "scaling intervals over budget"),
