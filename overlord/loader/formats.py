@@ -98,7 +98,12 @@ class ParquetFile:
 
     def __init__(self, location: Location, where: str) -> None:
         self.where = where
-        self.file = pq.ParquetFile(location.open_input_file())
+        # pre_buffer (pyarrow's default) coalesces a row group's column reads into few
+        # requests, which pays on object stores, and keeps the last row group's raw bytes
+        # until the next read: on a local file it saves nothing and held as much again as
+        # the decoded group (1.9 MiB for 256 image rows) per open file
+        local = isinstance(location.filesystem, pafs.LocalFileSystem)
+        self.file = pq.ParquetFile(location.open_input_file(), pre_buffer=not local)
         self.names = self.file.schema_arrow.names
         self.nbytes = self.file.metadata.serialized_size
 
