@@ -78,6 +78,7 @@ def main() -> None:
     p.add_argument("--shuffle-window", type=int, default=128)
     p.add_argument("--context-length", type=int, default=2048)
     p.add_argument("--image-side", type=int, default=128)
+    p.add_argument("--trim-every", type=int, default=10, help="steps between two heap.trim() (a role: 10 s)")
     p.add_argument("--tracemalloc", action="store_true")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -117,6 +118,7 @@ def main() -> None:
             )
         )
     built = smaps()["Rss"]
+    built_anon = smaps()["Anonymous"]
     budgets = [
         ReadBudget(
             draw=args.job_batch / args.job_sources,
@@ -148,7 +150,7 @@ def main() -> None:
             "anon_mb": m.get("Anonymous", 0.0),
             "file_mb": m.get("Pss_File", 0.0),
             "arrow_mb": pa.total_allocated_bytes() / MIB,
-            "window_mb": sum(sum(t.nbytes for t in ld._rows.values()) for ld in loaders) / MIB,
+            "window_mb": sum(ld.state_bytes() - sum(f.nbytes for f in ld._files.values()) for ld in loaders) / MIB,
             "footers_mb": sum(sum(f.nbytes for f in ld._files.values()) for ld in loaders) / MIB,
             "buffered_mb": sum(s.nbytes for b in buffers for s in b) / MIB,
             "kept_mb": sum(s.nbytes for k in kept for s in k) / MIB,
@@ -172,7 +174,7 @@ def main() -> None:
             kept.pop(0)
         refill()
         sample()
-        if step % 10 == 9:
+        if step % args.trim_every == args.trim_every - 1:
             heap.trim()  # what a role's heartbeat thread does every heap.TRIM_EVERY_S
     heap.trim()
     m = smaps()
@@ -181,6 +183,7 @@ def main() -> None:
         "steps": args.steps,
         "base_mb": round(base, 1),
         "built_mb": round(built, 1),
+        "built_anon_mb": round(built_anon, 1),
         **{k: round(v, 1) for k, v in peak.items()},
         "end_anon_mb": round(m.get("Anonymous", 0.0), 1),
         "arrow_pool": pa.default_memory_pool().backend_name,

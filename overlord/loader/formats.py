@@ -60,6 +60,11 @@ class Chunk(Protocol):
     def row(self, i: int) -> dict:
         """Row `i` of the group as a dict of its columns. Raises BadRow."""
 
+    def rows(self, start: int, stop: int) -> Chunk | None:
+        """Rows [start, stop) as a chunk that holds none of the others' memory (row `i`
+        of it is row `start + i` of this one), or None where reading the group again
+        for its other rows would cost more than keeping it whole (a compressed file)."""
+
 
 class OpenFile(Protocol):
     """One open file of a source."""
@@ -147,9 +152,13 @@ class ParquetFormat:
 
 
 class _LinesChunk:
-    def __init__(self, lines: list[tuple[int, bytes]], columns: tuple[str, ...] | None) -> None:
+    def __init__(self, lines: list[tuple[int, bytes]], columns: tuple[str, ...] | None, whole: bool) -> None:
         self.lines, self.columns = lines, columns  # (line number, raw line) per row
         self.nbytes = sum(len(raw) for _, raw in lines)
+        self.whole = whole  # a compressed file's one block: decompressed whole at each read
+
+    def rows(self, start: int, stop: int) -> _LinesChunk | None:
+        return None if self.whole else _LinesChunk(self.lines[start:stop], self.columns, False)
 
     def row(self, i: int) -> dict:
         line, raw = self.lines[i]
@@ -234,7 +243,7 @@ class JsonlFile:
             raise OSError(
                 f"block {group} has {len(lines)} rows where the index built at open found {idx.rows[group]}; the file changed while it was read"
             )
-        return _LinesChunk(lines, columns)
+        return _LinesChunk(lines, columns, self.compression is not None)
 
 
 class JsonlFormat:

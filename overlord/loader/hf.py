@@ -292,7 +292,7 @@ class HfFile:
 
     def read_group(self, group: int, columns: tuple[str, ...] | None) -> storage.ArrowChunk:
         batch = self._batch(group)
-        return storage.ArrowChunk(batch.select(list(columns)) if columns else batch)
+        return storage.ArrowChunk(batch.select(list(columns)) if columns else batch, mapped=True)
 
 
 class HfFormat:

@@ -75,6 +75,9 @@ class _UnreadableGroup:
     def row(self, i: int) -> dict:
         raise BadRow(self.why)
 
+    def rows(self, start: int, stop: int) -> _UnreadableGroup:
+        return self
+
 
 class SourceLoader:
     """Reads one partition of one source, in order, through its transform.
@@ -119,9 +122,13 @@ class SourceLoader:
             raise ConfigError(f"source {source.name!r}: {exc}") from None
         self.format = FORMATS[source.format]()
         self._files: collections.OrderedDict[int, OpenFile] = collections.OrderedDict()
-        # row group -> its rows (an Arrow table, or raw JSONL lines), for the row groups of
-        # the current window; rows become Python objects one at a time (smaller that way)
-        self._rows: dict[int, Chunk] = {}
+        # (row group, window) -> (the rows of the group that the window reads, as an Arrow
+        # table or raw JSONL lines, and the first one's index in the group): a window holds
+        # only its own rows, so a row group the shuffle window straddles is read once per
+        # window it overlaps, never held whole for both. Window None: a group held whole
+        # while windows read it (a compressed JSONL file, decompressed whole at each read).
+        # Rows become Python objects one at a time (smaller that way).
+        self._rows: dict[tuple[int, int | None], tuple[Chunk, int]] = {}
         self.skips = Skips(source.name, self.name)
         # a file skipped whole (on_error: skip) has no row groups: the order never reaches it
         readable = [self._survey(i) for i in range(len(self.paths))]
@@ -199,10 +206,13 @@ class SourceLoader:
             self._files.popitem(last=False)
         return handle
 
-    def _read_group(self, rg: int) -> Chunk:
-        chunk = self._rows.get(rg)
-        if chunk is not None:
-            return chunk
+    def _read_group(self, rg: int, window: int, start: int, stop: int) -> tuple[Chunk, int]:
+        """Rows [start, stop) of row group `rg`, which `window` reads, and the index of the
+        first in the group (0 where the chunk is the whole group)."""
+        for key in ((rg, window), (rg, None)):
+            held = self._rows.get(key)
+            if held is not None:
+                return held
         file, group = int(self.groups.file[rg]), int(self.groups.group[rg])
         try:
             chunk = self._open(file).read_group(group, self.source.columns)
@@ -216,8 +226,10 @@ class SourceLoader:
                 ) from None
             self.skips.group(file, self.paths[file], group, why)
             chunk = _UnreadableGroup(f"row group {group} {why}")
-        self._rows[rg] = chunk
-        return chunk
+        part = chunk if (start, stop) == (0, int(self.groups.rows[rg])) else chunk.rows(start, stop)
+        held = (chunk, 0) if part is None else (part, start if part is not chunk else 0)
+        self._rows[(rg, None if part is None else window)] = held
+        return held
 
     # -- order ---------------------------------------------------------------------------
 
@@ -365,22 +377,30 @@ class SourceLoader:
         """Memory of the file-access state: footers of open files (or JSONL's line index),
         row groups of the window."""
         footers = self.format.nbytes + sum(f.nbytes for f in self._files.values())
-        return footers + sum(t.nbytes for t in self._rows.values())
+        return footers + sum(t.nbytes for t, _ in self._rows.values())
 
     def _read(self, seq: int) -> tuple[int, object, dict | BadRow, float]:
         """(seq, where, row, seconds): one row, read in order (the file state is this thread's)."""
         started = time.perf_counter()
         order = self._order
+        window = seq // order.window
         if seq % order.window == 0:
-            # entering a new window: drop row groups the new window does not touch
-            keep = set(order.groups_for_window(seq // order.window))
+            # entering a new window: drop the rows of the others (and whole row groups
+            # the new window does not touch)
+            keep = set(order.groups_for_window(window))
             self.profile.state_bytes = max(self.profile.state_bytes, self.state_bytes())
-            for rg in [g for g in self._rows if g not in keep]:
-                del self._rows[rg]
+            for key in [k for k in self._rows if k[1] != window and (k[1] is not None or k[0] not in keep)]:
+                del self._rows[key]
         where = order.locate(seq)
+        # the rows of this row group that this window reads: its part of the window's positions
+        first = order.position(seq) - where.row_in_group  # the group's first position
+        lo = window * order.window
+        hi = min(lo + order.window, len(order))
+        size = int(self.groups.rows[where.rg])
         row: dict[str, Any] | BadRow
         try:
-            row = self._read_group(where.rg).row(where.row_in_group)
+            chunk, offset = self._read_group(where.rg, window, max(lo - first, 0), min(hi - first, size))
+            row = chunk.row(where.row_in_group - offset)
         except BadRow as bad:
             row = bad  # a bad row is reported (or skipped) where transform failures are
         return seq, where, row, time.perf_counter() - started

@@ -153,11 +153,19 @@ def _match(filesystem: pafs.FileSystem, pattern: str) -> list[str]:
 
 
 class ArrowChunk:
-    """One row group read into memory (a Parquet row group's Table, or a zero-copy
-    RecordBatch slice of an Arrow file): its rows as Python dicts (formats.Chunk)."""
+    """One row group read into memory (a Parquet row group's Table, or, `mapped`, a
+    zero-copy RecordBatch slice of a memory-mapped Arrow file): its rows as Python dicts
+    (formats.Chunk)."""
 
-    def __init__(self, data: pa.Table | pa.RecordBatch) -> None:
-        self.data, self.nbytes = data, data.nbytes
+    def __init__(self, data: pa.Table | pa.RecordBatch, *, mapped: bool = False) -> None:
+        self.data, self.nbytes, self.mapped = data, data.nbytes, mapped
 
     def row(self, i: int) -> dict:
         return self.data.slice(i, 1).to_pylist()[0]
+
+    def rows(self, start: int, stop: int) -> ArrowChunk:
+        """Rows [start, stop): copied out of a read row group (a slice would keep all of
+        its buffers), sliced out of a mapped one (its pages are the file's)."""
+        if self.mapped:
+            return ArrowChunk(self.data.slice(start, stop - start), mapped=True)
+        return ArrowChunk(self.data.take(pa.array(range(start, stop), pa.int64())))

@@ -164,3 +164,51 @@ def test_worker_threads_change_neither_samples_nor_order_even_when_resized(tmp_p
     assert len(threads) > 1, "the transforms ran on worker threads"
     assert ld.skipped == 2 * sum(t is None for t in texts)
     assert ld.profile.samples == len(reference) and ld.profile.seconds > 0
+
+
+def test_a_window_holds_only_its_own_rows_and_reads_the_same_samples(tmp_path):
+    # row groups of 10 rows, windows of 4: a window straddles two row groups every so
+    # often, and reads only part of each; the loader holds that part, not both groups
+    import numpy as np
+
+    from overlord import transforms
+    from overlord.loader.order import EpochOrder
+
+    texts = [f"row {i} " + "x" * 990 for i in range(50)]  # about 1 KB each
+    path = write(tmp_path / "a.parquet", texts, row_group_size=10)
+    ld = SourceLoader(Source(name="web", paths=(path,), shuffle_window=4), 0, seed=3, epochs=1)
+    got, held = [], 0
+    while not ld.finished:
+        batch, _ = ld.prepare(1)
+        got += batch
+        held = max(held, ld.state_bytes() - ld.format.nbytes - sum(f.nbytes for f in ld._files.values()))
+    order = EpochOrder(ld.groups, seed=3, source="web", epoch=0, partition=0, partitions=1, shuffle_window=4)
+    rows = [order.locate(q).row_in_file for q in range(50)]
+    assert sorted(rows) == list(range(50))  # exactly once
+    assert [s.key for s in got] == [f"web:0:{r}" for r in rows]  # in the order's order
+    for s, r in zip(got, rows):  # each sample is its row's
+        assert np.array_equal(s.arrays["input_ids"], transforms.text({"text": texts[r]})["input_ids"])
+    assert 0 < held <= 4 * 1100  # one window's rows (was: every row group it overlaps, 10 to 20 rows)
+
+
+def test_a_compressed_jsonl_file_is_read_once_an_epoch(tmp_path, monkeypatch):
+    # its one block is the whole file, decompressed at each read: kept whole while the
+    # windows read it, never read again for each window
+    import gzip
+    import json
+
+    from overlord.loader import formats
+
+    path = tmp_path / "a.jsonl.gz"
+    path.write_bytes(gzip.compress(b"".join(json.dumps({"text": f"t {i}"}).encode() + b"\n" for i in range(40))))
+    reads = []
+    real = formats.JsonlFile.read_group
+
+    def counting(self, group, columns):
+        reads.append(group)
+        return real(self, group, columns)
+
+    monkeypatch.setattr(formats.JsonlFile, "read_group", counting)
+    got = drain(loader([str(path)], format="jsonl", epochs=2))
+    assert sorted(s.key for s in got) == sorted(f"web:0:{r}" for r in range(40) for _ in range(2))
+    assert reads == [0, 0]
