@@ -1,4 +1,5 @@
-"""Build the native ring extension; all other metadata lives in pyproject.toml."""
+"""Build the native extensions (the shm ring, the balancing kernels); all other metadata
+lives in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -9,6 +10,14 @@ setup(
             sources=["native/ring.c", "native/ringmodule.c"],
             include_dirs=["native"],
             extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra"],
-        )
+        ),
+        # -ffp-contract=off: no fused multiply-add, so the kernels round exactly as the
+        # numpy forms they stand in for (same inputs, same plan, with or without them).
+        Extension(
+            "overlord.plan.balance._native",
+            sources=["native/balance.c", "native/balancemodule.c"],
+            include_dirs=["native"],
+            extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-ffp-contract=off"],
+        ),
     ]
 )

@@ -8,6 +8,7 @@ import heapq
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from overlord.plan.balance._kernels import NATIVE
 from overlord.plan.balance._limits import Bins, Costs, check, group_order, lpt_order, repair, slots
 
 
@@ -104,6 +105,28 @@ def greedy_groups(
         return out
     o = idx[group_order(group[idx], n_groups)]  # by group, then LPT order (idx is in it)
     g = group[o]
+    if NATIVE is not None:  # the same rounds, group by group, item by item, in C
+        start = np.zeros(n_groups + 1, dtype=np.int64)
+        np.cumsum(np.bincount(g, minlength=n_groups), out=start[1:])
+        sizes = None if capacity is None or s is None else np.ascontiguousarray(s, dtype=np.float64)
+        cap = np.inf if capacity is None else float(capacity)
+        NATIVE.greedy_groups(np.ascontiguousarray(c, dtype=np.float64), sizes, cap, o.astype(np.int64), start, k, out)
+        return out
+    return _rounds(c, s, o, g, n_groups, k, capacity, out)
+
+
+def _rounds(
+    c: Costs,
+    s: Costs | None,
+    o: NDArray[np.intp],
+    g: NDArray[np.int64],
+    n_groups: int,
+    k: int,
+    capacity: float | None,
+    out: Bins,
+) -> Bins:
+    """`greedy_groups`' numpy form, one round per item rank: `o` the items by group, then
+    LPT order, `g` their groups. The reference the compiled kernel follows."""
     rank = slots(g, n_groups)  # position within its group
     table = np.full((n_groups, int(rank.max()) + 1), -1, dtype=np.int64)
     table[g, rank] = o

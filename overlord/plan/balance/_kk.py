@@ -14,6 +14,7 @@ import heapq
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from overlord.plan.balance._kernels import NATIVE
 from overlord.plan.balance._limits import Bins, Costs, check, lpt_order, repair
 
 # A partition: its k subset sums, sorted descending, and the item naming each subset (-1
@@ -63,7 +64,20 @@ def karmarkar_karp(
 
 
 def differencing(vals: Costs, k: int, equal_count: bool) -> Bins:
-    """Largest differencing over `vals` (sorted descending); returns the bin of each."""
+    """Largest differencing over `vals` (sorted descending); returns the bin of each.
+
+    Runs the compiled kernel where it was built (a heap of partitions and k-element
+    merges are a loop numpy can only take a few small calls at a time), else
+    `differencing_numpy`; both give the same bins."""
+    if NATIVE is None:
+        return differencing_numpy(vals, k, equal_count)
+    out = np.empty(len(vals), dtype=np.int64)
+    NATIVE.differencing(np.ascontiguousarray(vals, dtype=np.float64), k, equal_count, out)
+    return out
+
+
+def differencing_numpy(vals: Costs, k: int, equal_count: bool) -> Bins:
+    """`differencing` in numpy: the reference the compiled kernel follows step for step."""
     m = len(vals)
     if k == 1 or m < 2:
         return np.zeros(m, dtype=np.int64)

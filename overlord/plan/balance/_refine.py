@@ -17,6 +17,7 @@ from typing import cast
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
+from overlord.plan.balance._kernels import NATIVE
 from overlord.plan.balance._limits import Bins, Costs, check, group_order, slots
 
 
@@ -161,6 +162,10 @@ def _refine_pairs(c: Costs, out: Bins, placed: NDArray[np.int64], k: int, tol: f
     scale = float(c[o].max()) or 1.0
     cn = np.append(c / scale, 1.0)  # costs in [0, 1] for the batched search; a pad (-1) reads 1.0
     cz = np.append(c, 0.0)  # a pad costs nothing
+    stop = loads.mean() * (1 + tol)
+    if NATIVE is not None:  # the same rounds in C, pair by pair (a pair's search is one sort of m)
+        NATIVE.refine_pairs(cn, cz, table, k, m, loads, float(stop), scale, max_swaps, out)
+        return out
     # A light bin's members by cost, ties by their slot, is the order of the unique keys
     # (rank of the cost among the distinct costs) * m + slot: an int sort, not a stable
     # sort of floats, each round.
@@ -170,7 +175,6 @@ def _refine_pairs(c: Costs, out: Bins, placed: NDArray[np.int64], k: int, tol: f
     rank = np.empty(len(cn), dtype=np.int64)
     rank[by_cost] = distinct
     slot = np.arange(m, dtype=np.int64)
-    stop = loads.mean() * (1 + tol)
     half, shift, swaps = k // 2, 0, 0
     while swaps < max_swaps:
         order = np.argsort(loads, kind="stable")

@@ -1,0 +1,25 @@
+"""Type stub for the C extension `overlord.plan.balance._native` (native/balancemodule.c).
+
+Each kernel writes its answer into `out` (and `refine_pairs` also updates `table` and
+`loads` in place); see `_kernels.py` for the Python forms they stand in for.
+"""
+
+from typing_extensions import Buffer
+
+def differencing(vals: Buffer, k: int, equal_count: bool, out: Buffer, /) -> None: ...
+def greedy_groups(
+    costs: Buffer, sizes: Buffer | None, capacity: float, order: Buffer, start: Buffer, k: int, out: Buffer, /
+) -> None: ...
+def refine_pairs(
+    cn: Buffer,
+    cz: Buffer,
+    table: Buffer,
+    k: int,
+    m: int,
+    loads: Buffer,
+    stop: float,
+    scale: float,
+    max_swaps: int,
+    out: Buffer,
+    /,
+) -> None: ...
