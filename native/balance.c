@@ -42,6 +42,78 @@ static void stable_order(const double *key, int64_t len, int64_t *idx, int64_t *
     }
 }
 
+/* ---- cost order ------------------------------------------------------------------ */
+
+typedef struct {
+    uint64_t key;
+    int64_t idx;
+} keyed;
+
+enum { RADIX_BITS = 11, RADIX_BUCKETS = 1 << RADIX_BITS, RADIX_PASSES = (64 + RADIX_BITS - 1) / RADIX_BITS };
+
+/* Stable LSD radix sort of a[0..n) by key; b: n scratch entries. Returns the array
+ * (a or b) that holds the result. Passes where every key has the same digit are skipped. */
+static keyed *radix_sort(keyed *a, keyed *b, int64_t n, int64_t (*hist)[RADIX_BUCKETS]) {
+    memset(hist, 0, RADIX_PASSES * sizeof *hist);
+    for (int64_t i = 0; i < n; i++) {
+        for (int p = 0; p < RADIX_PASSES; p++) {
+            hist[p][(a[i].key >> (p * RADIX_BITS)) & (RADIX_BUCKETS - 1)]++;
+        }
+    }
+    for (int p = 0; p < RADIX_PASSES; p++) {
+        int64_t *h = hist[p], total = 0;
+        int trivial = 0;
+        for (int d = 0; d < RADIX_BUCKETS; d++) {
+            trivial |= h[d] == n; /* every key has this digit: the pass would change nothing */
+            int64_t cnt = h[d];
+            h[d] = total;
+            total += cnt;
+        }
+        if (trivial) {
+            continue;
+        }
+        for (int64_t i = 0; i < n; i++) { /* stable: equal digits keep their order */
+            b[h[(a[i].key >> (p * RADIX_BITS)) & (RADIX_BUCKETS - 1)]++] = a[i];
+        }
+        keyed *t = a;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+/* A non-negative double's sort key: its bits, which order as the values do (-0.0 as 0.0). */
+static uint64_t cost_key(double v) {
+    v += 0.0; /* -0.0 + 0.0 is +0.0: both zeros tie */
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return bits;
+}
+
+int ovl_bal_cost_order(const double *c, int64_t n, int descending, int64_t *out) {
+    keyed *a = malloc((size_t)(n ? n : 1) * sizeof *a), *b = malloc((size_t)(n ? n : 1) * sizeof *b);
+    int64_t(*hist)[RADIX_BUCKETS] = malloc(RADIX_PASSES * sizeof *hist);
+    if (!a || !b || !hist) {
+        free(a);
+        free(b);
+        free(hist);
+        return OVL_BAL_ENOMEM;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t bits = cost_key(c[i]);
+        a[i].key = descending ? ~bits : bits;
+        a[i].idx = i;
+    }
+    const keyed *sorted = radix_sort(a, b, n, hist);
+    for (int64_t i = 0; i < n; i++) {
+        out[i] = sorted[i].idx;
+    }
+    free(a);
+    free(b);
+    free(hist);
+    return OVL_BAL_OK;
+}
+
 /* ---- largest differencing ------------------------------------------------------- */
 
 typedef struct {
@@ -313,73 +385,121 @@ int ovl_bal_greedy_groups(const double *costs, const double *sizes, double capac
     return OVL_BAL_OK;
 }
 
+/* ---- a placement as a table ---------------------------------------------------- */
+
+int ovl_bal_bin_table(const int64_t *bin, const double *costs, int64_t n, int64_t k, int64_t m, int64_t *table,
+                      double *loads) {
+    int64_t *fill = calloc((size_t)(k ? k : 1), sizeof *fill);
+    if (!fill) {
+        return OVL_BAL_ENOMEM;
+    }
+    for (int64_t j = 0; j < k * m; j++) {
+        table[j] = -1;
+    }
+    for (int64_t b = 0; b < k; b++) {
+        loads[b] = 0.0;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t b = bin[i];
+        if (b >= 0) {
+            table[b * m + fill[b]++] = i;
+            loads[b] += costs[i];
+        }
+    }
+    free(fill);
+    return OVL_BAL_OK;
+}
+
 /* ---- pairwise swap refinement --------------------------------------------------- */
 
-/* Each bin's members by (normalised cost, slot), kept across rounds: `slot` and `val`
- * (cn of the member, cn[n] for a pad) in that order, k rows of m. The numpy form sorts
- * every pair's light row each round; here a row is sorted the first time it is read
- * and then updated by each swap (one removal, one insertion), which gives the same order. */
+/* A member of a bin: its normalised cost (cn[n] for a pad) and its slot in the row. */
 typedef struct {
-    int64_t *slot;
-    double *val;
-    unsigned char *valid;
-    int64_t m;
-} sorted_rows;
+    double val;
+    int64_t slot;
+} member;
 
-static void rows_sort(sorted_rows *rows, const int64_t *table, const double *cn, int64_t n, int64_t b, double *key,
-                      int64_t *idx) {
-    int64_t m = rows->m;
-    const int64_t *row = table + b * m;
-    for (int64_t j = 0; j < m; j++) {
-        key[j] = cn[row[j] >= 0 ? row[j] : n];
+/* The refinement's state beside the table: each entry's cn and cost (cz) in the table's
+ * layout, so the pair loops read rows, not the item arrays at random; and each bin's
+ * members by (normalised cost, slot), kept across rounds. The numpy form sorts every
+ * pair's light row each round; here all rows are sorted once and each swap updates its
+ * two rows (one removal, one insertion), which gives the same order. */
+typedef struct {
+    double *tcn, *tcz; /* k * m, as table */
+    member *sorted;    /* k * m */
+    int64_t m;
+} refine_state;
+
+/* Every bin's members by (normalised cost, slot), all rows at once: a stable radix sort
+ * of the table's entries (in table order: by bin, then slot) by cost, then a stable
+ * counting sort by bin. */
+static int rows_sort_all(refine_state *st, int64_t k) {
+    int64_t m = st->m, n = k * m;
+    keyed *a = malloc((size_t)(n ? n : 1) * sizeof *a), *b = malloc((size_t)(n ? n : 1) * sizeof *b);
+    int64_t(*hist)[RADIX_BUCKETS] = malloc(RADIX_PASSES * sizeof *hist);
+    int64_t *fill = calloc((size_t)k, sizeof *fill);
+    if (!a || !b || !hist || !fill) {
+        free(a);
+        free(b);
+        free(hist);
+        free(fill);
+        return OVL_BAL_ENOMEM;
     }
-    stable_order(key, m, idx, idx + m);
-    for (int64_t t = 0; t < m; t++) {
-        rows->slot[b * m + t] = idx[t];
-        rows->val[b * m + t] = key[idx[t]];
+    for (int64_t j = 0; j < n; j++) {
+        a[j].key = cost_key(st->tcn[j]);
+        a[j].idx = j;
     }
-    rows->valid[b] = 1;
+    const keyed *by_cost = radix_sort(a, b, n, hist);
+    for (int64_t t = 0; t < n; t++) {
+        int64_t j = by_cost[t].idx, bin = j / m;
+        member *e = st->sorted + bin * m + fill[bin]++;
+        e->val = st->tcn[j];
+        e->slot = j - bin * m;
+    }
+    free(a);
+    free(b);
+    free(hist);
+    free(fill);
+    return OVL_BAL_OK;
 }
 
 /* Slot s of bin b now holds an item of normalised cost v. */
-static void rows_update(sorted_rows *rows, int64_t b, int64_t s, double v) {
-    if (!rows->valid[b]) {
-        return;
-    }
-    int64_t m = rows->m, q = 0;
-    int64_t *slot = rows->slot + b * m;
-    double *val = rows->val + b * m;
-    while (slot[q] != s) {
+static void row_update(refine_state *st, int64_t b, int64_t s, double v) {
+    int64_t m = st->m, q = 0;
+    member *row = st->sorted + b * m;
+    while (row[q].slot != s) {
         q++;
     }
-    memmove(slot + q, slot + q + 1, (size_t)(m - 1 - q) * sizeof *slot);
-    memmove(val + q, val + q + 1, (size_t)(m - 1 - q) * sizeof *val);
+    memmove(row + q, row + q + 1, (size_t)(m - 1 - q) * sizeof *row);
     int64_t e = 0;
-    while (e < m - 1 && (val[e] < v || (val[e] == v && slot[e] < s))) {
+    while (e < m - 1 && (row[e].val < v || (row[e].val == v && row[e].slot < s))) {
         e++;
     }
-    memmove(slot + e + 1, slot + e, (size_t)(m - 1 - e) * sizeof *slot);
-    memmove(val + e + 1, val + e, (size_t)(m - 1 - e) * sizeof *val);
-    slot[e] = s;
-    val[e] = v;
+    memmove(row + e + 1, row + e, (size_t)(m - 1 - e) * sizeof *row);
+    row[e].val = v;
+    row[e].slot = s;
 }
 
 int ovl_bal_refine_pairs(const double *cn, const double *cz, int64_t n, int64_t *table, int64_t k, int64_t m,
                          double *loads, double stop, double scale, int64_t max_swaps, int64_t *bin) {
     int64_t half = k / 2, h1 = half ? half : 1;
     int64_t *order = malloc((size_t)(2 * k) * sizeof *order);
-    int64_t *idx = malloc((size_t)(2 * m) * sizeof *idx);
     int64_t *pos = malloc((size_t)m * sizeof *pos);
-    double *key = malloc((size_t)m * sizeof *key);
     int64_t *a_of = malloc((size_t)h1 * sizeof *a_of);
     int64_t *b_of = malloc((size_t)h1 * sizeof *b_of);
     int64_t *i_of = malloc((size_t)h1 * sizeof *i_of);
     int64_t *y_of = malloc((size_t)h1 * sizeof *y_of);
-    sorted_rows rows = {malloc((size_t)(k * m) * sizeof(int64_t)), malloc((size_t)(k * m) * sizeof(double)),
-                        calloc((size_t)k, 1), m};
+    refine_state st = {malloc((size_t)(k * m) * sizeof(double)), malloc((size_t)(k * m) * sizeof(double)),
+                       malloc((size_t)(k * m) * sizeof(member)), m};
     int rc = OVL_BAL_ENOMEM;
-    if (!order || !idx || !pos || !key || !a_of || !b_of || !i_of || !y_of || !rows.slot || !rows.val ||
-        !rows.valid) {
+    if (!order || !pos || !a_of || !b_of || !i_of || !y_of || !st.tcn || !st.tcz || !st.sorted) {
+        goto out;
+    }
+    for (int64_t j = 0; j < k * m; j++) {
+        int64_t x = table[j] >= 0 ? table[j] : n;
+        st.tcn[j] = cn[x];
+        st.tcz[j] = cz[x];
+    }
+    if (rows_sort_all(&st, k) != OVL_BAL_OK) {
         goto out;
     }
     int64_t shift = 0, swaps = 0;
@@ -399,14 +519,8 @@ int ovl_bal_refine_pairs(const double *cn, const double *cz, int64_t n, int64_t 
             double la = loads[a], lb = loads[b];
             double gap = la - lb;
             const int64_t *ra = table + a * m, *rb = table + b * m;
-            if (!rows.valid[a]) {
-                rows_sort(&rows, table, cn, n, a, key, idx);
-            }
-            if (!rows.valid[b]) {
-                rows_sort(&rows, table, cn, n, b, key, idx);
-            }
-            const int64_t *sa = rows.slot + a * m, *sb = rows.slot + b * m;
-            const double *va = rows.val + a * m, *vb = rows.val + b * m;
+            const double *za = st.tcz + a * m, *zb = st.tcz + b * m;
+            const member *sa = st.sorted + a * m, *sb = st.sorted + b * m;
             /* The numpy form searches every pair's row at once, each shifted into a band
              * of its own: the same additions here, so the comparisons round alike. */
             double band = 4.0 * (double)r;
@@ -416,14 +530,14 @@ int ovl_bal_refine_pairs(const double *cn, const double *cz, int64_t n, int64_t 
              * over both rows in cost order finds them all. */
             int64_t p = 0;
             for (int64_t e = 0; e < m; e++) {
-                double t = va[e] - g2;
+                double t = sa[e].val - g2;
                 t = t < -0.5 ? -0.5 : t;
                 t = t > 1.0 ? 1.0 : t;
                 t += band;
-                while (p < m && vb[p] + band < t) {
+                while (p < m && sb[p].val + band < t) {
                     p++;
                 }
-                pos[sa[e]] = p;
+                pos[sa[e].slot] = p;
             }
             /* candidates: column i (< m) the y just below x_i's ideal partner, m + i the one
              * at it; the first minimum of the new max load wins */
@@ -431,22 +545,21 @@ int ovl_bal_refine_pairs(const double *cn, const double *cz, int64_t n, int64_t 
             double best_new = INFINITY;
             for (int64_t col = 0; col < 2 * m; col++) {
                 int64_t i = col < m ? col : col - m;
-                int64_t x = ra[i];
-                if (x < 0) {
+                if (ra[i] < 0) {
                     continue;
                 }
                 int64_t q = col < m ? (pos[i] > 0 ? pos[i] - 1 : 0) : (pos[i] < m - 1 ? pos[i] : m - 1);
-                int64_t y = rb[sb[q]];
-                if (y < 0) {
+                int64_t ys = sb[q].slot;
+                if (rb[ys] < 0) {
                     continue;
                 }
-                double d = cz[x] - cz[y];
+                double d = za[i] - zb[ys];
                 double lo_side = la - d, hi_side = lb + d;
                 double nw = lo_side > hi_side ? lo_side : hi_side;
                 if (d > 0 && nw < la && nw < best_new) {
                     best_new = nw;
                     best_col = col;
-                    best_y = y;
+                    best_y = ys;
                 }
             }
             if (best_col >= 0) {
@@ -454,7 +567,7 @@ int ovl_bal_refine_pairs(const double *cn, const double *cz, int64_t n, int64_t 
                 a_of[n_go] = a;
                 b_of[n_go] = b;
                 i_of[n_go] = best_col % m;
-                y_of[n_go] = best_y;
+                y_of[n_go] = best_y; /* y's slot in b */
                 n_go++;
             }
         }
@@ -473,18 +586,21 @@ int ovl_bal_refine_pairs(const double *cn, const double *cz, int64_t n, int64_t 
             n_go = max_swaps - swaps;
         }
         for (int64_t g = 0; g < n_go; g++) { /* the pairs are disjoint: one at a time is all at once */
-            int64_t a = a_of[g], b = b_of[g], i = i_of[g], y = y_of[g];
-            int64_t x = table[a * m + i], j = 0;
-            while (table[b * m + j] != y) {
-                j++;
-            }
-            table[a * m + i] = y;
-            table[b * m + j] = x;
-            rows_update(&rows, a, i, cn[y]);
-            rows_update(&rows, b, j, cn[x]);
+            int64_t a = a_of[g], b = b_of[g], i = i_of[g], j = y_of[g];
+            int64_t ia = a * m + i, jb = b * m + j;
+            int64_t x = table[ia], y = table[jb];
+            double cx = st.tcn[ia], cy = st.tcn[jb], zx = st.tcz[ia], zy = st.tcz[jb];
+            table[ia] = y;
+            table[jb] = x;
+            st.tcn[ia] = cy;
+            st.tcn[jb] = cx;
+            st.tcz[ia] = zy;
+            st.tcz[jb] = zx;
+            row_update(&st, a, i, cy);
+            row_update(&st, b, j, cx);
             bin[x] = b;
             bin[y] = a;
-            double d = cz[x] - cz[y];
+            double d = zx - zy;
             loads[a] -= d;
             loads[b] += d;
         }
@@ -493,15 +609,13 @@ int ovl_bal_refine_pairs(const double *cn, const double *cz, int64_t n, int64_t 
     rc = OVL_BAL_OK;
 out:
     free(order);
-    free(idx);
     free(pos);
-    free(key);
     free(a_of);
     free(b_of);
     free(i_of);
     free(y_of);
-    free(rows.slot);
-    free(rows.val);
-    free(rows.valid);
+    free(st.tcn);
+    free(st.tcz);
+    free(st.sorted);
     return rc;
 }

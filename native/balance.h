@@ -19,6 +19,13 @@
 #define OVL_BAL_ENOMEM (-1)
 
 /*
+ * out[0..n) := indices of c (finite, >= 0) by cost, ascending or (descending != 0)
+ * descending, ties by index: a stable LSD radix sort of the costs' bit patterns
+ * (-0.0 counts as 0.0), so it is the one order a stable sort gives.
+ */
+int ovl_bal_cost_order(const double *c, int64_t n, int descending, int64_t *out);
+
+/*
  * Largest differencing of vals[0..m) (sorted descending) into k subsets; bin[i] gets
  * the subset of item i, subsets numbered by decreasing sum. equal_count != 0 starts
  * from chunks of k consecutive items (the equal-size variant), else from singletons.
@@ -34,6 +41,14 @@ int ovl_bal_differencing(const double *vals, int64_t m, int64_t k, int equal_cou
  */
 int ovl_bal_greedy_groups(const double *costs, const double *sizes, double capacity, const int64_t *order,
                           const int64_t *start, int64_t groups, int64_t k, int64_t *bin);
+
+/*
+ * The members of each bin as a table of k rows of m (item indices in index order,
+ * -1 pads) and each bin's load, the costs summed in index order: bin[n] in [-1, k),
+ * no bin holding more than m items.
+ */
+int ovl_bal_bin_table(const int64_t *bin, const double *costs, int64_t n, int64_t k, int64_t m, int64_t *table,
+                      double *loads);
 
 /*
  * Pairwise swap refinement (`_refine._refine_pairs`). table[k*m]: each bin's members

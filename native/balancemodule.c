@@ -31,6 +31,24 @@ static PyObject *done(int rc) {
     Py_RETURN_NONE;
 }
 
+static PyObject *mod_cost_order(PyObject *Py_UNUSED(m), PyObject *args) {
+    Py_buffer costs, out;
+    int descending;
+    if (!PyArg_ParseTuple(args, "y*pw*:cost_order", &costs, &descending, &out)) {
+        return NULL;
+    }
+    Py_ssize_t n = costs.len / 8;
+    int rc = 0;
+    if (need(&costs, "costs", n, 8, 0) && need(&out, "out", n, 8, 1)) {
+        Py_BEGIN_ALLOW_THREADS;
+        rc = ovl_bal_cost_order(costs.buf, n, descending, out.buf);
+        Py_END_ALLOW_THREADS;
+    }
+    PyBuffer_Release(&costs);
+    PyBuffer_Release(&out);
+    return PyErr_Occurred() ? NULL : done(rc);
+}
+
 static PyObject *mod_differencing(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_buffer vals, out;
     Py_ssize_t k;
@@ -98,6 +116,41 @@ static PyObject *mod_greedy_groups(PyObject *Py_UNUSED(m), PyObject *args) {
     return PyErr_Occurred() ? NULL : done(rc);
 }
 
+static PyObject *mod_bin_table(PyObject *Py_UNUSED(m), PyObject *args) {
+    Py_buffer bin, costs, table, loads;
+    Py_ssize_t k, m;
+    if (!PyArg_ParseTuple(args, "y*y*nnw*w*:bin_table", &bin, &costs, &k, &m, &table, &loads)) {
+        return NULL;
+    }
+    Py_ssize_t n = bin.len / 8;
+    int rc = 0;
+    if (k < 1 || m < 0) {
+        PyErr_SetString(PyExc_ValueError, "need k >= 1 and m >= 0");
+    } else if (need(&bin, "bin", n, 8, 0) && need(&costs, "costs", n, 8, 0) && need(&table, "table", k * m, 8, 1) &&
+               need(&loads, "loads", k, 8, 1)) {
+        /* every bin in [-1, k) and none over m members, or the table would be overrun */
+        const int64_t *b = bin.buf;
+        int64_t *cnt = calloc((size_t)k, sizeof *cnt);
+        int ok = cnt != NULL;
+        for (Py_ssize_t i = 0; ok && i < n; i++) {
+            ok = b[i] >= -1 && b[i] < k && (b[i] < 0 || ++cnt[b[i]] <= m);
+        }
+        free(cnt);
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError, "bins must be in [-1, k) with at most m items each");
+        } else {
+            Py_BEGIN_ALLOW_THREADS;
+            rc = ovl_bal_bin_table(bin.buf, costs.buf, n, k, m, table.buf, loads.buf);
+            Py_END_ALLOW_THREADS;
+        }
+    }
+    PyBuffer_Release(&bin);
+    PyBuffer_Release(&costs);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&loads);
+    return PyErr_Occurred() ? NULL : done(rc);
+}
+
 static PyObject *mod_refine_pairs(PyObject *Py_UNUSED(m), PyObject *args) {
     Py_buffer cn, cz, table, loads, out;
     Py_ssize_t k, m, max_swaps;
@@ -135,9 +188,11 @@ static PyObject *mod_refine_pairs(PyObject *Py_UNUSED(m), PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"cost_order", mod_cost_order, METH_VARARGS, "cost_order(costs, descending, out): stable order into out."},
     {"differencing", mod_differencing, METH_VARARGS, "differencing(vals, k, equal_count, out): bins into out."},
     {"greedy_groups", mod_greedy_groups, METH_VARARGS,
      "greedy_groups(costs, sizes|None, capacity, order, start, k, out): bins into out."},
+    {"bin_table", mod_bin_table, METH_VARARGS, "bin_table(bin, costs, k, m, table, loads): members and loads."},
     {"refine_pairs", mod_refine_pairs, METH_VARARGS,
      "refine_pairs(cn, cz, table, k, m, loads, stop, scale, max_swaps, out): swaps in place."},
     {NULL, NULL, 0, NULL},

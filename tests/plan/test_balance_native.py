@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overlord.plan.balance import _greedy, _kk, _refine, assign, swap_refine
+from overlord.plan.balance import _greedy, _kk, _limits, _refine, assign, swap_refine
 from overlord.plan.balance._greedy import greedy_groups
 from overlord.plan.balance._kk import differencing, differencing_numpy
 from overlord.plan.balance._limits import cost_order
@@ -26,7 +26,7 @@ def heavy_tailed(rng, n):
 
 def numpy_only(fn, *args, **kwargs):
     """`fn` on the numpy forms: what a checkout without the extension runs."""
-    mods = (_kk, _greedy, _refine)
+    mods = (_kk, _greedy, _refine, _limits)
     saved = [mod.NATIVE for mod in mods]
     try:
         for mod in mods:
@@ -35,6 +35,21 @@ def numpy_only(fn, *args, **kwargs):
     finally:
         for mod, native in zip(mods, saved):
             mod.NATIVE = native
+
+
+@FAST
+@given(st.lists(st.one_of(cost, st.just(-0.0), st.just(5e-324)), max_size=80), st.booleans())
+def test_cost_order_agrees(costs, descending):
+    c = np.asarray(costs, dtype=np.float64)
+    got = cost_order(c, descending=descending)
+    assert np.array_equal(got, numpy_only(cost_order, c, descending=descending))
+    assert np.array_equal(got, np.argsort(-c if descending else c, kind="stable"))
+
+
+def test_cost_order_agrees_at_scale():
+    c = heavy_tailed(np.random.default_rng(5), 65536)
+    for descending in (True, False):
+        assert np.array_equal(cost_order(c, descending=descending), numpy_only(cost_order, c, descending=descending))
 
 
 @FAST

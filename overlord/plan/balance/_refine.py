@@ -152,6 +152,20 @@ def _refine_pairs(c: Costs, out: Bins, placed: NDArray[np.int64], k: int, tol: f
     the heavy one); every pair that has one swaps. Stops within the tolerance, when no
     pair finds a swap at any shift, or after `max_swaps` swaps in all.
     """
+    if NATIVE is not None:  # the same table, loads and rounds in C, pair by pair
+        m = int(np.bincount(out[placed], minlength=k).max())
+        table = np.empty((k, m), dtype=np.int64)
+        loads = np.empty(k)
+        c = np.ascontiguousarray(c, dtype=np.float64)
+        NATIVE.bin_table(out, c, k, m, table, loads)
+        scale = float(c[placed].max()) or 1.0
+        cn = np.empty(len(c) + 1)
+        np.divide(c, scale, out=cn[:-1])
+        cn[-1] = 1.0
+        cz = np.append(c, 0.0)
+        stop = loads.mean() * (1 + tol)
+        NATIVE.refine_pairs(cn, cz, table, k, m, loads, float(stop), scale, max_swaps, out)
+        return out
     o = placed[group_order(out[placed], k)]
     b_of = out[o]
     cnt = np.bincount(b_of, minlength=k)
@@ -163,9 +177,6 @@ def _refine_pairs(c: Costs, out: Bins, placed: NDArray[np.int64], k: int, tol: f
     cn = np.append(c / scale, 1.0)  # costs in [0, 1] for the batched search; a pad (-1) reads 1.0
     cz = np.append(c, 0.0)  # a pad costs nothing
     stop = loads.mean() * (1 + tol)
-    if NATIVE is not None:  # the same rounds in C, pair by pair (a pair's search is one sort of m)
-        NATIVE.refine_pairs(cn, cz, table, k, m, loads, float(stop), scale, max_swaps, out)
-        return out
     # A light bin's members by cost, ties by their slot, is the order of the unique keys
     # (rank of the cost among the distinct costs) * m + slot: an int sort, not a stable
     # sort of floats, each round.
