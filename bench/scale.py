@@ -66,7 +66,8 @@ From every measured plan (the data path is not simulated, the plan decides it):
   ``baseline_sample_sends_per_step``: to every rank of the group (TP x CP).
 
 ``planner_ms_per_step`` is the wall time of `plan_step` + encoding + the fenced write
-(Overlord's phase). ``plan_bytes_per_step`` is the plan's binary encoding (`Plan.encode`).
+(Overlord's phase), in a process whose allocator is set up as the Planner's
+(`overlord.planner.heap.keep_heap`). ``plan_bytes_per_step`` is the plan's binary encoding (`Plan.encode`).
 The simulated Planner reads the Data Constructors' marks from the `progressed` entries
 they add (as the real one does), not the `progress` hash. ``--no-baseline`` measures
 Overlord's phase alone (16,384 ranks are more connections than a redis-server takes). The point is that they
@@ -224,11 +225,13 @@ def main() -> None:
     from overlord.plan.core import PlannerCore, resolve_strategy
     from overlord.plan.meta import MetaChunk
     from overlord.plan.tree import ClientPlaceTree
+    from overlord.planner.heap import keep_heap
     from overlord.planner.step_write import StepScript, StepWrite
     from overlord.runtime.lease import RENEW_S, Lease
     from overlord.store import EmbeddedRedis, Keys, connect
     from overlord.store.schema import built_entry
 
+    keep_heap()  # as the Planner process does before its first step
     mesh = Mesh(dp=args.dp, tp=args.tp, cp=args.cp)
     tree = ClientPlaceTree(mesh)
     n = args.sources
