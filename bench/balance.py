@@ -46,7 +46,7 @@ with `overlord.plan.cost`. What is measured:
   their encoded size.
   assign_ms / assign_ms_512dp time the balancer call alone.
   The process first sets up its allocator as the Planner process does
-  (`overlord.planner.heap.keep_heap`), so the steps timed are the Planner's.
+  (`overlord.heap.tune_planner`), so the steps timed are the Planner's.
 
 Usage: python bench/balance.py [--json] [--seed 0] [--steps 5] [--planner-steps 60] [--png bench/out/balance.png]
 """
@@ -65,9 +65,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from overlord.heap import tune_planner  # noqa: E402
 from overlord.plan.balance import assign  # noqa: E402
 from overlord.plan.cost import encoder_cost, transformer_cost  # noqa: E402
-from overlord.planner.heap import keep_heap  # noqa: E402
 
 CONTEXTS = {"4k": 4096, "8k": 8192, "16k": 16384}
 DP, MICRO, SAMPLES = 64, 8, 4096
@@ -255,7 +255,7 @@ def main() -> None:
     ap.add_argument("--planner-steps", type=int, default=60, help="Planner steps timed at 64 DP (a third at 512)")
     ap.add_argument("--png", default=str(REPO / "bench" / "out" / "balance.png"))
     args = ap.parse_args()
-    keep_heap()  # as the Planner process does before its first step
+    tune_planner()  # as the Planner process does before its first step
 
     by_dist: dict[str, dict] = {"navit": {}, "text": {}}
     examples = {}

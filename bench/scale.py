@@ -67,7 +67,7 @@ From every measured plan (the data path is not simulated, the plan decides it):
 
 ``planner_ms_per_step`` is the wall time of `plan_step` + encoding + the fenced write
 (Overlord's phase), in a process whose allocator is set up as the Planner's
-(`overlord.planner.heap.keep_heap`). ``plan_bytes_per_step`` is the plan's binary encoding (`Plan.encode`).
+(`overlord.heap.tune_planner`). ``plan_bytes_per_step`` is the plan's binary encoding (`Plan.encode`).
 The simulated Planner reads the Data Constructors' marks from the `progressed` entries
 they add (as the real one does), not the `progress` hash. ``--no-baseline`` measures
 Overlord's phase alone (16,384 ranks are more connections than a redis-server takes). The point is that they
@@ -220,18 +220,18 @@ def main() -> None:
     args = parser.parse_args()
 
     from overlord.config import Mesh
+    from overlord.heap import tune_planner
     from overlord.plan import meta
     from overlord.plan.checkpoint import Checkpoints
     from overlord.plan.core import PlannerCore, resolve_strategy
     from overlord.plan.meta import MetaChunk
     from overlord.plan.tree import ClientPlaceTree
-    from overlord.planner.heap import keep_heap
     from overlord.planner.step_write import StepScript, StepWrite
     from overlord.runtime.lease import RENEW_S, Lease
     from overlord.store import EmbeddedRedis, Keys, connect
     from overlord.store.schema import built_entry
 
-    keep_heap()  # as the Planner process does before its first step
+    tune_planner()  # as the Planner process does before its first step
     mesh = Mesh(dp=args.dp, tp=args.tp, cp=args.cp)
     tree = ClientPlaceTree(mesh)
     n = args.sources

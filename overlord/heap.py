@@ -27,6 +27,15 @@ a block at or over the threshold only when no free chunk of its heap holds it: a
 malloc trace of a soak's redis-server showed 10-20% of its 16 and 32 KiB client reply
 and query buffers mapped and the rest cut from the heap's free top, so those still
 churn in the heap. These are no-ops where the C library is not glibc (musl, macOS).
+
+The Planner is the exception (`tune_planner`, called as its process starts): a step at
+512 DP x 65,536 samples allocates and frees tens of numpy arrays of 0.5-2 MiB (costs,
+orders, the balancers' tables, the plan), and with every such block mapped and
+unmapped each step faulted in and zeroed all their pages again: a few ms a step on a
+VM, and most of its p99. With a 32 MiB mmap threshold and a 256 MiB trim threshold the
+blocks stay in the heap, where the next step reuses them; its RSS holds its largest
+step's working set (tens of MiB at 512 DP) between steps. Its heartbeat thread still
+calls `trim()`, so once every TRIM_EVERY_S one step pays the faults again.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ import os
 MMAP_THRESHOLD = 128 << 10  # glibc's own initial threshold, made fixed
 REDIS_MMAP_THRESHOLD = 16 << 10  # redis-server's AOF-rewrite blocks are mapped, not left in its heap
 ARENA_MAX = 2
+PLANNER_MMAP_THRESHOLD = 32 << 20  # the Planner's per-step arrays come from the heap (glibc's most on 64-bit)
+PLANNER_TRIM_THRESHOLD = 256 << 20  # and stay there when freed, for the next step
 TRIM_EVERY_S = 10.0  # how often a role hands free heap pages back
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # <malloc.h>
@@ -62,6 +73,16 @@ def tune() -> bool:
     ok = _LIBC.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)  # also fixes it: no dynamic raise
     ok &= _LIBC.mallopt(_M_TRIM_THRESHOLD, MMAP_THRESHOLD)
     ok &= _LIBC.mallopt(_M_ARENA_MAX, ARENA_MAX)
+    return bool(ok)
+
+
+def tune_planner() -> bool:
+    """The Planner's malloc, as described above (after `tune`, which the sidecar made
+    before forking it; the arena cap stays); True when it took effect."""
+    if _LIBC is None:
+        return False
+    ok = _LIBC.mallopt(_M_MMAP_THRESHOLD, PLANNER_MMAP_THRESHOLD)
+    ok &= _LIBC.mallopt(_M_TRIM_THRESHOLD, PLANNER_TRIM_THRESHOLD)
     return bool(ok)
 
 

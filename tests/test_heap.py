@@ -57,6 +57,22 @@ print(in_heap(libc.malloc(1 << 20)))
     assert _run(body, "tune") == "False"
 
 
+def test_planner_keeps_its_step_arrays_in_the_heap():
+    """After the sidecar's `tune`, the Planner's `tune_planner`: an 8 MiB block (a
+    512-DP step's arrays are 0.5-2 MiB) comes from the heap, and freed and asked again
+    it is the same memory, not a fresh mapping to fault in."""
+    out = _run("""
+assert heap.tune()
+print(in_heap(libc.malloc(8 << 20)))
+assert heap.tune_planner()
+a = libc.malloc(8 << 20)
+libc.free(a)
+b = libc.malloc(8 << 20)
+print(in_heap(a), a == b)
+""")
+    assert out.split() == ["False", "True", "True"]
+
+
 def test_trim_hands_free_heap_pages_back():
     """64 MiB of small blocks, freed but for every 16th (so the holes between cannot
     merge into the heap's top and shrink it), stay resident until trim."""

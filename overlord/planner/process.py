@@ -23,12 +23,12 @@ import threading
 
 import redis
 
+from overlord import heap
 from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.core import PlannerCore, resolve_strategy
 from overlord.plan.schedule import from_config, mixing_unit
 from overlord.plan.tree import ClientPlaceTree
 from overlord.planner.feedback import feed
-from overlord.planner.heap import keep_heap
 from overlord.planner.intake import Intake
 from overlord.planner.leadership import Leadership, wait_done
 from overlord.planner.placing import Placer
@@ -47,7 +47,7 @@ AHEAD_WAIT_MS = int(PROMOTE_CHECK_S * 1000)  # longest block on `progressed` whi
 
 def run_planner(ctx) -> None:
     """Lead (or wait to lead) the job's planning until its last step is planned."""
-    keep_heap()  # per-step arrays reuse the heap instead of fresh pages (heap.py)
+    heap.tune_planner()  # per-step arrays reuse the heap instead of fresh pages (overlord/heap.py)
     lease = Lease(ctx.r, ctx.keys, node=ctx.job.node)
     threading.Thread(target=lease.renew_forever, args=(ctx.stop,), daemon=True, name="lease").start()
     if ctx.job.multi_node:
