@@ -289,6 +289,8 @@ class DGraph:
                 bucket[mine] = b
             return bucket, np.where(bucket >= 0, self.sub, -1)
         group = self.group_size or n_buckets
+        if group >= n_buckets:  # one group of every bucket: no samples to deal out and gather back
+            return _assign(costs, n_buckets, bins, self.inter, self.intra, sizes, self.capacity, self.mode)
         bucket = np.full(len(items), -1, dtype=np.int64)
         mbin = np.full(len(items), -1, dtype=np.int64)
         groups = [np.arange(g, min(g + group, n_buckets)) for g in range(0, n_buckets, group)]
