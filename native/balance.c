@@ -171,12 +171,8 @@ typedef struct {
     int64_t n_free, n_slots, k;
 } kk_pool;
 
-static int64_t kk_alloc(kk_pool *p) {
-    if (p->n_free) {
-        return p->free_slots[--p->n_free];
-    }
-    int64_t grow = p->n_slots ? p->n_slots : 16;
-    int64_t n = p->n_slots + grow;
+/* Room for `n` slots in all (n > n_slots), the new ones free; 0, or -1 out of memory. */
+static int kk_grow(kk_pool *p, int64_t n) {
     double *s = realloc(p->sums, (size_t)(n * p->k) * sizeof *s);
     if (!s) {
         return -1;
@@ -192,12 +188,18 @@ static int64_t kk_alloc(kk_pool *p) {
         return -1;
     }
     p->free_slots = fr;
-    for (int64_t s2 = n - 1; s2 > p->n_slots; s2--) {
+    for (int64_t s2 = n - 1; s2 >= p->n_slots; s2--) { /* handed out lowest first */
         p->free_slots[p->n_free++] = s2;
     }
-    int64_t got = p->n_slots;
     p->n_slots = n;
-    return got;
+    return 0;
+}
+
+static int64_t kk_alloc(kk_pool *p) {
+    if (!p->n_free && kk_grow(p, p->n_slots ? 2 * p->n_slots : 16) < 0) {
+        return -1;
+    }
+    return p->free_slots[--p->n_free];
 }
 
 /* A popped entry as a pool slot: a singleton is built only now (memory stays O(heap)). */
@@ -245,7 +247,11 @@ int ovl_bal_differencing(const double *vals, int64_t m, int64_t k, int equal_cou
     }
     int64_t len = 0;
     if (equal_count) {
-        /* Chunks of k consecutive sorted items, one item per subset, padded with empty ones. */
+        /* Chunks of k consecutive sorted items, one item per subset, padded with empty ones:
+         * their slots at once (merging only frees slots). */
+        if (kk_grow(&pool, n_entries) < 0) {
+            goto out;
+        }
         for (int64_t j = 0; j < n_entries; j++) {
             int64_t s = kk_alloc(&pool);
             if (s < 0) {
