@@ -66,6 +66,20 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _handoff(args: argparse.Namespace) -> int:
+    # deferred: each subcommand imports only what it runs (pyarrow, redis, numpy: 0.2-0.5 s), so the rest start fast
+    from overlord.planner.request import request_handoff
+    from overlord.store import Keys, connect
+    from overlord.store.server import redis_url_of
+
+    job = Job.from_file(args.config)
+    code, message = request_handoff(
+        connect(redis_url_of(job), timeout_s=5), Keys(job.name), args.stream, args.loader, args.timeout
+    )
+    print(message, file=sys.stderr if code else sys.stdout)
+    return code
+
+
 def _plan(args: argparse.Namespace) -> int:
     # deferred: each subcommand imports only what it runs (pyarrow, redis, numpy: 0.2-0.5 s), so the rest start fast
     from overlord.planner.dryrun import dry_run
@@ -200,6 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="job YAML/JSON")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_status)
+    p = sub.add_parser("handoff", help="serve a stream from another loader process, live, from the next step")
+    p.add_argument("--config", required=True, help="job YAML/JSON")
+    p.add_argument("stream", help="the stream: <source>.<partition> (overlord status lists them)")
+    p.add_argument("loader", type=int, help="the loader process index to serve it")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the Planner's answer")
+    p.set_defaults(fn=_handoff)
     p = sub.add_parser("plan", help="show what the job's strategy would do (per-rank cost, imbalance, speedup)")
     p.add_argument("--config", required=True, help="job YAML/JSON")
     p.add_argument("--dry-run", action="store_true", help="plan in this process; start nothing")

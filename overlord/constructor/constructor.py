@@ -178,7 +178,7 @@ class DataConstructor:
                 wanted = [item for items in batches.values() for item in items]
                 if plan.encoder_items is not None:
                     wanted += [item for rank in receivers for item in map(tuple, plan.encoder_rows(rank).tolist())]
-                samples = self._collect(plan.step, wanted)
+                samples = self._collect(plan.step, wanted, plan.loader_of(self.layout.loader_of))
                 self._build(plan, receivers, buckets, batches, samples)
                 del samples  # its leases end: the loaders get this step's ring space back
                 if not self.outputs:
@@ -290,8 +290,11 @@ class DataConstructor:
             del self.outputs[rank]
             ring.close()
 
-    def _collect(self, step: int, items) -> dict[tuple[int, int, int], tuple[dict[str, np.ndarray], str]]:
-        """Read this step's planned samples (`items`) from the loader rings."""
+    def _collect(
+        self, step: int, items, serving: list[int]
+    ) -> dict[tuple[int, int, int], tuple[dict[str, np.ndarray], str]]:
+        """Read this step's planned samples (`items`) from the loader rings (`serving`:
+        the loader process of each stream this step, as its plan says)."""
         wanted = set(items)
         got: dict[tuple[int, int, int], tuple[dict[str, np.ndarray], str]] = {}
         for ident in [i for i, (t, _, _) in self.stash.items() if t <= step]:
@@ -300,7 +303,7 @@ class DataConstructor:
                 got[ident] = (arrays, key)
         owed = [0] * len(self.inputs)
         for ident in wanted - set(got):
-            owed[self.layout.loader_of[ident[0]]] += 1
+            owed[serving[ident[0]]] += 1
         deadline = time.monotonic() + self.job.timeout_s
         while any(owed):
             self._replay_if_broken(step)

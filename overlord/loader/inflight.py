@@ -75,6 +75,21 @@ class Inflight:
         self._threads: dict[int, int] = {}  # slot offset -> thread ident (for its stack)
         self._lock = threading.Lock()
 
+    def add_stream(self, name: str, files: list[str]) -> int:
+        """Name one more stream (a stream handed to this process while it runs); returns
+        its id. Ids already given keep their meaning."""
+        with self._lock:
+            start = _HEADER.size + SLOTS * _SLOT.size
+            _, slots, names_len = _HEADER.unpack_from(self._map, 0)
+            streams = json.loads(bytes(self._map[start : start + names_len]))
+            streams.append([name, list(files)])
+            names = json.dumps(streams).encode()
+            if start + len(names) > len(self._map):
+                self._map.resize(start + len(names))  # the file grows with it
+            self._map[start : start + len(names)] = names
+            _HEADER.pack_into(self._map, 0, MAGIC, slots, len(names))
+            return len(streams) - 1
+
     def _slot(self) -> int:
         ident = threading.get_ident()
         offset = self._slots.get(ident)

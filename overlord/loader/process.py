@@ -94,23 +94,17 @@ class LoaderProcess:
         # none of them (a report lost with a primary would leave the Planner waiting for
         # samples the loader believes reported)
         self.durable = Durability(self.r, timeout_s=job.redis_outage_s)
-        self.hosted = [i for i, owner in enumerate(layout.loader_of) if owner == ctx.index]
+        # the streams this process serves: the layout's, until a plan hands one over (handoff.py)
+        self.serving: list[int] = list(layout.loader_of)  # stream -> the loader process serving it now
         self.loaders: dict[int, SourceLoader] = {}
-        for i in self.hosted:
-            src = job.sources[layout.stream_source[i]]
-            partition = int(layout.streams[i].rsplit(".", 1)[1])
-            self.loaders[i] = SourceLoader(
-                src,
-                partition,
-                seed=job.seed,
-                epochs=job.epochs,
-                context_length=job.batch.context_length,
-                vocab_size=job.batch.vocab_size,
-                max_sample_bytes=ring_max_record(job.sample_ring_bytes),
-            )
-        self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {i: {} for i in self.hosted}  # not yet sent
-        self.held_bytes: dict[int, int] = {i: 0 for i in self.hosted}  # bytes of each read buffer
-        self.budgets = {i: self._budget(i) for i in self.hosted}
+        self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {}  # not yet sent
+        self.held_bytes: dict[int, int] = {}  # bytes of each read buffer
+        self.budgets: dict[int, ReadBudget] = {}
+        self._table: Inflight | None = None  # the transforms' in-flight table, once run() made it
+        self._deadline: Deadline | None = None
+        for i, owner in enumerate(layout.loader_of):
+            if owner == ctx.index:
+                self._open(i)
         self._pace: list[float | None] = [None, None]  # (seconds a refill turn takes, seconds between plans)
         self._served_at: float | None = None
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every trainer read the step
@@ -131,6 +125,24 @@ class LoaderProcess:
         self._journaled = time.monotonic()
         self._stated = 0.0  # when the running totals were last published
         self._skips_published: dict[int, int] = {}  # stream -> Skips.version last written to Redis
+
+    def _open(self, i: int) -> SourceLoader:
+        """Start hosting stream i: its Source Loader (at the epoch order's start), an
+        empty read buffer and its budget."""
+        job, layout = self.job, self.layout
+        loader = self.loaders[i] = SourceLoader(
+            job.sources[layout.stream_source[i]],
+            int(layout.streams[i].rsplit(".", 1)[1]),
+            seed=job.seed,
+            epochs=job.epochs,
+            context_length=job.batch.context_length,
+            vocab_size=job.batch.vocab_size,
+            max_sample_bytes=ring_max_record(job.sample_ring_bytes),
+        )
+        self.buffers[i], self.held_bytes[i], self.budgets[i] = {}, 0, self._budget(i)
+        if self._table is not None and self._deadline is not None:  # handed over while running
+            self._watch(i, self._table, self._deadline)
+        return loader
 
     def _budget(self, i: int) -> ReadBudget:
         """Stream i's read-buffer budget (runtime/readbuffer.py): its share of a step."""
@@ -166,19 +178,21 @@ class LoaderProcess:
             "active" if self.active else "shadow",
             self.ctx.index,
             self.step,
-            [self.layout.streams[i] for i in self.hosted],
+            [self.layout.streams[i] for i in sorted(self.loaders)],
         )
 
-    def _rebuild(self, step: int, state: dict | None) -> None:
-        """Start every stream after its cursor in the planner state before `step` and
-        re-prepare the samples that state deferred (they sit behind the cursors)."""
+    def _rebuild(self, step: int, state: dict | None, streams: list[int] | None = None) -> None:
+        """Start every stream (or those of `streams`) after its cursor in the planner
+        state before `step` and re-prepare the samples that state deferred (they sit
+        behind the cursors)."""
         state = state or Checkpoints(self.keys).load(self.r, step)
-        for i, loader in self.loaders.items():
+        chosen = set(self.loaders if streams is None else streams)
+        for i in chosen:
             epoch, seq = state["cursors"][self.layout.streams[i]]
-            loader.start_at(epoch, seq + 1)
+            self.loaders[i].start_at(epoch, seq + 1)
         deferred: dict[tuple[int, int], list[int]] = {}
         for stream, epoch, seq, *_ in state["deferred"]:
-            if stream in self.loaders:
+            if stream in chosen:
                 deferred.setdefault((stream, epoch), []).append(seq)
         for (stream, epoch), seqs in deferred.items():
             for sample in self.loaders[stream].prepare_at(epoch, seqs):
@@ -283,7 +297,16 @@ class LoaderProcess:
             self._hung,
         )
         threading.Thread(target=deadline.run, args=(self.ctx.stop,), daemon=True, name="transform-deadline").start()
+        self._table, self._deadline = table, deadline
         return table
+
+    def _watch(self, i: int, table: Inflight, deadline: Deadline) -> None:
+        """Watch the transforms of stream i, handed to this process while it runs."""
+        loader = self.loaders[i]
+        loader.inflight, loader.stream_id = table, table.add_stream(loader.source.name, loader.paths)
+        deadline.streams.append((loader.source.name, loader.paths))
+        deadline.deadlines.append(self.job.transform_deadline(loader.source))
+        deadline.specs.append(loader.source.transform)
 
     def _hung(self, message: str) -> None:
         """A transform is stuck: report it and end the process (Python cannot stop the
@@ -364,8 +387,40 @@ class LoaderProcess:
 
     # -- serving -----------------------------------------------------------------------
 
+    def _handoffs(self, plan: Plan) -> None:
+        """Serve the streams `plan` names this process for (handoff.py): a stream handed
+        to another process is dropped after its last step here (its samples sent for
+        earlier steps stay kept for replays); a stream handed to this one starts from
+        the planner checkpoint before this step, as a restarted loader's does. Its
+        samples are read as this and the next steps take them."""
+        serving = plan.loader_of(self.layout.loader_of)
+        if serving == self.serving:
+            return
+        me = self.ctx.index
+        for i in [i for i in self.loaders if serving[i] != me]:
+            log.info(
+                "stream %s: served by loader process %d from step %d", self.layout.streams[i], serving[i], plan.step
+            )
+            self.loaders.pop(i).close()
+            del self.buffers[i], self.held_bytes[i], self.budgets[i]
+            self._skips_published.pop(i, None)
+        gained = [i for i, k in enumerate(serving) if k == me and i not in self.loaders]
+        for i in gained:
+            self._open(i)
+        if gained:
+            if plan.step > 0:
+                self._rebuild(plan.step, None, gained)
+            log.info(
+                "serving stream(s) %s from step %d (handed over from loader process(es) %s)",
+                [self.layout.streams[i] for i in gained],
+                plan.step,
+                sorted({self.serving[i] for i in gained}),
+            )
+        self.serving = serving
+
     def _serve(self, plan) -> None:
         """Send this process's samples of `plan` to their Data Constructors, in plan order."""
+        self._handoffs(plan)
         sends = loader_do_plan(plan, self.job.mesh, set(self.buffers))
         samples = []
         took = dict.fromkeys(self.budgets, 0)

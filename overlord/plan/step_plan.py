@@ -13,7 +13,7 @@ axis and broadcast dims as ASCII, then arrays, each starting on an 8-byte bounda
     offset  size  field
          0     4  magic b"OVPL"
          4     2  u16 version (1)
-         6     2  u16 flags: bit 0 last, bit 1 encoder lists present
+         6     2  u16 flags: bit 0 last, bit 1 encoder lists present, bit 2 owners present
          8     8  i64 step
         16     8  i64 deferred (samples deferred to the next step)
         24     8  i64 dropped (on the last step: samples no step delivers)
@@ -25,13 +25,16 @@ axis and broadcast dims as ASCII, then arrays, each starting on an 8-byte bounda
         52     3  u8 x 3 byte width of the stream, epoch and seq columns (1, 2, 4 or 8)
         55     1  zero
         56     2  u16 T length of the text
-        58     6  zero
+        58     4  u32 K streams handed off (owners; 0 without)
+        62     2  zero
         64     T  ASCII: the axis, then ";" and each broadcast dim ("DP;TP"); zero-padded to 8
          .  4B*M  u32 [B*M]: samples of micro-batch m of bucket b at b*M + m
          .    4R  u32 [R]: samples each encoder rank encodes (zero-padded to 8)
          .   ...  the stream column of the n + e rows (bucket rows, then encoder rows),
                   then the epoch column, then the seq column, each unsigned of its width
                   and zero-padded to 8
+         .    8K  u32 [K, 2]: (stream, loader process) of each stream served this step
+                  by a loader process other than its layout's (live handoffs)
 
 Each column takes the narrowest width its largest value fits (stream and epoch
 usually 1 or 2 bytes, seq 4): about 7 bytes per sample. `decode` checks the magic,
@@ -53,9 +56,9 @@ from overlord.errors import PlanError
 
 MAGIC = b"OVPL"
 VERSION = 1
-_HEADER = struct.Struct("<4sHHqqqIIIII3BxH6x")
+_HEADER = struct.Struct("<4sHHqqqIIIII3BxHI2x")
 HEADER_BYTES = _HEADER.size  # 64
-_LAST, _ENCODER = 1, 2
+_LAST, _ENCODER, _OWNERS = 1, 2, 4
 _WIDTHS = (1, 2, 4, 8)
 _U32_MAX = (1 << 32) - 1
 
@@ -87,6 +90,9 @@ class Plan:
     encoder_items: NDArray[np.int64] | None = None
     encoder_bounds: NDArray[np.int64] | None = None
     dropped: int = 0
+    # [K, 2] (stream, loader process): streams this step is served by a loader process
+    # other than the layout's (a live handoff, overlord.planner.handoff); None: none is
+    owners: NDArray[np.int64] | None = None
 
     @classmethod
     def from_lists(
@@ -161,6 +167,21 @@ class Plan:
         b = self.encoder_bounds.tolist()
         return [rows[b[r] : b[r + 1]] for r in range(len(b) - 1)]
 
+    def loader_of(self, home: list[int]) -> list[int]:
+        """The loader process serving each stream this step: `home` (the layout's
+        `loader_of`) with this plan's handoffs applied."""
+        if self.owners is None or not len(self.owners):
+            return home
+        out = list(home)
+        for stream, loader in self.owners.tolist():
+            if stream >= len(out):
+                raise PlanError(
+                    f"the plan of step {self.step} hands stream {stream} to loader process {loader}, but the job "
+                    f"has {len(out)} streams: run one job configuration on every node"
+                )
+            out[stream] = loader
+        return out
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Plan) and self.encode() == other.encode()
 
@@ -175,6 +196,9 @@ class Plan:
             PlanError: a row is negative, or a count does not fit the format.
         """
         enc = self.encoder_items is not None and self.encoder_bounds is not None
+        owners = self.owners if self.owners is not None else np.zeros((0, 2), dtype=np.int64)
+        if len(owners) and (owners.min() < 0 or owners.max() > _U32_MAX):
+            raise PlanError(f"plan of step {self.step}: a handoff names a negative or too large stream or loader")
         e_items = self.encoder_items if enc and self.encoder_items is not None else _empty_rows()
         e_bounds = self.encoder_bounds if enc and self.encoder_bounds is not None else np.zeros(1, dtype=np.int64)
         rows = np.concatenate([self.items, e_items]) if len(e_items) else self.items
@@ -190,7 +214,7 @@ class Plan:
             _HEADER.pack(
                 MAGIC,
                 VERSION,
-                (_LAST if self.last else 0) | (_ENCODER if enc else 0),
+                (_LAST if self.last else 0) | (_ENCODER if enc else 0) | (_OWNERS if len(owners) else 0),
                 self.step,
                 self.deferred,
                 self.dropped,
@@ -201,6 +225,7 @@ class Plan:
                 len(e_items),
                 *widths,
                 len(text),
+                len(owners),
             ),
             _padded(text),
             _padded(counts.astype("<u4").tobytes()),
@@ -208,6 +233,8 @@ class Plan:
         ]
         for col, w in enumerate(widths):
             parts.append(_padded(rows[:, col].astype(f"<u{w}").tobytes()))
+        if len(owners):
+            parts.append(owners.astype("<u4").tobytes())
         return b"".join(parts)
 
     @classmethod
@@ -227,7 +254,7 @@ class Plan:
             )
         if len(view) < HEADER_BYTES or bytes(view[:4]) != MAGIC:
             raise PlanError(f"the plan in Redis is not a plan ({len(view)} B, starting {bytes(view[:8])!r})")
-        (_, version, flags, step, deferred, dropped, n_buckets, bins, n, ranks, e, w0, w1, w2, text_len) = (
+        (_, version, flags, step, deferred, dropped, n_buckets, bins, n, ranks, e, w0, w1, w2, text_len, k) = (
             _HEADER.unpack_from(view)
         )
         if version != VERSION:
@@ -244,11 +271,13 @@ class Plan:
             bins < 1
             or any(w not in _WIDTHS for w in widths)
             or (not enc and (ranks or e))
-            or len(view) != off + sum(sizes)
+            or bool(flags & _OWNERS) != bool(k)
+            or len(view) != off + sum(sizes) + 8 * k
         ):
             raise PlanError(
                 f"the plan of step {step} is {len(view)} B, which disagrees with its header ({n_buckets} buckets x "
-                f"{bins} micro-batches, {n} samples, {ranks} encoder ranks, {e} encoder samples, widths {widths}); "
+                f"{bins} micro-batches, {n} samples, {ranks} encoder ranks, {e} encoder samples, widths {widths}, "
+                f"{k} handoffs); "
                 "the value was cut short or overwritten"
             )
         text = bytes(view[off : off + text_len]).decode("ascii", errors="replace").split(";")
@@ -261,6 +290,7 @@ class Plan:
         for w, size in zip(widths, sizes[3:]):
             cols.append(np.frombuffer(view, dtype=f"<u{w}", count=n + e, offset=off))
             off += size
+        owners = np.frombuffer(view, dtype="<u4", count=2 * k, offset=off).astype(np.int64).reshape(k, 2) if k else None
         if int(counts.sum()) != n or int(e_counts.sum()) != e:
             raise PlanError(
                 f"the plan of step {step} counts {int(counts.sum())} samples in its micro-batches and "
@@ -279,6 +309,7 @@ class Plan:
             encoder_items=rows[n:] if enc else None,
             encoder_bounds=_offsets(e_counts) if enc else None,
             dropped=dropped,
+            owners=owners,
         )
 
     # -- JSON, for people ------------------------------------------------------------
@@ -295,6 +326,7 @@ class Plan:
                 "buckets": self.buckets,
                 "encoder": self.encoder,
                 "dropped": self.dropped,
+                "owners": None if self.owners is None else self.owners.tolist(),
             },
             separators=(",", ":"),
         ).encode()
@@ -312,6 +344,7 @@ class Plan:
             broadcast=tuple(obj["broadcast"]),
             deferred=obj["deferred"],
             dropped=obj.get("dropped", 0),
+            owners=None if obj.get("owners") is None else np.asarray(obj["owners"], dtype=np.int64).reshape(-1, 2),
         )
 
 

@@ -80,10 +80,11 @@ class Intake:
         self.progressed()
         return out
 
-    def check_stalled(self, step: int, streams: Sequence) -> None:
+    def check_stalled(self, step: int, streams: Sequence, serving: Sequence[int] | None = None) -> None:
         """Args:
             step: the step that waits.
             streams: the core's stream buffers (`count`, `final`, `name`), read only.
+            serving: the loader process serving each stream (the layout's by default).
 
         Raises:
             PlanError: no report for `timeout_s` while the loaders of the streams with
@@ -92,7 +93,8 @@ class Intake:
         if time.monotonic() - self.waiting_since <= self.timeout_s:
             return
         starving = [i for i, s in enumerate(streams) if s.count == 0 and not s.final]
-        owners = sorted({self.layout.loader_of[i] for i in starving})
+        loader_of = self.layout.loader_of if serving is None else serving
+        owners = sorted({loader_of[i] for i in starving})
         if all(alive_within(self.r, self.keys, "loader", k, self.timeout_s) for k in owners):
             self.progressed()  # the loaders turn their loops: back-pressure, not a hang
             return

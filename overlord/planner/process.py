@@ -29,6 +29,7 @@ from overlord.plan.core import PlannerCore, resolve_strategy
 from overlord.plan.schedule import from_config, mixing_unit
 from overlord.plan.tree import ClientPlaceTree
 from overlord.planner.feedback import feed
+from overlord.planner.handoff import Handoffs
 from overlord.planner.intake import Intake
 from overlord.planner.leadership import Leadership, wait_done
 from overlord.planner.placing import Placer
@@ -105,6 +106,8 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     if generation is None:
         return
     first = core.step
+    handoffs = Handoffs(r, keys, lease, layout)
+    handoffs.recover(first)
     publisher = Publisher(r, keys, lease, ckpts, first=first, dp=job.mesh.dp, durable_s=job.redis_outage_s)
     intake = Intake(r, keys, layout, generation, timeout_s=job.timeout_s, run_dir=ctx.run_dir)
     promoter = Promoter(r, keys, lease, layout.shadowed, placed=job.multi_node)
@@ -125,12 +128,14 @@ def _lead(ctx, lease: Lease, token: int) -> None:
             publisher.wait(AHEAD_WAIT_MS)
             continue
         feed(r, keys, core.schedule, core.step)
+        handoffs.look(core.step, first)
         plan = core.plan_step()
         if plan is None:  # the plan needs samples not yet reported
             for stream, chunk in intake.read(core.wanted):
                 core.add(stream, chunk)
-            intake.check_stalled(core.step, core.streams)
+            intake.check_stalled(core.step, core.streams, handoffs.serving)
             continue
+        plan = handoffs.stamp(plan)
         publisher.publish(plan, core.delta(), core.state, bound)
         if scaling is not None and plan.step > first + job.plan_ahead:
             # the steps that fill the look-ahead are planned as soon as loaders report

@@ -16,6 +16,7 @@ from overlord.store.schema import (
     COPIED,
     COUNTER_DROPPED_LAST,
     COUNTER_OVER_BUDGET,
+    HANDOFF_FIELDS,
     LOADER_STATS,
     META_ARRAYS,
     META_ENDED,
@@ -444,6 +445,28 @@ SCHEMA: tuple[Key, ...] = (
         "Planner",
         "status",
         fields=(Field(", ".join(MOVE_FIELDS), "str", ""),),
+        example="XREVRANGE {k} + - COUNT 10",
+    ),
+    Key(
+        "handoff",
+        "handoff",
+        "hash",
+        "requests to serve a stream from another loader process from the next step on (`overlord handoff`); "
+        "the Planner takes each at a step boundary and deletes it",
+        "operators, `overlord handoff`",
+        "Planner",
+        fields=(Field("<stream>", "int", "the loader process index to serve it"),),
+        example="HGETALL",
+    ),
+    Key(
+        "handoffs",
+        "handoffs",
+        "stream",
+        "one entry per stream handed to another loader process (a live handoff, by request or by the "
+        "autoscaler), or per request refused (from -1)",
+        "Planner",
+        "status, `overlord handoff`",
+        fields=(Field(", ".join(HANDOFF_FIELDS), "str", ""),),
         example="XREVRANGE {k} + - COUNT 10",
     ),
     Key(

@@ -147,6 +147,16 @@ class Keys:
         return f"{self.base}:placements"
 
     @property
+    def handoff(self) -> str:
+        """Requests to hand a stream to another loader process (stream -> loader index)."""
+        return f"{self.base}:handoff"
+
+    @property
+    def handoffs(self) -> str:
+        """The Planner's log of live stream handoffs between loader processes."""
+        return f"{self.base}:handoffs"
+
+    @property
     def flight_token(self) -> str:
         return f"{self.base}:flight-token"
 

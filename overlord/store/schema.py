@@ -490,11 +490,12 @@ def decode_active(raw: bytes | str | None) -> tuple[int, str] | None:
     return int(record["pid"]), str(record["node"])
 
 
-# -- the Planner's logs: `promotions`, `placements` and `scaling` streams ----------------
+# -- the Planner's logs: `promotions`, `placements`, `scaling` and `handoffs` streams ----------------
 
 PROMOTION_FIELDS = ("loader", "pid", "node", "previous", "time", "reason")
 MOVE_FIELDS = ("unit", "from", "to", "reason", "time")
 SCALING_FIELDS = ("step", "source", "workers", "rate", "demand", "cost_ms", "time")
+HANDOFF_FIELDS = ("step", "stream", "from", "to", "reason", "time")
 
 
 def promotion_entry(
@@ -507,6 +508,14 @@ def promotion_entry(
 def move_entry(unit: str, before: str, to: str, reason: str, now: float | None = None) -> dict[str, Any]:
     """The `placements` entry of `unit` moved from node `before` ("" when unplaced) to `to`."""
     return _entry(MOVE_FIELDS, unit, before, to, reason, _now(now))
+
+
+def handoff_entry(
+    step: int, stream: str, before: int, to: int, reason: str, now: float | None = None
+) -> dict[str, Any]:
+    """The `handoffs` entry of `stream` served by loader process `to` from `step` on
+    (`before`: the one that served it until then; -1 for a refused request)."""
+    return _entry(HANDOFF_FIELDS, step, stream, before, to, reason, _now(now))
 
 
 def scaling_entry(

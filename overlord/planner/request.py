@@ -1,0 +1,48 @@
+"""`overlord handoff`: ask the job's Planner to serve a stream from another loader process.
+
+The request is one HSET of the `handoff` hash; the Planner takes it at its next step
+boundary (handoff.py) and logs the outcome in the `handoffs` stream, which this waits
+on (bounded) to say what happened.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from overlord.store import Keys
+from overlord.store.schema import log_entries
+
+
+def request_handoff(r: redis.Redis, keys: Keys, stream: str, loader: int, timeout_s: float) -> tuple[int, str]:
+    """Request it and wait for the Planner's answer.
+
+    Returns:
+        (exit code, message): 0 taken (the step it takes effect at, or served there
+        already), 1 refused (why), 2 no answer within `timeout_s` (the request stays:
+        the Planner takes it when it next plans) or the request vanished unanswered.
+    """
+    last = r.xrevrange(keys.handoffs, count=1)
+    after = last[0][0] if last else b"0-0"
+    r.hset(keys.handoff, stream, str(loader))
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        # the Planner logs and deletes a request in one write: once it is gone, what the
+        # log holds after `after` is the whole answer
+        taken = r.hget(keys.handoff, stream) is None
+        reply = r.xread({keys.handoffs: after}, block=None if taken else max(1, int(min(left, 1.0) * 1000)), count=1000)
+        for _, entries in reply or []:
+            after = entries[-1][0]
+            for entry in log_entries(entries):
+                if entry["stream"] != stream:
+                    continue
+                if entry["to"] == "-1":
+                    return 1, f"handoff of {stream} refused: {entry['reason'].removeprefix('refused: ')}"
+                return 0, f"stream {stream}: loader process {entry['from']} -> {entry['to']} from step {entry['step']}"
+        if taken:  # gone without an answer: a job starting afresh clears its keys
+            return 2, "the request was removed unanswered (the job started afresh?); request it again"
+    return 2, (
+        f"no answer from the Planner in {timeout_s:g}s (is the job running? `overlord status`); the request "
+        f"stays in {keys.handoff} and is taken at the Planner's next step"
+    )
