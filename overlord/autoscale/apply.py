@@ -23,6 +23,7 @@ from overlord.autoscale.partition import Budget, Partitioning, SourcePlan, parti
 from overlord.autoscale.profile import costs_from, journaled, measure
 from overlord.config import Job
 from overlord.errors import ConfigError
+from overlord.plan.schedule import from_config
 
 log = logging.getLogger("overlord.autoscale")
 
@@ -31,13 +32,17 @@ PROFILE_SAMPLES = 32
 
 def partition_job(job: Job, costs) -> Partitioning:
     """`partition` of the job's sources at `costs`, under this node's budget and the
-    job's batch, plan horizon and per-source read-buffer caps."""
+    job's batch, plan horizon, per-source read-buffer caps and mixing schedule (a
+    source gets the partitions its peak in the schedule needs)."""
+    names = [s.name for s in job.sources]
+    schedule = from_config(job.mixing, names, [s.weight for s in job.sources])
     return partition(
         costs,
         budget_of(job),
         global_batch=job.batch.global_batch,
         plan_ahead=job.plan_ahead,
         buffer_caps={s.name: s.buffer_bytes for s in job.sources if s.buffer_bytes is not None},
+        mixtures=[dict(zip(names, map(float, mix))) for mix in schedule.mixtures()],
     )
 
 

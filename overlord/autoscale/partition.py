@@ -155,8 +155,15 @@ def partition(
     global_batch: int = 32,
     plan_ahead: int = 4,
     buffer_caps: dict[str, int] | None = None,
+    mixtures: list[dict[str, float]] | None = None,
 ) -> Partitioning:
     """Workers, partitions and loader processes for `costs` within `budget`.
+
+    `mixtures` (the mixing schedule's, `Schedule.mixtures`): a source is cut into as
+    many partitions as its largest share of the loaders' demand in any of them needs,
+    while its workers, and the packing of processes, follow its weight now. Where the
+    schedule later makes it costly, live handoffs (overlord.autoscale.rebalance)
+    spread those partitions over the processes its predecessors leave idle.
 
     `global_batch` (BatchSpec.global_batch) and `plan_ahead` (Job.plan_ahead) size the
     read buffers: each holds what the Planner draws from its partition over plan_ahead
@@ -185,16 +192,25 @@ def partition(
     demand = {n: d / total for n, d in raw.items()}
 
     workers = _allocate(demand, math.floor(cpus), budget.max_workers_per_source)
+    peak = dict(workers)
+    for mix in mixtures or []:
+        raw_mix = {c.name: max(mix.get(c.name, 0.0), 0.0) * max(mean_cost[cluster_of[c.name]], 1e-6) for c in costs}
+        total_mix = sum(raw_mix.values())
+        if total_mix > 0:
+            at = _allocate(
+                {n: d / total_mix for n, d in raw_mix.items()}, math.floor(cpus), budget.max_workers_per_source
+            )
+            peak = {n: max(peak[n], at[n]) for n in peak}
     notes = []
     plans, streams = [], []
     for c in order:
         w = workers[c.name]
-        by_cpu = math.ceil(w / budget.max_workers_per_loader) if w >= 1 else 1
+        by_cpu = math.ceil(peak[c.name] / budget.max_workers_per_loader) if peak[c.name] >= 1 else 1
         by_memory = math.ceil(c.state_mb / budget.max_loader_mb)
         parts = max(by_cpu, by_memory, 1)
         if parts > budget.max_partitions:
             raise PartitionError(
-                f"source {c.name!r} needs {parts} loader partitions ({w:g} workers at most "
+                f"source {c.name!r} needs {parts} loader partitions ({peak[c.name]:g} workers at its peak, at most "
                 f"{budget.max_workers_per_loader} per loader, {c.state_mb:g} MiB of file state at most "
                 f"{budget.max_loader_mb:g} per loader) but Budget.max_partitions={budget.max_partitions}; "
                 "raise max_workers_per_loader, max_loader_mb or max_partitions"

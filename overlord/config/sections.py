@@ -117,6 +117,10 @@ class Autoscale:
             job runs.
         max_threads: the most transform threads per partition when scaling online.
         scale_interval: steps between two scaling decisions.
+        handoffs: whether, scaling online, the Planner also moves streams (source
+            partitions) between loader processes while the job runs, when one
+            process's transform demand stays above the others' (a step boundary,
+            exactly once: overlord.planner.handoff).
     """
 
     cpus: float | None = None
@@ -137,13 +141,14 @@ class Autoscale:
     online: bool = True
     max_threads: int = 4
     scale_interval: int = 8
+    handoffs: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "online":
+            if f.name in ("online", "handoffs"):
                 if not isinstance(value, bool):
-                    raise ConfigError(f"autoscale.online={value!r} must be true or false")
+                    raise ConfigError(f"autoscale.{f.name}={value!r} must be true or false")
             elif value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
             ):

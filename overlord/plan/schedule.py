@@ -40,6 +40,11 @@ class Schedule(Protocol):
 
     def weights(self, step: float) -> Weights: ...
 
+    def mixtures(self) -> list[Weights]:
+        """The mixtures the schedule goes through (its extremes: every mixture it
+        reaches lies between them), for sizing the loaders for its peaks."""
+        ...
+
 
 def _vector(mixture: Mapping[str, float], sources: Sequence[str], where: str) -> Weights:
     unknown = sorted(set(mixture) - set(sources))
@@ -60,6 +65,9 @@ class Constant:
     def weights(self, step: float) -> Weights:
         return self.vector
 
+    def mixtures(self) -> list[Weights]:
+        return [self.vector]
+
 
 @dataclass(frozen=True, slots=True)
 class Piecewise:
@@ -72,6 +80,9 @@ class Piecewise:
         i = int(np.searchsorted(self.steps, step, side="right")) - 1
         row: Weights = self.vectors[max(i, 0)]
         return row
+
+    def mixtures(self) -> list[Weights]:
+        return list(self.vectors)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +97,9 @@ class Warmup:
     def weights(self, step: float) -> Weights:
         t = min(max((step - self.begin) / self.steps, 0.0), 1.0)
         return (1 - t) * self.start + t * self.end
+
+    def mixtures(self) -> list[Weights]:
+        return [self.start, self.end]
 
 
 class Dynamic:
@@ -122,6 +136,9 @@ class Dynamic:
 
     def weights(self, step: float) -> Weights:
         return self.current
+
+    def mixtures(self) -> list[Weights]:
+        return [self.base]  # what the metrics will ask for is not known ahead
 
     def state(self) -> dict[str, Any]:
         return {"weights": self.current.tolist(), "updated": self.updated}

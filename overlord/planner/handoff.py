@@ -106,6 +106,11 @@ class Handoffs:
         """Serve `stream` from loader process `to` from `step` on (the autoscaler's)."""
         self._apply(step, [(stream, to, reason)], [], handled=[])
 
+    def allowed(self, stream: int, to: int) -> bool:
+        """Whether `stream` may be served by loader process `to` (a shadowed stream only
+        by a process with a Shadow Loader)."""
+        return not self._refusal(self.layout.streams[stream], str(to))
+
     def _refusal(self, name: str, value: str) -> str:
         layout = self.layout
         if name not in self.index:

@@ -119,7 +119,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
         leadership.check()
         promoter.check()
         if placer is not None and placer.due():
-            budget = placer.check(scaling.loader_demand() if scaling is not None else None)
+            budget = placer.check(scaling.loader_demand(handoffs.serving) if scaling is not None else None)
             if scaling is not None and budget is not None:
                 scaling.set_budget(budget)
         bound = publisher.bound()
@@ -142,6 +142,9 @@ def _lead(ctx, lease: Lease, token: int) -> None:
             # samples, not at the pace the job consumes them: timed, they read as a
             # burst, and the scaler took it for demand (several times the real one)
             scaling.observe(plan, core.schedule)
+            move = scaling.handoff(plan.step, handoffs.serving, handoffs.allowed)
+            if move is not None:
+                handoffs.move(core.step, *move)
         intake.progressed()
         if plan.last:
             log.info(

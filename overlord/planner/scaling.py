@@ -10,6 +10,9 @@ and the mix of the steps about to be planned, and publishes:
     scaling    stream  one entry per changed source: step, workers, rate, demand, cost
     planner    hash    `pressure`: busy workers demanded over the loaders' CPU budget
 
+and, when one loader process's demand stays above the others', a stream to hand to
+another process (`handoff`, made by overlord.planner.handoff at the next step).
+
 On several nodes the placement weighs each loader process's demand (`loader_demand`)
 against its node's budget, and hands back the live nodes' loader CPUs (`set_budget`).
 """
@@ -25,6 +28,7 @@ import redis
 
 from overlord.autoscale.apply import budget_of
 from overlord.autoscale.profile import costs_from, journaled
+from overlord.autoscale.rebalance import Rebalancer
 from overlord.autoscale.scaler import Scaler
 from overlord.config import Autoscale, Job
 from overlord.plan.step_plan import Plan
@@ -56,6 +60,8 @@ class Scaling:
             interval=autoscale.scale_interval,
         )
         self.warned = False
+        on = autoscale.handoffs and layout.loaders > 1
+        self.rebalancer = Rebalancer(layout.loaders) if on else None
         # far enough ahead that workers are up before the read buffers of the old mix drain
         self.lookahead = 2 * self.scaler.interval + job.plan_ahead
         self._costs()
@@ -67,15 +73,31 @@ class Scaling:
         costs = costs_from(journaled(self.r, self.keys), self.job)
         self.scaler.costs_ms.update({name: c.transform_ms for name, c in costs.items()})
 
-    def loader_demand(self) -> dict[str, float]:
-        """What each loader process (`loader<k>`) demands: busy transform workers."""
+    def stream_demand(self) -> list[float]:
+        """Per stream, the transform workers it keeps busy (its source's demand over its partitions)."""
         scaler = self.scaler
+        return [scaler.demand(name) / max(1, scaler.partitions.get(name, 1)) for name in self.names]
+
+    def loader_demand(self, serving: list[int] | None = None) -> dict[str, float]:
+        """What each loader process (`loader<k>`) demands: busy transform workers
+        (`serving`: the process of each stream, the layout's by default)."""
         demand: dict[str, float] = {}
-        for i, k in enumerate(self.layout.loader_of):
-            name = self.names[i]
-            unit = f"loader{k}"
-            demand[unit] = demand.get(unit, 0.0) + scaler.demand(name) / max(1, scaler.partitions.get(name, 1))
+        for k, d in zip(self.layout.loader_of if serving is None else serving, self.stream_demand()):
+            demand[f"loader{k}"] = demand.get(f"loader{k}", 0.0) + d
         return demand
+
+    def handoff(self, step: int, serving: list[int], allowed) -> tuple[int, int, str] | None:
+        """At a scaling decision: a stream to hand to another loader process, with why
+        (rebalance.py), or None."""
+        if self.rebalancer is None or (step + 1) % self.scaler.interval:
+            return None
+        demand = self.stream_demand()
+        move = self.rebalancer.look(demand, serving, allowed)
+        if move is None:
+            return None
+        load = self.loader_demand(serving)
+        why = "loader process demand " + ", ".join(f"{u} {d:.2f}" for u, d in sorted(load.items())) + " workers"
+        return move[0], move[1], why
 
     def set_budget(self, cpus: float) -> None:
         """The loaders' CPU budget the pressure is over (on several nodes: all live nodes')."""

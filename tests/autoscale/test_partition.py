@@ -112,3 +112,20 @@ def test_read_buffers_are_budgeted_in_bytes_from_weight_sample_size_and_horizon(
     assert capped.of("images").memory_mb == pytest.approx(8.0, abs=0.1)
     few = partition(costs, Budget(cpus=4, memory_mb=10**6, buffer_samples=10), global_batch=64, plan_ahead=4)
     assert few.of("images").memory_mb == pytest.approx(10.0, abs=0.1)
+
+
+def test_a_source_the_schedule_makes_costly_later_gets_its_peak_partitions_now():
+    costs = [
+        SourceCost(name="video", weight=1, transform_ms=40.0),
+        SourceCost(name="images", weight=0.01, transform_ms=40.0),
+        *[SourceCost(name=f"text{i}", weight=1, transform_ms=0.4) for i in range(4)],
+    ]
+    budget = Budget(cpus=8, memory_mb=16000, cluster_size=1, max_workers_per_loader=1)  # 6 worker blocks
+    now = partition(costs, budget)
+    later = {"video": 0.01, "images": 1.0, **{f"text{i}": 1.0 for i in range(4)}}
+    both = partition(costs, budget, mixtures=[{c.name: c.weight for c in costs}, later])
+    assert now.of("images").partitions == 1  # light at step 0
+    assert both.of("images").partitions >= 4  # as many as its peak needs (5-6 of the 6 workers)
+    assert both.of("images").workers == now.of("images").workers  # workers follow the weight now
+    homes = {k for k, hosted in enumerate(both.loaders) for n, _ in hosted if n == "images"}
+    assert len(homes) < both.of("images").partitions  # packed by their demand now: handoffs spread them later

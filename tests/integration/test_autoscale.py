@@ -125,3 +125,66 @@ def test_live_scaling_with_the_mixture_keeps_every_sample_and_the_order(cluster,
     assert books and max(w for _, w in books) == 3, events  # starved by its slow decode: scaled up
     assert books[-1][1] == 1 and books[-1][0] > 12, events  # the mixture moved away: workers reclaimed
     assert "transform worker(s)" in c.log()
+
+
+TURN = {
+    "kind": "piecewise",
+    "points": [
+        [0, {"web": 0.2, "code": 0, "books": 1, "images": 0}],
+        [10, {"web": 0.2, "code": 1, "books": 0, "images": 0}],
+    ],
+}
+
+
+def _turning(cluster, corpus, online: bool):
+    from dataclasses import replace
+
+    from harness import make_job
+
+    # books and code both decode slowly (50 ms a sample); the mixture turns from books to code
+    slow = {"books", "code"}
+    sources = tuple(
+        replace(s, transform="tests.integration.strategies:slow_text") if s.name in slow else s
+        for s in make_job(corpus, "/tmp/unused").sources
+    )
+    c = cluster(
+        seed=13,
+        mesh=Mesh(dp=2),
+        mixing=TURN,
+        sources=sources,
+        batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+        autoscale={"cpus": 6, "memory_mb": 8000, "profile_samples": 4, "online": online, "scale_interval": 2},
+    )
+    c.start_sidecar()
+    c.start_trainers(batches=60)
+    return c
+
+
+def test_a_source_the_mixture_turns_to_is_spread_over_the_idle_loader_processes_live(cluster, corpus):
+    """code is light at step 0 (its partitions, sized for its peak, share one process)
+    and costly from step 10: the autoscaler hands its partitions to the processes books
+    leaves idle, at step boundaries; the batches are the bytes of the job without it."""
+    fixed = _turning(cluster, corpus, online=False)
+    expected = fixed.results()
+    assert fixed.stop() == 0
+    c = _turning(cluster, corpus, online=True)
+    got = c.results()
+    r = connect(f"unix://{c.job.run_path / 'redis.sock'}")
+    keys = Keys(c.job.name)
+    layout = Layout.from_json(r.get(keys.layout))
+    handoffs = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.handoffs)]
+    assert c.stop() == 0
+    for rank in range(2):
+        assert got[rank]["end"] == "limit", got[rank]["end"]
+        assert got[rank]["digests"] == expected[rank]["digests"]
+        assert got[rank]["keys"] == expected[rank]["keys"]
+    code = [i for i, n in enumerate(layout.streams) if n.startswith("code.")]
+    before = {layout.loader_of[i] for i in code}
+    assert len(code) > 1 and len(before) < len(code), layout  # sized for its peak, packed for step 0
+    moved = [h for h in handoffs if h["reason"].startswith("loader process demand")]
+    assert moved and all(int(h["step"]) > 0 for h in moved), (handoffs, c.log()[-4000:])
+    serving = list(layout.loader_of)
+    for h in moved:
+        serving[layout.streams.index(h["stream"])] = int(h["to"])
+    assert len({serving[i] for i in code}) > len(before), (handoffs, layout)  # read by more processes now
+    assert "served by loader process" in c.log()

@@ -99,3 +99,18 @@ def test_bytes_that_are_not_a_plan_of_this_version_are_refused():
 def test_a_negative_row_is_a_bug_said_as_one():
     with pytest.raises(PlanError, match="negative"):
         Plan.from_lists(0, [[[(0, 0, -1)]]]).encode()
+
+
+def test_a_plan_carries_the_streams_handed_to_another_loader_process():
+    owners = np.asarray([[1, 0], [2, 3]], dtype=np.int64)
+    p = plan(owners=owners)
+    q = Plan.decode(p.encode())
+    assert q == p and q.owners is not None and q.owners.tolist() == [[1, 0], [2, 3]]
+    assert q.loader_of([1, 1, 0]) == [1, 0, 3]  # stream 0 where the layout put it
+    assert Plan.decode(plan().encode()).loader_of([1, 1, 0]) == [1, 1, 0]  # no handoff: the layout
+    assert Plan.from_json(p.to_json()) == p
+    assert len(p.encode()) == len(plan().encode()) + 16  # 8 bytes a handoff
+    with pytest.raises(PlanError, match="disagrees with its header .* 2 handoffs"):
+        Plan.decode(p.encode()[:-8])
+    with pytest.raises(PlanError, match="hands stream 2 to loader process 3, but the job has 2 streams"):
+        q.loader_of([0, 0])
