@@ -5,6 +5,9 @@ without a handoff."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import signal
 import time
 
 import pytest
@@ -97,3 +100,90 @@ def _planning(r, keys, timeout_s: float = 60) -> None:
     while r.get(keys.plan(0)) is None:
         assert time.monotonic() < deadline, "no plan in 60 s"
         time.sleep(0.05)
+
+
+# -- faults around a handoff (make test-slow) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """Every rank's ledger in a run with no handoff and no fault."""
+    from harness import Cluster
+
+    tmp = tmp_path_factory.mktemp("handoff-reference")
+    (tmp / "work").mkdir()
+    c = Cluster(_job(corpus, tmp / "run"), tmp / "work")
+    try:
+        c.start_sidecar()
+        c.start_trainers()
+        out = c.results()
+        assert c.stop() == 0
+    finally:
+        c.kill_all()
+    assert all(rec["end"] == "stop" for rec in out.values()), out
+    return out
+
+
+def _hand_over_then_kill(c, role: str, index: int) -> tuple[str, int]:
+    """Hand the first stream of process 0 to process 1, then SIGKILL `role` `index` once
+    the handoff's step was served. Returns (stream, step)."""
+    r, keys = c.redis(), Keys(c.job.name)
+    _planning(r, keys)
+    layout = Layout.plan(c.job)
+    stream = next(n for n, k in zip(layout.streams, layout.loader_of) if k == 0)
+    code, message = request_handoff(r, keys, stream, 1, timeout_s=30)
+    assert code == 0, message
+    step = int(log_entries(r.xrange(keys.handoffs))[-1]["step"])
+    deadline = time.monotonic() + 60
+    while any(int(r.hget(keys.progress, f"c{dp}") or -1) < step for dp in range(c.job.mesh.dp)):
+        assert time.monotonic() < deadline, c.log()
+        time.sleep(0.02)
+    raw = r.get(keys.heartbeat(role, str(index)))
+    assert raw is not None, f"no heartbeat of {role}{index}"
+    os.kill(json.loads(raw)["pid"], signal.SIGKILL)
+    return stream, step
+
+
+def _same_as(reference, out, corpus_keys, c) -> None:
+    for rank, rec in out.items():
+        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{c.log()}"
+        assert rec["digests"] == reference[rank]["digests"], f"rank {rank}: bytes differ\n{c.log()}"
+    assert_delivered(out, corpus_keys, log=c.log)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role, index", [("loader", 1), ("loader", 0), ("planner", 0)])
+def test_a_role_killed_right_after_a_handoff_loses_and_repeats_nothing(
+    cluster, corpus, corpus_keys, reference, tmp_path, role, index
+):
+    # loader 1: the process that took the stream over restarts, and takes it again from
+    # the plans; loader 0: the one that handed it off restarts without it; planner: the
+    # next Planner serves the stream where the last plan did
+    c = cluster(job=_job(corpus, tmp_path / "run"))
+    c.start_sidecar()
+    c.start_trainers(sleep=0.1)
+    stream, step = _hand_over_then_kill(c, role, index)
+    out = c.results()
+    assert c.stop() == 0, c.log()
+    _same_as(reference, out, corpus_keys, c)
+    if role == "planner":
+        assert f"streams served away from their layout's loader process: ['{stream} -> 1']" in c.log(), c.log()
+
+
+@pytest.mark.slow
+def test_a_handed_over_stream_follows_its_new_process_into_the_shadow_that_takes_over(
+    cluster, corpus, corpus_keys, reference, tmp_path
+):
+    job = _job(corpus, tmp_path / "run")
+    c = cluster(job=dataclasses.replace(job, sources=tuple(dataclasses.replace(s, shadow=True) for s in job.sources)))
+    c.start_sidecar()
+    c.start_trainers(sleep=0.1)
+    stream, _ = _hand_over_then_kill(c, "loader", 1)
+    r, keys = c.redis(), Keys(c.job.name)
+    deadline = time.monotonic() + 60
+    while not r.xrange(keys.promotions):
+        assert time.monotonic() < deadline, c.log()
+        time.sleep(0.05)
+    out = c.results()
+    assert c.stop() == 0, c.log()
+    _same_as(reference, out, corpus_keys, c)
