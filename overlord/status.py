@@ -69,6 +69,7 @@ def collect(job: Job) -> dict[str, Any]:
         "pressure": planner.pressure,
         "node_pressure": planner.node_pressure,
         "scaling": log_entries(r.xrevrange(keys.scaling, count=10))[::-1],
+        "handoffs": log_entries(r.xrevrange(keys.handoffs, count=10))[::-1],
         "autoscale": json.loads(r.get(keys.autoscale) or "null"),
         "counters": counter_values(r.hgetall(keys.counters)),
         "nodes": json_records(r.hgetall(keys.nodes)),
@@ -170,6 +171,14 @@ def render(status: dict[str, Any]) -> str:
             f"scaled: step {e['step']} source {e['source']} -> {e['workers']} worker(s) "
             f"({e['rate']} samples/s x {e['cost_ms']} ms = {e['demand']} busy workers)"
         )
+    for e in status.get("handoffs", []):
+        if e["to"] == "-1":
+            lines.append(f"handoff refused: stream {e['stream']} at step {e['step']}: {e['reason']}")
+        elif e["from"] != e["to"]:
+            lines.append(
+                f"handoff: stream {e['stream']} loader process {e['from']} -> {e['to']} from step {e['step']} "
+                f"({e['reason']})"
+            )
     for dp, step in sorted(status.get("replays", {}).items()):
         lines.append(f"replay: Data Constructor {dp_of(dp)} restarted at step {step}")
     if status["resume"].get(RESUME_STEP) is not None:

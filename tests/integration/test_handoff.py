@@ -16,6 +16,7 @@ from harness import assert_delivered, make_job
 from overlord import BatchSpec, Mesh
 from overlord.planner.request import request_handoff
 from overlord.runtime.layout import Layout
+from overlord.status import collect, render
 from overlord.store import Keys
 from overlord.store.schema import log_entries
 
@@ -37,61 +38,55 @@ def _job(corpus, run_dir):
     return dataclasses.replace(job, sources=tuple(dataclasses.replace(s, partitions=2) for s in job.sources))
 
 
-# two sidecars side by side, one epoch of 960 samples: ~25 s on 2 cores at load 2
-def test_streams_handed_between_loader_processes_mid_epoch_deliver_every_sample_once(
-    cluster, corpus, corpus_keys, tmp_path
-):
-    plain = cluster(job=_job(corpus, tmp_path / "plain"))
-    moved = cluster(job=_job(corpus, tmp_path / "moved"))
-    for c in (plain, moved):
-        c.start_sidecar()
-        c.start_trainers(sleep=0.1)
-    r, keys = moved.redis(), Keys(moved.job.name)
+def _four_handoffs(c) -> tuple[list, list, tuple, str, list]:
+    """Four handoffs mid-epoch (one stream there and back, two others across: both
+    processes give and take), then two requests the Planner refuses. Returns the
+    moves, the answers, the refused answers, what `overlord status` showed and the
+    `handoffs` log."""
+    r, keys = c.redis(), Keys(c.job.name)
     _planning(r, keys)
-    layout = Layout.plan(moved.job)
+    layout = Layout.plan(c.job)
     on0 = [n for n, k in zip(layout.streams, layout.loader_of) if k == 0]
     on1 = [n for n, k in zip(layout.streams, layout.loader_of) if k == 1]
-    # one stream there and back, two others across: both processes give and take
     moves = [(on0[0], 0, 1), (on1[-1], 1, 0), (on1[0], 1, 0), (on0[0], 1, 0)]
     answers = [request_handoff(r, keys, stream, to, timeout_s=30) for stream, _, to in moves]
-    refused = request_handoff(r, keys, on0[0], 5, timeout_s=30)
-    log = log_entries(r.xrange(keys.handoffs))
-    results = {"plain": plain.results(), "moved": moved.results()}
-    for c in (plain, moved):
-        assert c.stop() == 0, c.log()
-    assert [code for code, _ in answers] == [0, 0, 0, 0], (answers, moved.log())
-    assert refused[0] == 1 and "no loader process 5" in refused[1], refused
+    refused = (request_handoff(r, keys, on0[0], 5, timeout_s=30), request_handoff(r, keys, "nosuch.0", 0, timeout_s=30))
+    # read now: the job's embedded Redis ends with the job
+    return moves, answers, refused, render(collect(c.job)), log_entries(r.xrange(keys.handoffs))
+
+
+def _check_handoffs(c, moves, answers, refused, log, results, corpus_keys) -> None:
+    assert [code for code, _ in answers] == [0, 0, 0, 0], (answers, c.log())
+    assert refused[0][0] == 1 and "no loader process 5: the job has 2" in refused[0][1], refused
+    assert refused[1][0] == 1 and "no stream 'nosuch.0'" in refused[1][1], refused
     taken = [e for e in log if e["to"] != "-1"]
     assert [(e["stream"], int(e["from"]), int(e["to"])) for e in taken] == moves, (log, answers, moves)
     steps = [int(e["step"]) for e in taken]
-    last = max(s for rec in results["moved"].values() for s, _ in rec["steps"])
+    last = max(s for rec in results.values() for s, _ in rec["steps"])
     assert steps == sorted(steps) and 0 < steps[0] and steps[-1] < last, (steps, last)  # mid-epoch, in order
-    for name, res in results.items():
-        for rec in res.values():
-            assert rec["end"] == "stop", (name, rec["end"])
-        assert_delivered(res, corpus_keys, log=moved.log)
-    for rank in results["plain"]:
-        assert results["moved"][rank]["keys"] == results["plain"][rank]["keys"]
-        assert results["moved"][rank]["digests"] == results["plain"][rank]["digests"]
+    for rec in results.values():
+        assert rec["end"] == "stop", rec["end"]
+    assert_delivered(results, corpus_keys, log=c.log)
     # the processes really handed the streams over (not served from where they were)
-    loader_logs = "".join(p.read_text() for p in moved.job.run_path.glob("loader*.log"))
-    assert f"serving stream(s) ['{on0[0]}'] from step" in loader_logs, loader_logs[-3000:]
-    assert f"stream {on0[0]}: served by loader process 1 from step" in loader_logs, loader_logs[-3000:]
+    stream = moves[0][0]
+    loader_logs = "".join(p.read_text() for p in c.job.run_path.glob("loader*.log"))
+    assert f"serving stream(s) ['{stream}'] from step" in loader_logs, loader_logs[-3000:]
+    assert f"stream {stream}: served by loader process 1 from step" in loader_logs, loader_logs[-3000:]
 
 
-def test_a_request_the_planner_cannot_take_is_refused_with_why(cluster):
-    c = cluster(
-        mesh=Mesh(dp=1), batch=BatchSpec(global_batch=8, micro_batches=1, context_length=512, ring_bytes=1 << 20)
-    )
+# one sidecar, one epoch of 960 samples: ~15 s on 2 cores
+def test_streams_handed_between_loader_processes_mid_epoch_deliver_every_sample_once(
+    cluster, corpus, corpus_keys, tmp_path
+):
+    c = cluster(job=_job(corpus, tmp_path / "run"))
     c.start_sidecar()
-    c.start_trainers(sleep=0.05, batches=40)
-    r, keys = c.redis(), Keys(c.job.name)
-    _planning(r, keys)
-    code, message = request_handoff(r, keys, "nosuch.0", 0, timeout_s=30)
+    c.start_trainers(sleep=0.1)
+    moves, answers, refused, shown, log = _four_handoffs(c)
     results = c.results()
-    assert c.stop() == 0
-    assert code == 1 and "no stream 'nosuch.0'" in message, message
-    assert results[0]["end"] == "limit"
+    _check_handoffs(c, moves, answers, refused, log, results, corpus_keys)
+    assert c.stop() == 0, c.log()
+    assert f"handoff: stream {moves[0][0]} loader process 0 -> 1 from step" in shown, shown
+    assert "handoff refused: stream nosuch.0 at step" in shown, shown
 
 
 def _planning(r, keys, timeout_s: float = 60) -> None:
@@ -149,6 +144,18 @@ def _same_as(reference, out, corpus_keys, c) -> None:
         assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{c.log()}"
         assert rec["digests"] == reference[rank]["digests"], f"rank {rank}: bytes differ\n{c.log()}"
     assert_delivered(out, corpus_keys, log=c.log)
+
+
+@pytest.mark.slow
+def test_handoffs_give_the_bytes_of_a_run_without_them(cluster, corpus, corpus_keys, reference, tmp_path):
+    c = cluster(job=_job(corpus, tmp_path / "run"))
+    c.start_sidecar()
+    c.start_trainers(sleep=0.1)
+    moves, answers, refused, _, log = _four_handoffs(c)
+    results = c.results()
+    _check_handoffs(c, moves, answers, refused, log, results, corpus_keys)
+    assert c.stop() == 0, c.log()
+    _same_as(reference, results, corpus_keys, c)
 
 
 @pytest.mark.slow
