@@ -58,7 +58,6 @@ class Handoffs:
         self.r, self.keys, self.lease, self.layout = r, keys, lease, layout
         self.serving: list[int] = list(layout.loader_of)  # stream -> loader process
         self.index = {name: i for i, name in enumerate(layout.streams)}
-        self.moved_at: dict[int, int] = {}  # stream -> the step its last handoff took effect at
         self.next_look = 0.0
 
     def recover(self, step: int) -> None:
@@ -66,7 +65,11 @@ class Handoffs:
         raw = self.r.get(self.keys.plan(step - 1)) if step > 0 else None
         if raw is None:
             return
-        self.serving = Plan.decode(raw).loader_of(list(self.layout.loader_of))
+        plan = Plan.decode(raw)
+        for stream, to in [] if plan.owners is None else plan.owners.tolist():
+            # a job resumed with other loader processes: handoffs its layout cannot hold lapse
+            if stream < len(self.serving) and self.allowed(stream, to):
+                self.serving[stream] = to
         moved = [s for s, k in enumerate(self.serving) if k != self.layout.loader_of[s]]
         if moved:
             log.info("streams served away from their layout's loader process: %s", self._names(moved))
@@ -153,7 +156,6 @@ class Handoffs:
             if before[stream] == to:
                 continue
             self.serving[stream] = to
-            self.moved_at[stream] = step
             log.warning(
                 "stream %s: loader process %d -> %d from step %d (%s)",
                 self.layout.streams[stream],
