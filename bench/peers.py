@@ -193,13 +193,14 @@ def _overlord_job(corpus: Path, tokenizer: Path, args: argparse.Namespace):
             global_batch=args.ranks * args.batch_size,
             micro_batches=1,
             context_length=args.context_length,
-            ring_bytes=4 << 20,
+            ring_bytes=args.trainer_ring_mib << 20,
         ),
         seed=args.seed,
         run_dir=f"/tmp/overlord-bench-peers-{os.getpid()}",
         loader_processes=args.loader_processes,
         buffer_samples=64,
-        sample_ring_bytes=1 << 20,
+        sample_ring_bytes=args.sample_ring_mib << 20,
+        **({"plan_ahead": args.plan_ahead} if args.plan_ahead else {}),
         timeout_s=120.0,
     )
 
@@ -393,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per loader")
     p.add_argument("--memory-floor", type=float, default=2048, help="MiB of MemAvailable that stops a loader's run")
+    p.add_argument("--plan-ahead", type=int, default=0, help="Overlord's Job.plan_ahead (0: its default)")
+    p.add_argument("--sample-ring-mib", type=int, default=1, help="Overlord's Job.sample_ring_bytes, MiB")
+    p.add_argument("--trainer-ring-mib", type=int, default=4, help="Overlord's BatchSpec.ring_bytes, MiB")
     p.add_argument("--only", default=",".join(LOADERS), help="comma-separated loaders to run")
     p.add_argument("--out", type=Path, default=OUT, help="where logs, the PSS series and the PNG go")
     p.add_argument("--png", type=Path, help="the PNG (default: OUT/peers.png)")
@@ -442,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                 "image_side",
                 "shuffle_window",
                 "seed",
+                "plan_ahead",
+                "sample_ring_mib",
+                "trainer_ring_mib",
             )
         },
         "load_avg": load_avg,
