@@ -405,16 +405,21 @@ class LoaderProcess:
             del self.buffers[i], self.held_bytes[i], self.budgets[i]
             self._skips_published.pop(i, None)
         gained = [i for i, k in enumerate(serving) if k == me and i not in self.loaders]
+        started = time.monotonic()
         for i in gained:
             self._open(i)
         if gained:
+            opened = time.monotonic()
             if plan.step > 0:
                 self._rebuild(plan.step, None, gained)
             log.info(
-                "serving stream(s) %s from step %d (handed over from loader process(es) %s)",
+                "serving stream(s) %s from step %d (handed over from loader process(es) %s; opened in %.0f ms, "
+                "started from the planner checkpoint in %.0f ms)",
                 [self.layout.streams[i] for i in gained],
                 plan.step,
                 sorted({self.serving[i] for i in gained}),
+                (opened - started) * 1000,
+                (time.monotonic() - opened) * 1000,
             )
         self.serving = serving
 
@@ -457,7 +462,9 @@ class LoaderProcess:
         """Read on until (epoch, seq) is prepared: a rebuilt loader may be behind the plans."""
         loader = self.loaders[stream]
         while (loader.epoch, loader.seq) <= (epoch, seq) and not loader.finished:
-            self._prepare(stream, CHUNK)
+            # no further than asked (a stream just handed over is read on the spot): the
+            # refills read on in the next turns
+            self._prepare(stream, min(CHUNK, seq - loader.seq + 1) if loader.epoch == epoch else CHUNK)
         self._flush_reports()
 
     def _push(self, step: int, dp: int, bucket: int, mb: int, item: Item, sample: Prepared) -> None:
