@@ -228,3 +228,35 @@ def test_a_node_whose_dev_shm_is_full_is_refused_at_start_naming_the_fix(hosted)
     assert "/dev/shm" in text and ("size=" in text or "shm-size" in text), text[-2000:]
     assert not h.segments("n1"), "a refused sidecar left segments behind"
     filler.unlink()
+
+
+@pytest.mark.slow
+def test_streams_handed_to_a_loader_process_on_the_other_host_lose_and_repeat_nothing(hosted, corpus_keys):
+    from overlord.planner.request import request_handoff
+    from overlord.runtime.layout import Layout
+    from overlord.store.schema import log_entries
+
+    h = hosted()
+    h.start(sleep="0.1")
+    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
+    until(lambda: r.get(keys.plan(2)) is not None, h, what="the first plans")
+    placed = {k.decode(): v.decode() for k, v in r.hgetall(keys.placement).items()}
+    assert placed["loader0"] != placed["loader1"], placed  # one loader process a host
+    layout = Layout.plan(h.job)
+    on0 = [n for n, k in zip(layout.streams, layout.loader_of) if k == 0]
+    on1 = [n for n, k in zip(layout.streams, layout.loader_of) if k == 1]
+    # a stream of each host's process to the other's, and the first one back
+    for stream, to in ((on0[0], 1), (on1[0], 0), (on0[0], 0)):
+        code, message = request_handoff(r, keys, stream, to, timeout_s=30)
+        assert code == 0, f"{message}\n{h.log()}"
+    taken = [e for e in log_entries(r.xrange(keys.handoffs)) if e["from"] != e["to"]]
+    out = h.finish()
+    assert [(e["stream"], e["to"]) for e in taken] == [(on0[0], "1"), (on1[0], "0"), (on0[0], "0")], taken
+    assert_delivered(out, corpus_keys, log=h.log)
+    logs = "".join(
+        (h.job.on_node(node).run_path / f"loader{k}.log").read_text()
+        for node in NODES
+        for k in (0, 1)
+        if (h.job.on_node(node).run_path / f"loader{k}.log").exists()
+    )
+    assert f"serving stream(s) ['{on0[0]}'] from step" in logs, logs[-3000:]
