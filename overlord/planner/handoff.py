@@ -59,6 +59,8 @@ class Handoffs:
         self.serving: list[int] = list(layout.loader_of)  # stream -> loader process
         self.index = {name: i for i, name in enumerate(layout.streams)}
         self.next_look = 0.0
+        self.unlogged: list[dict] = []  # `handoffs` entries of the decisions the next plan carries
+        self.handled: set[bytes] = set()  # requests taken, deleted once that plan is out
 
     def recover(self, step: int) -> None:
         """A Planner starting at `step`: serve each stream where the last published plan did."""
@@ -91,7 +93,7 @@ class Handoffs:
         if step <= first or time.monotonic() < self.next_look:
             return
         self.next_look = time.monotonic() + LOOK_S
-        raw = self.r.hgetall(self.keys.handoff)
+        raw = {k: v for k, v in self.r.hgetall(self.keys.handoff).items() if k not in self.handled}
         if not raw:
             return
         done, refused = [], []
@@ -134,38 +136,46 @@ class Handoffs:
     def _apply(
         self, step: int, done: list[tuple[int, int, str]], refused: list[tuple[str, str]], handled: list[bytes]
     ) -> None:
-        keys, before = self.keys, list(self.serving)
-
-        def write(pipe) -> None:
-            for stream, to, reason in done:
-                entry = handoff_entry(step, self.layout.streams[stream], before[stream], to, reason)
-                pipe.xadd(keys.handoffs, entry, maxlen=1000, approximate=True)
-            for name, why in refused:
-                pipe.xadd(keys.handoffs, handoff_entry(step, name, -1, -1, f"refused: {why}"), maxlen=1000)
-            if handled:
-                pipe.hdel(keys.handoff, *handled)
-
-        if not (done or refused or handled):
-            return
-        try:
-            self.lease.fenced(write)
-        except WriteUncertain:
-            self.next_look = 0.0  # look again at the next step: nothing is served differently yet
-            return
+        """Serve `done` from `step` on (the next plan carries it); what to log and the
+        requests to delete wait for that plan (`published`)."""
         for stream, to, reason in done:
-            if before[stream] == to:
+            before = self.serving[stream]
+            self.unlogged.append(handoff_entry(step, self.layout.streams[stream], before, to, reason))
+            if before == to:
                 continue
             self.serving[stream] = to
             log.warning(
                 "stream %s: loader process %d -> %d from step %d (%s)",
                 self.layout.streams[stream],
-                before[stream],
+                before,
                 to,
                 step,
                 reason,
             )
         for name, why in refused:
+            self.unlogged.append(handoff_entry(step, name, -1, -1, f"refused: {why}"))
             log.warning("handoff of %r refused: %s", name, why)
+        self.handled.update(handled)
+
+    def published(self) -> None:
+        """The plan carrying what `look` and `move` decided is out: log them and delete the
+        requests taken (fenced). A Planner deposed before its plan went out logs nothing:
+        the requests stay, for the next one to take."""
+        if not (self.unlogged or self.handled):
+            return
+        keys = self.keys
+
+        def write(pipe) -> None:
+            for entry in self.unlogged:
+                pipe.xadd(keys.handoffs, entry, maxlen=1000, approximate=True)
+            if self.handled:
+                pipe.hdel(keys.handoff, *self.handled)
+
+        try:
+            self.lease.fenced(write)
+        except WriteUncertain:
+            return  # with the next plan
+        self.unlogged, self.handled = [], set()
 
     def _names(self, streams: list[int]) -> list[str]:
         return [f"{self.layout.streams[s]} -> {self.serving[s]}" for s in streams]

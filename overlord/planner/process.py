@@ -137,6 +137,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
             continue
         plan = handoffs.stamp(plan)
         publisher.publish(plan, core.delta(), core.state, bound)
+        handoffs.published()
         if scaling is not None and plan.step > first + job.plan_ahead:
             # the steps that fill the look-ahead are planned as soon as loaders report
             # samples, not at the pace the job consumes them: timed, they read as a

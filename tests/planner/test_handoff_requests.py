@@ -41,7 +41,12 @@ def test_requests_are_taken_at_a_step_boundary_or_refused_with_why(r):
     h.look(step=5, first=5)  # the Planner's first step: the checkpoint before it may not be its own
     assert h.serving == [0, 1, 2, 2] and r.hlen(KEYS.handoff) == 4
     h.look(step=6, first=5)
-    assert h.serving == [1, 1, 2, 2] and r.hlen(KEYS.handoff) == 0
+    assert h.serving == [1, 1, 2, 2]  # plan 6 carries it
+    assert r.hlen(KEYS.handoff) == 4 and not r.exists(KEYS.handoffs)  # logged once plan 6 is out
+    h.next_look = 0.0
+    h.look(step=6, first=5)  # a request taken is not taken twice
+    h.published()
+    assert r.hlen(KEYS.handoff) == 0 and r.xlen(KEYS.handoffs) == 4
     log = {e["stream"]: e for e in log_entries(r.xrange(KEYS.handoffs))}
     assert (log["web.0"]["step"], log["web.0"]["from"], log["web.0"]["to"]) == ("6", "0", "1")
     assert "Shadow Loaders and loader process 0 has none" in log["img.0"]["reason"]
@@ -56,6 +61,7 @@ def test_a_planner_taking_over_serves_streams_where_the_last_plan_did(r):
     r.hset(KEYS.handoff, "web.1", 0)
     h.look(step=3, first=0)
     r.set(KEYS.plan(3), h.stamp(Plan(step=3)).encode())
+    h.published()
     after = handoffs(r)
     after.recover(4)
     assert after.serving == [0, 0, 2, 2]
