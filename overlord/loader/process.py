@@ -3,8 +3,17 @@
 Loop: serve every published plan in step order (pop the planned samples from the
 read buffers and write them to the rings of their Data Constructors), then top up
 each stream's bounded read buffer by one chunk and report its metadata; when neither
-has work, block on the plans stream. Serving comes first so trainers never wait on a
-buffer refill that is not needed yet.
+has work, block on the plans stream and the `demanded` stream in one XREAD. Serving
+comes first so trainers never wait on a buffer refill that is not needed yet.
+
+Demand. When a step needs more of a stream than its read buffer holds, the Planner
+sets `demand` and adds a `demanded` entry carrying the same values, in one fenced
+script: the entry wakes an idle loader at once (its wait on the plans stream alone
+would end only when the idle block runs out: a shortage cost up to that much of the
+pipeline). A process reads the hash and the stream's newest id in one MULTI when it
+starts (a restart, or a shadow that is promoted later, misses no demand written
+before), then only the entries after; the hash is read again after DEMAND_REFRESH_S
+of idle waits with no entry, a backstop for entries a Redis failover lost.
 
 Recovery. A sample sent for step t is kept until every Data Constructor has finished
 step t and every trainer has read it (their `progress` c<dp> and t<dp>), so a restarted
@@ -42,7 +51,7 @@ from typing import Any
 import pyarrow as pa
 import redis
 
-from overlord.errors import PeerDied, PlanError, RingFullError, SourceReadError
+from overlord.errors import ConfigError, PeerDied, PlanError, RingFullError, SourceReadError
 from overlord.loader.inflight import Deadline, Inflight, inflight_path
 from overlord.loader.profile import JOURNAL_EVERY_S
 from overlord.loader.source_loader import Prepared, SourceLoader
@@ -55,10 +64,12 @@ from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import sample_ring
 from overlord.runtime.readbuffer import ReadBudget, draw_per_step
 from overlord.shm import Ring
+from overlord.store.client import SOCKET_TIMEOUT_S
 from overlord.store.durable import Durability
 from overlord.store.schema import (
     PLANNER_TOKEN,
     built,
+    demanded_values,
     encode_active,
     encode_record,
     loader_stats_field,
@@ -72,6 +83,11 @@ log = logging.getLogger("overlord.loader")
 STATS_S = 1.0  # between two publications of the running totals
 
 CHUNK = 64  # samples prepared per stream between two looks at the plans
+
+IDLE_BLOCK_MS = 200  # an idle active loader's wait on the plans and `demanded` streams
+SHADOW_BLOCK_MS = 20  # a shadow's: its promotion must not wait for a plan to arrive
+IDLE_ENV = "OVERLORD_LOADER_IDLE_MS"  # overrides IDLE_BLOCK_MS (tests: a demand must not wait for it)
+DEMAND_REFRESH_S = 1.0  # the `demand` hash is read again after this long without an entry
 
 Item = tuple[int, int, int]  # (stream, epoch, seq)
 
@@ -117,7 +133,10 @@ class LoaderProcess:
         self.replays: dict[int, bytes | None] = {}  # dp -> the replay request last handled
         self.skip_upto: dict[int, int] = {}  # dp -> steps it finished before this process started
         self.token: bytes | None = None  # the Planner's fencing token last seen
-        self.demand: dict[str, int] = {}
+        self.demand: dict[str, int] = {}  # stream -> samples the Planner asked it to hold
+        self.demanded = "0-0"  # the last `demanded` entry applied
+        self._demand_read = 0.0  # monotonic: when the `demand` hash or an entry last told it
+        self.idle_ms = _idle_ms()
         self.last_step: int | None = None
         self.step = 0
         self.first = 0  # the job's first step (0, or the resume's)
@@ -171,6 +190,7 @@ class LoaderProcess:
         if self.step > 0:
             self._rebuild(self.step, point[1] if point and self.step == first else None)
         self.skip_upto = done
+        self._read_demand()
         if self.active:
             self._claim_rings()
         log.info(
@@ -180,6 +200,35 @@ class LoaderProcess:
             self.step,
             [self.layout.streams[i] for i in sorted(self.loaders)],
         )
+
+    def _read_demand(self) -> None:
+        """The `demand` hash and the newest `demanded` id, in one MULTI: an entry after
+        that id is newer than the hash read here, an older one is in it."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hgetall(self.keys.demand)
+        pipe.xrevrange(self.keys.demanded, count=1)
+        demand, newest = pipe.execute()
+        self.demand = demanded_values(demand)
+        if newest:
+            self.demanded = newest[0][0]
+        self._demand_read = time.monotonic()
+
+    def _wait(self) -> None:
+        """Block until a plan is published or the Planner demands samples (at most the
+        idle block); apply the demand entries read."""
+        block = self.idle_ms if self.active else SHADOW_BLOCK_MS
+        reply = self.r.xread(
+            {self.keys.plans: plans_after(self.step), self.keys.demanded: self.demanded}, block=block, count=64
+        )
+        demanded = self.keys.demanded.encode()
+        entries = [e for key, es in reply or [] if key == demanded for e in es]
+        for entry_id, fields in entries:  # in the order the Planner wrote them: the newest wins
+            self.demand.update(demanded_values(fields))
+            self.demanded = entry_id
+        if entries:
+            self._demand_read = time.monotonic()
+        elif not reply and time.monotonic() - self._demand_read > DEMAND_REFRESH_S:
+            self._read_demand()
 
     def _rebuild(self, step: int, state: dict | None, streams: list[int] | None = None) -> None:
         """Start every stream (or those of `streams`) after its cursor in the planner
@@ -258,10 +307,7 @@ class LoaderProcess:
                         self.last_step = plan.step
                     continue
                 if not self._refill():
-                    # a shadow wakes often: its promotion must not wait for a plan to arrive
-                    block = 200 if self.active else 20
-                    self.r.xread({self.keys.plans: plans_after(self.step)}, block=block, count=1)
-                    self.demand = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.demand).items()}
+                    self._wait()
         except Stopped:
             return
         finally:
@@ -619,6 +665,23 @@ class LoaderProcess:
             if not by_epoch and self.loaders[i].finished:
                 self._report(i, [], [], self.loaders[i].epoch)
         self._flush_reports()
+
+
+def _idle_ms() -> int:
+    """The idle block: IDLE_BLOCK_MS, or `$OVERLORD_LOADER_IDLE_MS`."""
+    raw = os.environ.get(IDLE_ENV)
+    if raw is None:
+        return IDLE_BLOCK_MS
+    try:
+        ms = int(raw)
+    except ValueError:
+        ms = 0
+    if not 1 <= ms < SOCKET_TIMEOUT_S * 1000:
+        raise ConfigError(
+            f"${IDLE_ENV}={raw!r} is not a number of milliseconds from 1 to below the Redis socket timeout "
+            f"({SOCKET_TIMEOUT_S * 1000:g}: a longer block reads as an outage); unset it for {IDLE_BLOCK_MS}"
+        )
+    return ms
 
 
 def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:

@@ -6,7 +6,10 @@ behind what it read. Chunks of an older generation (reported before this Planner
 over) are dropped: every loader reports its read buffer again with the new one (see
 leadership.py). When a step needs more samples of a stream than it holds, the Planner
 tells the loaders (`demand` hash): a full read buffer may be smaller than what one
-step takes from a stream.
+step takes from a stream. The same fenced script (the lease checked first, so a
+deposed Planner writes neither) adds an entry carrying what it set to the `demanded`
+stream, which the loaders block on with the plans stream: a shortage wakes them at
+once, not when their idle wait ends.
 
 No new samples for `Job.timeout_s` is a stall only if the loaders of the starving
 streams have not turned their loops for as long either (else it is back-pressure).
@@ -25,9 +28,22 @@ from overlord.plan import meta
 from overlord.plan.meta import MetaChunk
 from overlord.runtime.flow import alive_within
 from overlord.runtime.layout import Layout
+from overlord.runtime.lease import Lease, Superseded
 from overlord.store import Keys
+from overlord.store.schema import DEMANDED_MAXLEN
 
 WAIT_MS = 20  # longest block on the metadata streams
+
+# KEYS: the lease, `demand`, `demanded`; ARGV: the lease value, then field/value pairs.
+# -1 (nothing written) unless the lease holds this Planner's value.
+_DEMAND_SCRIPT = f"""
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return -1
+end
+redis.call('HSET', KEYS[2], unpack(ARGV, 2))
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', {DEMANDED_MAXLEN}, '*', unpack(ARGV, 2))
+return 1
+"""
 
 
 class Intake:
@@ -35,9 +51,18 @@ class Intake:
     tells a stall from back-pressure."""
 
     def __init__(
-        self, r: redis.Redis, keys: Keys, layout: Layout, generation: int, *, timeout_s: float, run_dir: Path | str
+        self,
+        r: redis.Redis,
+        keys: Keys,
+        layout: Layout,
+        lease: Lease,
+        generation: int,
+        *,
+        timeout_s: float,
+        run_dir: Path | str,
     ) -> None:
-        self.r, self.keys, self.layout, self.generation = r, keys, layout, generation
+        self.r, self.keys, self.layout, self.lease, self.generation = r, keys, layout, lease, generation
+        self.ask = r.register_script(_DEMAND_SCRIPT)  # EVALSHA; loaded again on NOSCRIPT
         self.timeout_s, self.run_dir = timeout_s, run_dir
         self.index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
         self.last_ids = {keys.meta(name): "0-0" for name in layout.streams}
@@ -50,18 +75,24 @@ class Intake:
         self.waiting_since = time.monotonic()
 
     def read(self, wanted: dict[int, int], block_ms: int = WAIT_MS) -> list[tuple[int, MetaChunk]]:
-        """Ask for `wanted` (stream -> samples a step needs) where more than asked before,
-        then wait at most `block_ms` for reports.
+        """Ask for `wanted` (stream -> samples a step needs) where more than asked before
+        (fenced: `demand` and a `demanded` entry, see the module docstring), then wait at
+        most `block_ms` for reports.
 
         Returns:
             (stream index, chunk) of this generation, in the order reported.
+
+        Raises:
+            Superseded: another Planner holds the lease (nothing was asked).
         """
         keys = self.keys
-        demand: dict[str | bytes, int] = {
-            self.layout.streams[i]: n for i, n in wanted.items() if n > self.asked.get(i, 0)
-        }
+        demand = [(self.layout.streams[i], n) for i, n in wanted.items() if n > self.asked.get(i, 0)]
         if demand:
-            self.r.hset(keys.demand, mapping=demand)
+            pairs = [x for kv in demand for x in kv]
+            keys_ = [keys.leader, keys.demand, keys.demanded]
+            if self.ask(keys=keys_, args=[self.lease.value or b"", *pairs]) == -1:
+                self.lease.lost.set()
+                raise Superseded(f"the Planner lease (token {self.lease.token}) is no longer this process's")
             self.asked.update(wanted)
         reply = self.r.xread(self.last_ids, block=block_ms, count=64)
         if not reply:

@@ -109,7 +109,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     handoffs = Handoffs(r, keys, lease, layout)
     handoffs.recover(first)
     publisher = Publisher(r, keys, lease, ckpts, first=first, dp=job.mesh.dp, durable_s=job.redis_outage_s)
-    intake = Intake(r, keys, layout, generation, timeout_s=job.timeout_s, run_dir=ctx.run_dir)
+    intake = Intake(r, keys, layout, lease, generation, timeout_s=job.timeout_s, run_dir=ctx.run_dir)
     promoter = Promoter(r, keys, lease, layout.shadowed, placed=job.multi_node)
     online = job.autoscale is not None and job.autoscale.online
     scaling = Scaling(r, keys, job, layout) if online else None

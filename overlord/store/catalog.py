@@ -16,6 +16,7 @@ from overlord.store.schema import (
     COPIED,
     COUNTER_DROPPED_LAST,
     COUNTER_OVER_BUDGET,
+    DEMANDED_MAXLEN,
     HANDOFF_FIELDS,
     LOADER_STATS,
     META_ARRAYS,
@@ -276,6 +277,18 @@ SCHEMA: tuple[Key, ...] = (
         "loaders",
         fields=(Field("<stream>", "int", ""),),
         example="HGETALL",
+    ),
+    Key(
+        "demanded",
+        "demanded",
+        "stream",
+        f"one entry per write of `demand` (in the same fenced script), carrying what it set; the Source "
+        f"Loaders block on it with the plans stream, so a shortage wakes them at once (capped at "
+        f"~{DEMANDED_MAXLEN} entries; a loader reads the hash once when it starts, then the entries after)",
+        "Planner",
+        "loaders",
+        fields=(Field("<stream>", "int", "the samples the stream must hold, as set in `demand`"),),
+        example="XLEN",
     ),
     Key(
         "ckpt",

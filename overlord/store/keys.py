@@ -131,6 +131,11 @@ class Keys:
         return f"{self.base}:demand"
 
     @property
+    def demanded(self) -> str:
+        """One entry per write of `demand`: wakes the Source Loaders blocked on it."""
+        return f"{self.base}:demanded"
+
+    @property
     def metrics(self) -> str:
         return f"{self.base}:metrics"
 

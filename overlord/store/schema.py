@@ -113,6 +113,17 @@ def plans_after(step: int) -> str:
     return f"{step}-0"
 
 
+# -- the `demand` hash and the `demanded` stream ----------------------------------------
+
+DEMANDED_MAXLEN = 256  # entries the `demanded` stream keeps, about (a loader reads the hash when it starts)
+
+
+def demanded_values(fields: Mapping[bytes, bytes]) -> dict[str, int]:
+    """stream -> samples it must hold, from a `demand` hash or a `demanded` entry as Redis
+    returns them (both carry the same fields)."""
+    return {k.decode(): int(v) for k, v in fields.items()}
+
+
 # -- the `meta:<stream>` streams (overlord.plan.meta) ------------------------------------
 
 META_ARRAYS = {"seq": "<i8", "tokens": "<i4", "patches": "<i4", "nbytes": "<i8"}  # one item per sample

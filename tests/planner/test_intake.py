@@ -1,10 +1,12 @@
 """Intake against a real redis-server: only the current generation's reports reach the
-core, read streams are trimmed, demand is asked once, and a stall is told from
-back-pressure by the loaders' heartbeats."""
+core, read streams are trimmed, demand is asked once (with its `demanded` entry, only
+while this Planner leads), and a stall is told from back-pressure by the loaders'
+heartbeats."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -14,7 +16,9 @@ from overlord.errors import PlanError
 from overlord.plan.meta import encode
 from overlord.planner.intake import Intake
 from overlord.runtime.layout import Layout
+from overlord.runtime.lease import Lease, Superseded
 from overlord.store import Keys
+from overlord.store.schema import demanded_values
 
 KEYS = Keys("j")
 LAYOUT = Layout(
@@ -28,12 +32,18 @@ LAYOUT = Layout(
 )
 
 
+def leading(r) -> Lease:
+    lease = Lease(r, KEYS, node="a", ttl_s=5)
+    lease.acquire(threading.Event())
+    return lease
+
+
 def report(r, stream: str, seqs, token: int) -> None:
     r.xadd(KEYS.meta(stream), encode(chunk(seqs, token=token)))
 
 
 def test_only_this_generations_reports_are_read_and_then_trimmed(r):
-    intake = Intake(r, KEYS, LAYOUT, generation=7, timeout_s=30, run_dir="/run")
+    intake = Intake(r, KEYS, LAYOUT, leading(r), generation=7, timeout_s=30, run_dir="/run")
     report(r, "s0.0", range(5), token=6)  # to the previous Planner: reported again below
     report(r, "s0.0", range(5), token=7)
     report(r, "s1.0", range(3), token=7)
@@ -44,20 +54,32 @@ def test_only_this_generations_reports_are_read_and_then_trimmed(r):
 
 
 def test_a_step_short_of_samples_asks_the_loaders_once(r):
-    intake = Intake(r, KEYS, LAYOUT, generation=1, timeout_s=30, run_dir="/run")
+    intake = Intake(r, KEYS, LAYOUT, leading(r), generation=1, timeout_s=30, run_dir="/run")
     core = small_core()
     core.add(0, chunk(range(2), token=1))
     assert core.plan_step() is None and core.wanted
     intake.read(core.wanted, block_ms=1)
-    asked = r.hgetall(KEYS.demand)
-    assert {k.decode() for k in asked} == {LAYOUT.streams[i] for i in core.wanted}
+    asked = demanded_values(r.hgetall(KEYS.demand))
+    assert asked == {LAYOUT.streams[i]: n for i, n in core.wanted.items()}
+    # the same values reach the loaders blocked on `demanded`, in one entry
+    assert [demanded_values(fields) for _, fields in r.xrange(KEYS.demanded)] == [asked]
     r.delete(KEYS.demand)
     intake.read(core.wanted, block_ms=1)
-    assert r.hgetall(KEYS.demand) == {}  # asked already
+    assert r.hgetall(KEYS.demand) == {} and r.xlen(KEYS.demanded) == 1  # asked already
+
+
+def test_a_deposed_planner_asks_nothing(r):
+    lease = leading(r)
+    intake = Intake(r, KEYS, LAYOUT, lease, generation=1, timeout_s=30, run_dir="/run")
+    r.set(KEYS.leader, b"another planner")  # the lease lapsed and another took it
+    with pytest.raises(Superseded):
+        intake.read({0: 5}, block_ms=1)
+    assert lease.lost.is_set()
+    assert r.hgetall(KEYS.demand) == {} and r.xlen(KEYS.demanded) == 0
 
 
 def test_no_reports_from_hung_loaders_is_a_stall_but_back_pressure_is_not(r):
-    intake = Intake(r, KEYS, LAYOUT, generation=1, timeout_s=0.2, run_dir="/run")
+    intake = Intake(r, KEYS, LAYOUT, leading(r), generation=1, timeout_s=0.2, run_dir="/run")
     streams = small_core().streams  # nothing buffered in either
     intake.check_stalled(0, streams)  # not yet
     time.sleep(0.25)
