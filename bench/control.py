@@ -15,7 +15,10 @@ quarters of the way (the trainers' consumed step, the least `t<dp>` in `progress
 - ``redis_ops_per_step``: Redis's own count (`INFO commandstats`, every command of
   every client: roles, trainers, heartbeats) over the window, divided by its steps;
   ``redis_ops_by_command`` the same per command (the few INFO/HGETALL calls this bench
-  makes are subtracted);
+  makes are subtracted); ``redis_ops_by_role`` the commands each role's clients sent
+  (`CLIENT LIST` tot-cmds by client name: ``planner``, ``loader``, ``constructor``,
+  ``sidecar``, ``trainer``; ``other`` for unnamed clients; a script counts once here,
+  where the per-command figures count the commands it ran too) per step;
 - ``planner_cpu_pct``: the Planner process's CPU time (user + system, /proc) over the
   window's wall time, in % of one core; ``planner_cpu_ms_per_step`` the same per step;
 - ``steps_per_s``: the window's step rate;
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,6 +77,17 @@ def role_cpu_s(prefix: str) -> float:
 
 def commandstats(r) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in r.info("commandstats").items()}
+
+
+def client_cmds(r) -> dict[int, tuple[str, int]]:
+    """id -> (role, commands sent) of every client connection but this bench's own."""
+    me = r.client_id()
+    out = {}
+    for c in r.client_list():
+        if int(c["id"]) != me:
+            role = re.match(r"[a-z]*", c.get("name") or "").group(0) or "other"
+            out[int(c["id"])] = (role, int(c.get("tot-cmds", 0)))
+    return out
 
 
 def consumed(r, keys, dp: int) -> int:
@@ -127,7 +142,7 @@ def measure(*, steps: int = 300, ranks: int = 4, step_ms: float = 0.0, out_dir: 
             r = connect(f"unix://{socket}")
             first, last = steps // 4, (3 * steps) // 4
             snaps: list = []
-            own = {"hgetall": 0, "info": 0, "get": 0}  # this bench's commands since the first INFO
+            own = {"hgetall": 0, "info": 0, "get": 0, "client|list": 0, "client|id": 0}  # this bench's commands
             for target in (first, last):
                 while True:
                     step = consumed(r, keys, ranks)
@@ -140,9 +155,10 @@ def measure(*, steps: int = 300, ranks: int = 4, step_ms: float = 0.0, out_dir: 
                 pid = int(json.loads(r.get(keys.leader) or b"{}")["pid"])
                 own["get"] += 1
                 roles = (role_cpu_s("ovl-construct"), role_cpu_s("ovl-loader"))
-                snaps.append((time.monotonic(), step, commandstats(r), cpu_s(pid), pid, roles))
+                snaps.append((time.monotonic(), step, commandstats(r), cpu_s(pid), pid, roles, client_cmds(r)))
                 if len(snaps) == 1:
-                    own = {"hgetall": 0, "info": 1, "get": 0}  # the first INFO is counted after it answers
+                    # the first INFO is counted after it answers, CLIENT ID and LIST after it
+                    own = {"hgetall": 0, "info": 1, "get": 0, "client|list": 1, "client|id": 1}
             for t in trainers:
                 t.wait(timeout=TIMEOUT_S)
         finally:
@@ -151,15 +167,19 @@ def measure(*, steps: int = 300, ranks: int = 4, step_ms: float = 0.0, out_dir: 
                     t.kill()
             sidecar.send_signal(signal.SIGTERM)
             sidecar.wait(timeout=60)
-    (t0, s0, c0, cpu0, pid0, roles0), (t1, s1, c1, cpu1, pid1, roles1) = snaps
+    (t0, s0, c0, cpu0, pid0, roles0, cl0), (t1, s1, c1, cpu1, pid1, roles1, cl1) = snaps
     if pid0 != pid1:
         raise RuntimeError("the Planner changed during the window (it restarted); run again")
     n, wall = s1 - s0, t1 - t0
     ops = {name: c1.get(name, 0) - c0.get(name, 0) - own.get(name, 0) for name in c1}
     total = sum(v for v in ops.values() if v > 0)
+    by_role: dict[str, int] = {}
+    for cid, (role, cmds) in cl1.items():  # a connection opened in the window counts whole
+        by_role[role] = by_role.get(role, 0) + cmds - cl0.get(cid, (role, 0))[1]
     return {
         "redis_ops_per_step": round(total / n, 1),
         "redis_ops_by_command": {k: round(v / n, 2) for k, v in sorted(ops.items(), key=lambda kv: -kv[1]) if v > 0},
+        "redis_ops_by_role": {k: round(v / n, 2) for k, v in sorted(by_role.items(), key=lambda kv: -kv[1])},
         "planner_cpu_pct": round(100 * (cpu1 - cpu0) / wall, 1),
         "planner_cpu_ms_per_step": round(1e3 * (cpu1 - cpu0) / n, 3),
         "steps_per_s": round(n / wall, 1),

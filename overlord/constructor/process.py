@@ -39,7 +39,7 @@ def run_constructors(ctx) -> None:
     def one(dp: int) -> None:
         try:
             # a Redis client of its own: blocking reads of one must not delay another
-            r = connect(ctx.redis_url, ride_through_s=ctx.job.redis_outage_s)
+            r = connect(ctx.redis_url, ride_through_s=ctx.job.redis_outage_s, name=f"constructor{ctx.index}.dp{dp}")
             DataConstructor(
                 ctx.job, ctx.layout, dp, r, ctx.keys, ctx.stop, ctx.beat, restarted=ctx.attempt > 0, bridges=bridges[dp]
             ).run()

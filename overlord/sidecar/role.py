@@ -80,7 +80,7 @@ class RoleContext:
     silent: bool = False  # a standby Planner beats only once it leads
 
     def __post_init__(self) -> None:
-        self.r = connect(self.redis_url, ride_through_s=self.job.redis_outage_s)
+        self.r = connect(self.redis_url, ride_through_s=self.job.redis_outage_s, name=f"{self.role}{self.index}")
         self.keys = Keys(self.job.name)
         raw = self.r.get(self.keys.layout)
         self.layout = Layout.from_json(raw) if raw else Layout.plan(self.job)

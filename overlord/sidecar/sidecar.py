@@ -223,7 +223,7 @@ class Sidecar:
         url = self._start_store()
         # short: the watch loop goes on without Redis (restarting an embedded one that died);
         # its roles and trainers are the ones that wait up to Job.redis_outage_s
-        self.r = connect(url, ride_through_s=1.0, setting="the sidecar's retry before its loop goes on")
+        self.r = connect(url, ride_through_s=1.0, setting="the sidecar's retry before its loop goes on", name="sidecar")
         self.url = url
         self.roles.use(self.r, url)
         begun = self._begin()

@@ -129,6 +129,7 @@ def connect(
     timeout_s: float = SOCKET_TIMEOUT_S,
     ride_through_s: float = RIDE_THROUGH_S,
     setting: str = "Job.redis_outage_s",
+    name: str | None = None,
 ) -> redis.Redis:
     """Open a Redis client for `url` (redis://, rediss://, unix://, redis+sentinel://; ACL
     user and password in the URL: `rediss://user:password@host:port/0`).
@@ -144,6 +145,8 @@ def connect(
         timeout_s: socket timeout of one command.
         ride_through_s: how long a command keeps retrying while the server is gone.
         setting: what sets `ride_through_s`, named in the log line and the error.
+        name: the connections' CLIENT SETNAME (a role's name: `CLIENT LIST` then tells
+            whose commands are whose, as bench/control.py counts them).
 
     Raises:
         StoreError: the server does not answer a PING (unreachable, TLS or login refused).
@@ -161,6 +164,8 @@ def connect(
         "health_check_interval": 30,
         "retry": Retry(ExponentialBackoff(), 1, supported_errors=(redis.ConnectionError,)),
     }
+    if name is not None:
+        options["client_name"] = name
     if url.startswith(SENTINEL_SCHEME):
         client = sentinel_client(url, options, timeout_s)
     else:

@@ -27,7 +27,7 @@ class Control:
     def client(self) -> redis.Redis:
         """The job's Redis, opened on first use."""
         if self._client is None:
-            self._client = connect(redis_url_of(self.job), timeout_s=5)
+            self._client = connect(redis_url_of(self.job), timeout_s=5, name="trainer")
         return self._client
 
     def probe(self) -> redis.Redis:
