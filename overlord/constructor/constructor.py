@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping
 
 import numpy as np
+import redis
 
 from overlord.config import Job
 from overlord.constructor.inputs import open_input
@@ -193,7 +194,12 @@ class DataConstructor:
                 if copied > self.copied:  # a count across restarts of the group's constructor
                     pipe.hincrby(self.keys.counters, copied_field(self.dp), copied - self.copied)
                     self.copied = copied
-                check(pipe.execute()[0], self.dp)
+                try:
+                    done = pipe.execute()[0]
+                except redis.exceptions.NoScriptError:  # the server lost its scripts (restarted, failed over)
+                    self.owner.write(built_field(self.dp), plan.step, entry=built_entry(self.dp, plan.step))
+                    done = 1  # the counters went out with the pipeline: the mark alone again
+                check(done, self.dp)
                 step += 1
                 if plan.last:
                     for ring in self.outputs.values():

@@ -83,7 +83,10 @@ class Owner:
 
     def write(self, field: str, value, entry: Mapping[str, int] | None = None, client=None) -> None:
         """HSET `progress` `field` (and XADD `entry` to `progressed`) while this process
-        owns the group; queued on `client` (a pipeline) if given.
+        owns the group; queued on `client` (a pipeline) if given, as a bare EVALSHA: a
+        script object on a pipeline costs a SCRIPT EXISTS each execute (one a step), so
+        a server that lost the script answers NOSCRIPT there, and the caller writes
+        again without `client` (which loads it).
 
         Raises:
             Superseded: not queued, and another process owns the group.
@@ -91,9 +94,10 @@ class Owner:
         args = [self.field, self.me, field, value]
         if entry is not None:
             args += [STREAM_MAXLEN, *(x for kv in entry.items() for x in kv)]
-        done = self._write(keys=[self.keys.progress, self.keys.progressed], args=args, client=client)
-        if client is None:
-            check(done, self.dp)
+        if client is not None:
+            client.evalsha(self._write.sha, 2, self.keys.progress, self.keys.progressed, *args)
+            return
+        check(self._write(keys=[self.keys.progress, self.keys.progressed], args=args), self.dp)
 
 
 def check(done, dp: int) -> None:

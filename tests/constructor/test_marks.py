@@ -6,6 +6,7 @@ import uuid
 
 import numpy as np
 import pytest
+import redis
 
 from overlord.config import Job, Mesh, Source
 from overlord.constructor.marks import MarkWatch, Owner, Superseded
@@ -140,3 +141,24 @@ def test_a_superseded_constructor_writes_no_mark_and_its_watch_publishes_none(se
         assert published(r, keys, lambda m: m == 9) == 9
     finally:
         watch.stop()
+
+
+def test_a_queued_mark_costs_no_script_exists_and_a_lost_script_is_told(setup):
+    """The built mark rides the constructor's pipeline each step as a bare EVALSHA (a
+    script object there made redis-py ask SCRIPT EXISTS before every execute); a server
+    that lost its scripts answers NOSCRIPT, and a direct write loads the script again."""
+    job, r, keys, rings = setup
+    claim = owner(r, keys)
+    claim.write("c0", 1, entry=built_entry(0, 1))  # loads the script
+    exists = r.info("commandstats").get("cmdstat_script|exists", {}).get("calls", 0)
+    pipe = r.pipeline(transaction=False)
+    claim.write("c0", 2, entry=built_entry(0, 2), client=pipe)
+    assert pipe.execute() == [1] and r.hget(keys.progress, "c0") == b"2"
+    assert r.info("commandstats").get("cmdstat_script|exists", {}).get("calls", 0) == exists
+    r.script_flush()  # a restarted server, or a promoted replica that never loaded it
+    pipe = r.pipeline(transaction=False)
+    claim.write("c0", 3, entry=built_entry(0, 3), client=pipe)
+    with pytest.raises(redis.exceptions.NoScriptError):
+        pipe.execute()
+    claim.write("c0", 3, entry=built_entry(0, 3))
+    assert r.hget(keys.progress, "c0") == b"3"
