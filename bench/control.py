@@ -15,10 +15,11 @@ quarters of the way (the trainers' consumed step, the least `t<dp>` in `progress
 - ``redis_ops_per_step``: Redis's own count (`INFO commandstats`, every command of
   every client: roles, trainers, heartbeats) over the window, divided by its steps;
   ``redis_ops_by_command`` the same per command (the few INFO/HGETALL calls this bench
-  makes are subtracted); ``redis_ops_by_role`` the commands each role's clients sent
-  (`CLIENT LIST` tot-cmds by client name: ``planner``, ``loader``, ``constructor``,
-  ``sidecar``, ``trainer``; ``other`` for unnamed clients; a script counts once here,
-  where the per-command figures count the commands it ran too) per step;
+  makes are subtracted); ``redis_ops_by_role`` the same split by the role whose
+  connections ran them (`CLIENT LIST` tot-cmds by client name: ``planner``,
+  ``loader``, ``shadow``, ``constructor``, ``sidecar``, ``trainer``; ``other`` for
+  unnamed clients; the commands a script runs count, as in commandstats; a connection
+  closed during the window is missed);
 - ``planner_cpu_pct``: the Planner process's CPU time (user + system, /proc) over the
   window's wall time, in % of one core; ``planner_cpu_ms_per_step`` the same per step;
 - ``steps_per_s``: the window's step rate;
