@@ -28,6 +28,8 @@ LAYOUT = Layout(
 
 
 def handoffs(r) -> Handoffs:
+    """A Planner's handoffs under a lease of its own (a previous one's lease lapsed)."""
+    r.delete(KEYS.leader)
     lease = Lease(r, KEYS, node="a", ttl_s=5)
     lease.acquire(threading.Event())
     h = Handoffs(r, KEYS, lease, LAYOUT)
