@@ -63,7 +63,7 @@ from overlord.plan.waiting import resume_point
 from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import sample_ring
 from overlord.runtime.readbuffer import ReadBudget, draw_per_step
-from overlord.shm import Ring
+from overlord.shm import Ring, SampleMeta
 from overlord.store.client import SOCKET_TIMEOUT_S
 from overlord.store.durable import Durability
 from overlord.store.schema import (
@@ -515,7 +515,7 @@ class LoaderProcess:
 
     def _push(self, step: int, dp: int, bucket: int, mb: int, item: Item, sample: Prepared) -> None:
         stream, epoch, seq = item
-        record_meta = {"s": stream, "e": epoch, "q": seq, "k": sample.key, "t": step, "b": bucket, "m": mb}
+        record_meta = SampleMeta(stream, epoch, seq, sample.key, step, bucket, mb)  # no JSON per sample
         try:
             push(self.rings[dp], sample.arrays, record_meta, self.ctx.stop, self.ctx.beat)
         except PeerDied:

@@ -19,7 +19,7 @@ import numpy as np
 import redis
 
 from overlord.errors import RingTimeout
-from overlord.shm import Ring, write_batch
+from overlord.shm import Ring, SampleMeta, write_batch
 from overlord.store import Keys, outage_within
 
 SLICE_S = 0.5
@@ -75,7 +75,11 @@ def alive_within(r: redis.Redis, keys: Keys, role: str, index: int, timeout_s: f
 
 
 def push(
-    ring: Ring, arrays: Mapping[str, np.ndarray], meta: dict, stop: threading.Event, beat: Beat | None = None
+    ring: Ring,
+    arrays: Mapping[str, np.ndarray],
+    meta: dict | SampleMeta,
+    stop: threading.Event,
+    beat: Beat | None = None,
 ) -> None:
     """Write one batch record, waiting on back-pressure while the consumer lives."""
     while True:

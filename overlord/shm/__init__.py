@@ -6,7 +6,7 @@ read back zero-copy with `decode_batch`. Segment names come only from
 `segment_name`; `cleanup_stale` removes what crashed processes left behind.
 """
 
-from overlord.shm._batch import batch_nbytes, decode_batch, encode_batch_into, write_batch
+from overlord.shm._batch import SampleMeta, batch_nbytes, decode_batch, encode_batch_into, write_batch
 from overlord.shm._proc import pid_alive
 from overlord.shm._pyring import Ring
 from overlord.shm._segment import segment_bytes, unlink_segment
@@ -14,6 +14,7 @@ from overlord.shm.names import cleanup_stale, job_prefix, list_segments, segment
 
 __all__ = [  # sorted
     "Ring",
+    "SampleMeta",
     "batch_nbytes",
     "cleanup_stale",
     "decode_batch",

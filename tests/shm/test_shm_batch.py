@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overlord.errors import BatchFormatError
-from overlord.shm import Ring, batch_nbytes, decode_batch, encode_batch_into, segment_name, write_batch
+from overlord.shm import Ring, SampleMeta, batch_nbytes, decode_batch, encode_batch_into, segment_name, write_batch
 
 DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
           "float16", "float32", "float64"]  # fmt: skip
@@ -126,7 +126,8 @@ def corrupt(offset_of, fmt: str, value) -> bytearray:
     ("buf", "match"),
     [
         (corrupt(lambda b: 0, "<4s", b"XXXX"), "magic"),
-        (corrupt(lambda b: 4, "<H", 2), "version"),
+        (corrupt(lambda b: 4, "<H", 3), "version 3, this reader knows 1 and 2"),
+        (corrupt(lambda b: 4, "<H", 2), "sample meta of 7 B is shorter than its 52 B fields"),
         (corrupt(lambda b: 6, "<H", 3), "entry 2 of 3 runs past the table end"),
         (corrupt(lambda b: 8, "<I", 10**6), "meta"),
         (corrupt(lambda b: 12, "<I", 10**9), "table end"),
@@ -148,10 +149,47 @@ def test_corrupted_headers_raise_batch_format_error(buf, match):
 
 
 def test_every_truncation_raises():
-    buf = bytes(valid_record())
-    for n in range(len(buf)):
-        with pytest.raises(BatchFormatError):
-            decode_batch(buf[:n])
+    for record in (valid_record(), sample_record()):
+        buf = bytes(record)
+        for n in range(len(buf)):
+            with pytest.raises(BatchFormatError):
+                decode_batch(buf[:n])
+
+
+def sample_record() -> bytearray:
+    return encode({"input_ids": np.arange(5, dtype=np.int32)}, SampleMeta(3, 1, 1 << 40, "src\u00e9:2:17", 9, 0, 4))
+
+
+def test_sample_meta_decodes_as_the_json_meta_would():
+    """A loader's per-sample record (version 2: fixed ints and the key) reads back as the
+    dict a JSON meta with the same fields gives, and is smaller."""
+    tensors = {"input_ids": np.arange(5, dtype=np.int32)}
+    as_json = {"s": 3, "e": 1, "q": 1 << 40, "k": "src\u00e9:2:17", "t": 9, "b": 0, "m": 4}
+    buf = sample_record()
+    assert struct.unpack_from("<H", buf, 4)[0] == 2
+    got, meta = decode_batch(buf)
+    assert_same(got, tensors)
+    assert meta == as_json == decode_batch(encode(tensors, as_json))[1]
+    assert len(buf) <= batch_nbytes(tensors, as_json)
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda b: struct.pack_into("<I", b, 16 + 48, 99), "does not hold its 99 B key"),
+        (lambda b: struct.pack_into("<2s", b, 16 + 52, b"\xff\xfe"), "key is not valid UTF-8"),
+    ],
+)
+def test_corrupted_sample_meta_raises(edit, match):
+    buf = sample_record()
+    edit(buf)
+    with pytest.raises(BatchFormatError, match=match):
+        decode_batch(buf)
+
+
+def test_sample_meta_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="64-bit"):
+        batch_nbytes({}, SampleMeta(1 << 63, 0, 0, "k", 0, 0, 0))
 
 
 @settings(max_examples=300, deadline=None)
