@@ -54,6 +54,7 @@ import redis
 from overlord.errors import ConfigError, PeerDied, PlanError, RingFullError, SourceReadError
 from overlord.loader.inflight import Deadline, Inflight, inflight_path
 from overlord.loader.profile import JOURNAL_EVERY_S
+from overlord.loader.refill import RefillTurns
 from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.plan import meta
 from overlord.plan.checkpoint import Checkpoints
@@ -123,6 +124,7 @@ class LoaderProcess:
                 self._open(i)
         self._pace: list[float | None] = [None, None]  # (seconds a refill turn takes, seconds between plans)
         self._served_at: float | None = None
+        self._turns = RefillTurns()
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every trainer read the step
         self.kept: dict[Item, Prepared] = {}  # samples of those steps
         self.active = ctx.role == "loader"
@@ -545,17 +547,20 @@ class LoaderProcess:
             for budget in self.budgets.values():
                 budget.pace(refill_s, step_s)
         started = time.monotonic()
-        filled = False
-        for i, loader in self.loaders.items():
+
+        def top_up(i: int) -> bool:
             # refill only below the low-water mark (in bytes, runtime/readbuffer.py), so
             # a step that takes one sample from each of many streams does not cost one
             # Redis write per stream; what the Planner asks for (`demand`) is read at once
+            loader = self.loaders[i]
             wanted = self.demand.get(self.layout.streams[i], 0)
             room = 0 if loader.finished else self.budgets[i].room(len(self.buffers[i]), self.held_bytes[i], wanted)
-            if room <= 0:
-                continue
-            self._prepare(i, min(CHUNK, room))
-            filled = True
+            if room > 0:
+                self._prepare(i, min(CHUNK, room))
+            return room > 0
+
+        # a plan published meanwhile is served before the rest of the turn (refill.py)
+        filled = self._turns.turn(list(self.loaders), top_up, lambda: bool(self.r.exists(self.keys.plan(self.step))))
         self._flush_reports()
         if filled:
             self._pace[0] = _ewma(self._pace[0], time.monotonic() - started)

@@ -1,0 +1,71 @@
+"""Refill turns: they stop between streams for a published plan and resume after it."""
+
+from __future__ import annotations
+
+from overlord.loader.refill import RefillTurns
+
+
+class Clock:
+    """Each top-up costs `step` seconds of this clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_turn(turns: RefillTurns, clock: Clock, streams, below, plan_at: float | None):
+    """One turn; returns (its result, the streams topped up, how many looks)."""
+    done: list[int] = []
+    looks = [0]
+
+    def top_up(i: int) -> bool:
+        if i not in below:
+            return False
+        clock.now += 0.01
+        done.append(i)
+        return True
+
+    def plan_out() -> bool:
+        looks[0] += 1
+        return plan_at is not None and clock.now >= plan_at
+
+    return turns.turn(streams, top_up, plan_out), done, looks[0]
+
+
+def test_a_turn_without_a_plan_tops_up_every_stream_looking_every_look_s():
+    clock = Clock()
+    turns = RefillTurns(look_s=0.015, clock=clock)
+    filled, done, looks = run_turn(turns, clock, list(range(10)), set(range(10)), None)
+    assert filled and done == list(range(10))
+    assert looks == 4  # after streams 1, 3, 5, 7 (not after the last: the loop looks next)
+    assert turns.yielded == 0 and turns.start == 0
+
+
+def test_a_published_plan_stops_the_turn_and_the_next_turn_starts_after_it():
+    clock = Clock()
+    turns = RefillTurns(look_s=0.015, clock=clock)
+    filled, done, _ = run_turn(turns, clock, list(range(10)), set(range(10)), plan_at=0.035)
+    assert filled and done == [0, 1, 2, 3]  # the look after stream 3 saw the plan
+    assert turns.yielded == 1 and turns.start == 4
+    filled, done, _ = run_turn(turns, clock, list(range(10)), set(range(10)), None)
+    assert done == [4, 5, 6, 7, 8, 9, 0, 1, 2, 3]  # every stream gets its turn
+
+
+def test_streams_above_their_mark_cost_no_look():
+    clock = Clock()
+    turns = RefillTurns(look_s=0.015, clock=clock)
+    filled, done, looks = run_turn(turns, clock, [0, 1, 2], set(), plan_at=0.0)
+    assert not filled and done == [] and looks == 0
+    assert not turns.turn([], lambda i: True, lambda: True)
+
+
+def test_the_start_wraps_when_streams_go():
+    clock = Clock()
+    turns = RefillTurns(look_s=0.0, clock=clock)
+    run_turn(turns, clock, [5, 6, 7, 8], {5, 6, 7, 8}, plan_at=0.0)
+    assert turns.start == 1
+    turns.start = 7  # more than the streams left after a handoff
+    _, done, _ = run_turn(turns, clock, [5, 6], {5, 6}, None)
+    assert done == [6, 5]
