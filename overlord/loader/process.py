@@ -54,7 +54,7 @@ import redis
 from overlord.errors import ConfigError, PeerDied, PlanError, RingFullError, SourceReadError
 from overlord.loader.inflight import Deadline, Inflight, inflight_path
 from overlord.loader.profile import JOURNAL_EVERY_S
-from overlord.loader.refill import RefillTurns
+from overlord.loader.refill import PlanWatch, RefillTurns
 from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.plan import meta
 from overlord.plan.checkpoint import Checkpoints
@@ -125,6 +125,7 @@ class LoaderProcess:
         self._pace: list[float | None] = [None, None]  # (seconds a refill turn takes, seconds between plans)
         self._served_at: float | None = None
         self._turns = RefillTurns()
+        self._plans = PlanWatch(self.r, self.keys, ctx.stop)  # started with the loop
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every trainer read the step
         self.kept: dict[Item, Prepared] = {}  # samples of those steps
         self.active = ctx.role == "loader"
@@ -193,6 +194,7 @@ class LoaderProcess:
             self._rebuild(self.step, point[1] if point and self.step == first else None)
         self.skip_upto = done
         self._read_demand()
+        self._plans.start(self.step)
         if self.active:
             self._claim_rings()
         log.info(
@@ -560,7 +562,7 @@ class LoaderProcess:
             return room > 0
 
         # a plan published meanwhile is served before the rest of the turn (refill.py)
-        filled = self._turns.turn(list(self.loaders), top_up, lambda: bool(self.r.exists(self.keys.plan(self.step))))
+        filled = self._turns.turn(list(self.loaders), top_up, lambda: self._plans.published(self.step))
         self._flush_reports()
         if filled:
             self._pace[0] = _ewma(self._pace[0], time.monotonic() - started)

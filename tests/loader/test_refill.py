@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from overlord.loader.refill import RefillTurns
+import threading
+import time
+
+from overlord.loader.refill import PlanWatch, RefillTurns
+from overlord.store import Keys
+from overlord.store.schema import plans_entry, plans_entry_id
 
 
 class Clock:
@@ -69,3 +74,38 @@ def test_the_start_wraps_when_streams_go():
     turns.start = 7  # more than the streams left after a handoff
     _, done, _ = run_turn(turns, clock, [5, 6], {5, 6}, None)
     assert done == [6, 5]
+
+
+def test_the_plan_watch_follows_the_plans_stream(r):
+    """A real Redis: announcements before the watch's step do not count, later ones do."""
+    keys, stop = Keys("j"), threading.Event()
+    for step in range(3):
+        r.xadd(keys.plans, plans_entry(step, False), id=plans_entry_id(step))
+    watch = PlanWatch(r, keys, stop)
+    watch.start(2)
+    try:
+        wait_for(lambda: watch.published(2))
+        assert not watch.published(3)
+        r.xadd(keys.plans, plans_entry(3, False), id=plans_entry_id(3))
+        r.xadd(keys.plans, plans_entry(4, True), id=plans_entry_id(4))
+        wait_for(lambda: watch.published(4))
+        assert not watch.published(5)
+    finally:
+        stop.set()
+
+
+def test_the_plan_watch_sees_nothing_before_its_step(r):
+    keys, stop = Keys("j"), threading.Event()
+    r.xadd(keys.plans, plans_entry(0, False), id=plans_entry_id(0))
+    watch = PlanWatch(r, keys, stop)
+    watch.start(1)
+    time.sleep(0.3)
+    stop.set()
+    assert watch.latest == -1 and not watch.published(1)
+
+
+def wait_for(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "the watch did not see the announcement in time"
+        time.sleep(0.01)
