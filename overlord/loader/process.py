@@ -2,8 +2,8 @@
 
 Loop: serve every published plan in step order (pop the planned samples from the
 read buffers and write them to the rings of their Data Constructors), then top up
-each stream's bounded read buffer by one chunk and report its metadata; when neither
-has work, block on the plans stream and the `demanded` stream in one XREAD. Serving
+each stream's bounded read buffer by one chunk and report its metadata (a turn gives
+way between streams to a plan published meanwhile: refill.py); when neither has work, block on the plans stream and the `demanded` stream in one XREAD. Serving
 comes first so trainers never wait on a buffer refill that is not needed yet.
 
 Demand. When a step needs more of a stream than its read buffer holds, the Planner
