@@ -59,6 +59,21 @@ def assert_delivered(results: dict, corpus_keys: set[str], times: int = 1, log=l
     assert not lost and not wrong, f"{len(lost)} sample(s) lost; delivered other than {times}x: {wrong[:5]}\n{log()}"
 
 
+def clean_run(job: Job, tmp: Path) -> dict[int, dict]:
+    """Every rank's ledger of `job` run to its end with no fault (a reference to compare with)."""
+    (tmp / "work").mkdir()
+    c = Cluster(job, tmp / "work")
+    try:
+        c.start_sidecar()
+        c.start_trainers()
+        out = c.results()
+        assert c.stop() == 0
+    finally:
+        c.kill_all()
+    assert all(r["end"] == "stop" for r in out.values()), out
+    return out
+
+
 class Cluster:
     """One sidecar and its trainer ranks, all real processes."""
 

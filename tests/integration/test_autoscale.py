@@ -77,34 +77,35 @@ SHIFT = {
 }
 
 
-def _shifting(cluster, corpus, online: bool):
+def _mixed(cluster, corpus, *, mixing, slow: set[str], seed: int, batches: int, **autoscale):
+    """A 2-rank job whose `slow` sources decode slowly (50 ms a sample), under `mixing`,
+    autoscaled with `autoscale` (over a few defaults); sidecar and trainers started."""
     from dataclasses import replace
 
     from harness import make_job
 
-    # books decodes slowly (50 ms a sample) and dominates the first steps, then leaves the mix
     sources = tuple(
-        replace(s, transform="tests.integration.strategies:slow_text") if s.name == "books" else s
+        replace(s, transform="tests.integration.strategies:slow_text") if s.name in slow else s
         for s in make_job(corpus, "/tmp/unused").sources
     )
     c = cluster(
-        seed=9,
+        seed=seed,
         mesh=Mesh(dp=2),
-        mixing=SHIFT,
+        mixing=mixing,
         sources=sources,
         batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512, ring_bytes=1 << 20),
-        autoscale={
-            "cpus": 2,
-            "memory_mb": 8000,
-            "profile_samples": 4,
-            "online": online,
-            "scale_interval": 2,
-            "max_threads": 3,
-        },
+        autoscale={"memory_mb": 8000, "profile_samples": 4, "scale_interval": 2, **autoscale},
     )
     c.start_sidecar()
-    c.start_trainers(batches=80)
+    c.start_trainers(batches=batches)
     return c
+
+
+def _shifting(cluster, corpus, online: bool):
+    # books decodes slowly and dominates the first steps, then leaves the mix
+    return _mixed(
+        cluster, corpus, mixing=SHIFT, slow={"books"}, seed=9, batches=80, cpus=2, online=online, max_threads=3
+    )
 
 
 def test_live_scaling_with_the_mixture_keeps_every_sample_and_the_order(cluster, corpus):
@@ -137,27 +138,8 @@ TURN = {
 
 
 def _turning(cluster, corpus, online: bool):
-    from dataclasses import replace
-
-    from harness import make_job
-
-    # books and code both decode slowly (50 ms a sample); the mixture turns from books to code
-    slow = {"books", "code"}
-    sources = tuple(
-        replace(s, transform="tests.integration.strategies:slow_text") if s.name in slow else s
-        for s in make_job(corpus, "/tmp/unused").sources
-    )
-    c = cluster(
-        seed=13,
-        mesh=Mesh(dp=2),
-        mixing=TURN,
-        sources=sources,
-        batch=BatchSpec(global_batch=8, micro_batches=2, context_length=512, ring_bytes=1 << 20),
-        autoscale={"cpus": 6, "memory_mb": 8000, "profile_samples": 4, "online": online, "scale_interval": 2},
-    )
-    c.start_sidecar()
-    c.start_trainers(batches=60)
-    return c
+    # books and code both decode slowly; the mixture turns from books to code
+    return _mixed(cluster, corpus, mixing=TURN, slow={"books", "code"}, seed=13, batches=60, cpus=6, online=online)
 
 
 def test_a_source_the_mixture_turns_to_is_spread_over_the_idle_loader_processes_live(cluster, corpus):

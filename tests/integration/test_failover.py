@@ -39,20 +39,10 @@ SLEEP = "0.04"  # per batch: the job runs ~3 s, long enough to hit it in the mid
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """Every rank's ledger in a run with no fault."""
-    from harness import Cluster, make_job
+    from harness import clean_run, make_job
 
     tmp = tmp_path_factory.mktemp("reference")
-    (tmp / "work").mkdir()
-    c = Cluster(make_job(corpus, tmp / "run", **JOB), tmp / "work")
-    try:
-        c.start_sidecar()
-        c.start_trainers()
-        out = c.results()
-        assert c.stop() == 0
-    finally:
-        c.kill_all()
-    assert all(r["end"] == "stop" for r in out.values()), out
-    return out
+    return clean_run(make_job(corpus, tmp / "run", **JOB), tmp)
 
 
 def _redis(c):

@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from harness import assert_delivered, make_job
+from harness import assert_delivered, clean_run, make_job
 
 from overlord import BatchSpec, Mesh
 from overlord.planner.request import request_handoff
@@ -88,20 +88,8 @@ def _planning(r, keys, timeout_s: float = 60) -> None:
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """Every rank's ledger in a run with no handoff and no fault."""
-    from harness import Cluster
-
     tmp = tmp_path_factory.mktemp("handoff-reference")
-    (tmp / "work").mkdir()
-    c = Cluster(_job(corpus, tmp / "run"), tmp / "work")
-    try:
-        c.start_sidecar()
-        c.start_trainers()
-        out = c.results()
-        assert c.stop() == 0
-    finally:
-        c.kill_all()
-    assert all(rec["end"] == "stop" for rec in out.values()), out
-    return out
+    return clean_run(_job(corpus, tmp / "run"), tmp)
 
 
 def _hand_over_then_kill(c, role: str, index: int) -> tuple[str, int]:
