@@ -183,6 +183,7 @@ def test_a_new_loader_in_the_same_process_goes_back_to_an_earlier_state(cluster,
     spawned_sidecar_gone(c)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_every_rank_going_back_in_its_own_process_restarts_the_spawned_sidecar_once(cluster, tmp_path):
     """Two rank processes (as under torchrun or Lightning's DDP), each making a new
     DataLoader that loads rank 0's earlier state while its first one still holds its
