@@ -13,8 +13,9 @@ batches of a rank), ``stall_over_median`` and details.
 The job: the demo corpus (4 sources, --rows rows each, 4 partitions a source, 2 loader
 processes), one epoch, 2 ranks consuming a micro-batch every --step-ms. Once the job
 runs, --handoffs requests (`overlord handoff`'s call) hand a stream of each process to
-the other in turn, one at a time: each process gives and takes, and a stream taken over
-opens cold (its files, its read buffer from the planner checkpoint).
+the other in turn, one at a time (none once every step is planned: ``handoffs`` counts
+those taken): each process gives and takes, and a stream taken over opens cold (its
+files, its read buffer from the planner checkpoint).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def run(corpus, base: Path, tag: str, args) -> dict:
     from overlord.runtime.layout import Layout
     from overlord.status import redis_url_of
     from overlord.store import Keys, connect
-    from overlord.store.schema import log_entries
+    from overlord.store.schema import PLANNER_DONE, PLANNER_STEP, log_entries
 
     workdir = base / tag
     workdir.mkdir(parents=True, exist_ok=True)
@@ -100,17 +101,20 @@ def run(corpus, base: Path, tag: str, args) -> dict:
             )
         if args.handoffs and tag == "handoffs":
             r, keys = connect(redis_url_of(job), timeout_s=5), Keys(job.name)
-            while r.get(keys.plan(args.first)) is None:  # a fresh job's keys are cleared first
+            # the job's first plans are out (a fresh job's keys are cleared first)
+            while int(r.hget(keys.planner, PLANNER_STEP) or -1) < args.first:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("no plan")
+                    raise RuntimeError(f"{tag}: no plan of step {args.first}; see {job.run_path}")
                 time.sleep(0.05)
             layout = Layout.plan(job)
             streams = {k: [n for n, o in zip(layout.streams, layout.loader_of) if o == k] for k in (0, 1)}
             for i in range(args.handoffs):
+                if r.hget(keys.planner, PLANNER_DONE):
+                    break  # every step is planned: no step boundary left to hand a stream over at
                 give = i % 2  # process 0 gives, then 1, ...
                 stream = streams[give][(i // 2) % len(streams[give])]
                 code, message = request_handoff(r, keys, stream, 1 - give, timeout_s=30)
-                if code != 0:
+                if code == 1 or (code == 2 and not r.hget(keys.planner, PLANNER_DONE)):
                     raise RuntimeError(message)
                 time.sleep(args.every_s)
             taken = [e for e in log_entries(r.xrange(keys.handoffs)) if e["from"] != e["to"]]

@@ -131,9 +131,21 @@ class Buffer:
         self.streams[stream].add(stream, chunk)
 
     def wanted(self, src: int, count: int) -> dict[int, int]:
-        """Samples each stream of a source must hold for `count` to be taken from it."""
+        """Samples each stream of a source must hold for `count` to be taken from it.
+
+        An even share each, and from a stream not yet final at least one more than it
+        holds while the source holds fewer than `count`: the streams that ran out give
+        nothing more, and a loader already holding its even share would never read on
+        (a finite job's last steps then waited for ever on a stream never reported final).
+        """
         ids = self.by_source[src]
-        return {i: -(-count // len(ids)) for i in ids}
+        even = -(-count // len(ids))
+        open_ = [i for i in ids if not self.streams[i].final]
+        short = count - sum(self.streams[i].count for i in ids)
+        if not open_ or short <= 0:
+            return {i: even for i in ids}
+        more = -(-short // len(open_))
+        return {i: max(even, self.streams[i].count + more) if i in open_ else even for i in ids}
 
     def remaining(self, src: int) -> tuple[int, bool]:
         """(reported unplanned samples of a source, whether that is all it will ever have)."""
@@ -163,14 +175,20 @@ class Buffer:
                 rr[src] += count
                 continue
             left = {i: self.streams[i].count for i in ids}
-            for _ in range(count):
+            for drawn in range(count):
                 for _try in range(len(ids)):
                     i = ids[rr[src] % len(ids)]
                     rr[src] += 1
                     if left[i] > 0:
                         break
                     if not self.streams[i].final:
-                        raise NeedMetadata({j: share for j, share in zip(ids, shares)})
+                        # it must hold what it gave so far and the rest of the draw: its
+                        # round-robin share alone is less once its siblings ran out, and a
+                        # loader holding that share already would never read on (a finite
+                        # job's last steps then waited for ever on a stream never final)
+                        wanted = {j: share for j, share in zip(ids, shares)}
+                        wanted[i] = max(wanted[i], self.streams[i].count + count - drawn)
+                        raise NeedMetadata(wanted)
                 else:
                     raise AssertionError("planner: a source's remainder was miscounted")
                 left[i] -= 1

@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # make test-slow: two
 
 def test_the_handoff_bench_prints_one_line_of_a_real_run():
     out = subprocess.run(
-        [sys.executable, str(BENCH / "handoff.py"), "--json", "--rows", "400", "--handoffs", "2", "--step-ms", "20"],
+        # 100 steps of 2 micro-batches at 30 ms: about 6 s of job for two handoffs (each taken
+        # within half a second); a job that ran out of steps first would make fewer
+        [sys.executable, str(BENCH / "handoff.py"), "--json", "--rows", "800", "--handoffs", "2", "--step-ms", "30"],
         capture_output=True,
         text=True,
         timeout=280,

@@ -1,0 +1,43 @@
+"""What the Planner asks a stream to hold when a step needs more of a source than its
+streams reported: more than the stream holds, or its loader never reads on."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from overlord.plan.buffer import Buffer, NeedMetadata
+from overlord.plan.meta import MetaChunk
+
+
+def chunk(seqs, final: bool = False) -> MetaChunk:
+    n = len(seqs)
+    seq = np.asarray(list(seqs), dtype=np.int64)
+    return MetaChunk(0, seq, np.full(n, 10), np.zeros(n, int), np.full(n, 40), [(0, n)] if final else [], final)
+
+
+def test_a_stream_left_alone_in_its_source_is_asked_for_the_rest_of_the_draw():
+    # the last steps of a finite job: s.0 ran out (final), s.1 holds 20 and is not final.
+    # A draw of 30 takes 5 + 20 and needs 5 more of s.1: asking s.1 for its round-robin
+    # share (15) asked for less than it holds, so its loader never read on and never
+    # reported it final, and the Planner waited for ever (found by bench/handoff.py)
+    buf = Buffer(["s.0", "s.1"], [0, 0], 1, finite=True)
+    buf.add(0, chunk(range(5), final=True))
+    buf.add(1, chunk(range(20)))
+    with pytest.raises(NeedMetadata) as need:
+        buf.select(np.asarray([30]), [0])
+    assert need.value.wanted[1] == 25 > buf.streams[1].count  # what it gave and the 5 more
+    buf.add(1, chunk(range(20, 30)))  # the loader read on: the draw goes through
+    items, take, _ = buf.select(np.asarray([30]), [0])
+    assert take == {0: 5, 1: 25} and len(items) == 30
+
+
+def test_the_end_of_a_finite_source_asks_its_open_stream_for_more_than_it_holds():
+    # three streams ran out (final); the fourth holds 27 and is not final; a step needs 37
+    buf = Buffer(["i.0", "i.1", "i.2", "i.3"], [0, 0, 0, 0], 1, finite=True)
+    buf.add(0, chunk(range(27)))
+    for k in (1, 2, 3):
+        buf.add(k, chunk([], final=True))
+    wanted = buf.wanted(0, 37)
+    assert wanted[0] == 37 > buf.streams[0].count  # was 10, the even share: the loader held 27 and waited
+    assert buf.wanted(0, 20) == {0: 5, 1: 5, 2: 5, 3: 5}  # held enough: the even share
