@@ -133,19 +133,21 @@ class Buffer:
     def wanted(self, src: int, count: int) -> dict[int, int]:
         """Samples each stream of a source must hold for `count` to be taken from it.
 
-        An even share each, and from a stream not yet final at least one more than it
-        holds while the source holds fewer than `count`: the streams that ran out give
-        nothing more, and a loader already holding its even share would never read on
-        (a finite job's last steps then waited for ever on a stream never reported final).
+        An even share each while the source holds `count`; when it holds fewer, the
+        streams not yet final share what the final ones cannot give: the final ones give
+        nothing more, and asking an open stream only for its even share, which its loader
+        may already hold, would never make it read on (a finite job's last steps then
+        waited for ever on a stream never reported final). Together the open streams are
+        asked for what the source lacks, so one of them is asked for more than it holds.
         """
         ids = self.by_source[src]
         even = -(-count // len(ids))
         open_ = [i for i in ids if not self.streams[i].final]
-        short = count - sum(self.streams[i].count for i in ids)
-        if not open_ or short <= 0:
+        if not open_ or sum(self.streams[i].count for i in ids) >= count:
             return {i: even for i in ids}
-        more = -(-short // len(open_))
-        return {i: max(even, self.streams[i].count + more) if i in open_ else even for i in ids}
+        from_final = sum(self.streams[i].count for i in ids if self.streams[i].final)
+        each = max(even, -(-(count - from_final) // len(open_)))
+        return {i: each if i in open_ else even for i in ids}
 
     def remaining(self, src: int) -> tuple[int, bool]:
         """(reported unplanned samples of a source, whether that is all it will ever have)."""

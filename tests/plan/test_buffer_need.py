@@ -41,3 +41,17 @@ def test_the_end_of_a_finite_source_asks_its_open_stream_for_more_than_it_holds(
     wanted = buf.wanted(0, 37)
     assert wanted[0] == 37 > buf.streams[0].count  # was 10, the even share: the loader held 27 and waited
     assert buf.wanted(0, 20) == {0: 5, 1: 5, 2: 5, 3: 5}  # held enough: the even share
+
+
+def test_open_streams_share_what_the_final_ones_cannot_give_and_nothing_more():
+    # s.0 holds 30 and s.1 none yet (both open), s.2 ran out: a step needs 40 of the source
+    buf = Buffer(["s.0", "s.1", "s.2"], [0, 0, 0], 1, finite=True)
+    buf.add(0, chunk(range(30)))
+    buf.add(2, chunk([], final=True))
+    wanted = buf.wanted(0, 40)
+    assert wanted[0] == wanted[1] == 20  # what the open two must supply between them
+    assert wanted[1] > buf.streams[1].count  # the one short of it reads on
+    # and with every stream open, the even share, as before the end of the source
+    open_ = Buffer(["s.0", "s.1"], [0, 0], 1, finite=False)
+    open_.add(0, chunk(range(30)))
+    assert open_.wanted(0, 40) == {0: 20, 1: 20}
