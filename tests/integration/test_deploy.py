@@ -65,6 +65,7 @@ def test_entrypoint_refuses_a_dev_shm_too_small_for_the_rings(corpus, tmp_path):
     assert not list_segments(job.name), "a refused start leaves no segment"
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_entrypoint_refuses_an_unreachable_redis_and_missing_sources(corpus, tmp_path):
     from harness import free_port
 

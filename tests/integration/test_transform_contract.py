@@ -61,6 +61,7 @@ def redis(tmp_path):
     server.stop()
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_under_skip_bad_rows_are_counted_and_every_other_row_arrives_once(cluster, corpus, redis):
     rows = _rows(corpus["web"])
     bad_keys = {k for k, t in rows.items() if is_bad(t)}
