@@ -55,3 +55,20 @@ def test_open_streams_share_what_the_final_ones_cannot_give_and_nothing_more():
     open_ = Buffer(["s.0", "s.1"], [0, 0], 1, finite=False)
     open_.add(0, chunk(range(30)))
     assert open_.wanted(0, 40) == {0: 20, 1: 20}
+
+
+def test_round_robin_blocking_on_an_open_stream_asks_it_for_more_than_it_holds_with_the_source_not_short():
+    # A (open) holds 5, B ran out after 1, C (open) holds 20; a step needs 12: the source holds
+    # 26, yet the round robin takes 5 of A by the 10th draw and needs a sixth. The even share
+    # (4) is less than A holds, so only the draw's own ask makes A's loader read on
+    buf = Buffer(["A", "B", "C"], [0, 0, 0], 1, finite=True)
+    buf.add(0, chunk(range(5)))
+    buf.add(1, chunk(range(1), final=True))
+    buf.add(2, chunk(range(20)))
+    assert buf.wanted(0, 12)[0] == 4 <= buf.streams[0].count  # the source is not short in total
+    with pytest.raises(NeedMetadata) as need:
+        buf.select(np.asarray([12]), [0])
+    assert need.value.wanted[0] == 6 > buf.streams[0].count
+    buf.add(0, chunk(range(5, 10)))  # A's loader read on
+    _, take, _ = buf.select(np.asarray([12]), [0])
+    assert take == {0: 6, 1: 1, 2: 5}
