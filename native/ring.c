@@ -151,6 +151,10 @@ int ovl_ring_try_reserve(ovl_ring *r, uint64_t len, uint64_t *offset) {
     uint64_t tail = atomic_load_explicit(&r->hdr->tail, memory_order_acquire);
     uint64_t pos = head & r->mask;
     uint64_t contig = r->capacity - pos;
+    uint64_t used = head - tail;
+    /* Bytes of records in use: not the last WRAP record's, while it is in use (published, not passed). */
+    int pad_in_use = r->pad_len && tail <= r->pad_at && head >= r->pad_at + r->pad_len;
+    uint64_t held = used - (pad_in_use ? r->pad_len : 0);
     if (span > contig) {
         if (head + contig - tail > r->capacity) {
             return OVL_EAGAIN;
@@ -158,13 +162,28 @@ int ovl_ring_try_reserve(ovl_ring *r, uint64_t len, uint64_t *offset) {
         /* Pad to the end so the record starts at data offset 0 and stays contiguous. */
         uint32_t wrap[2] = {(uint32_t)(contig - OVL_RING_RECORD_HEADER), OVL_RING_FLAG_WRAP};
         memcpy(r->data + pos, wrap, sizeof(wrap));
+        r->pad_at = head;
+        r->pad_len = contig;
         head += contig;
         atomic_store_explicit(&r->hdr->head, head, memory_order_release);
         notify(&r->hdr->data_seq, &r->hdr->data_waiters);
         pos = 0;
+    } else if (pos != 0 && used <= pos && pos - used >= span + 2 * r->peak) { /* used <= pos: no WRAP in use */
+        /* Rewind early (see ring.h): in use is [tail, head) before pos, and the free
+         * bytes in front of tail hold this record and twice the most this producer has
+         * had in use. The WRAP record is published with this one, by commit. */
+        uint32_t wrap[2] = {(uint32_t)(contig - OVL_RING_RECORD_HEADER), OVL_RING_FLAG_WRAP};
+        memcpy(r->data + pos, wrap, sizeof(wrap));
+        r->pad_at = head;
+        r->pad_len = contig;
+        head += contig;
+        pos = 0;
     }
     if (head + span - tail > r->capacity) {
         return OVL_EAGAIN;
+    }
+    if (held + span > r->peak) {
+        r->peak = held + span;
     }
     r->reserved = 1;
     r->res_pos = head;

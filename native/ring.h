@@ -41,6 +41,18 @@
  * The WRAP record is published on its own, before the producer waits for room at
  * offset 0: a consumer that reads (or polls) frees it, even while the ring looks empty.
  *
+ * Rewinding: the producer also wraps early, before the end, when the bytes in use lie
+ * in one piece before its position and the free bytes in front of them (from data
+ * offset 0 to tail) hold the new record and twice the most this producer has had in
+ * use (its peak, kept in its process). So a ring touches the pages of about three times
+ * its peak fill, not its whole capacity: a ring sized for a burst costs shared memory
+ * only when the burst comes. Until the consumer passes it, the WRAP record's bytes count
+ * as in use, so rewinding shortens the room ahead of the producer: measured against its
+ * peak, a producer that fills and drains in bursts still has room for twice its largest
+ * burst (against the fill of the moment, a burst after a quiet spell had to wait for the
+ * consumer). The consumer sees nothing new: a WRAP record, published with the record
+ * after it.
+ *
  * Ordering: the producer writes a record, then stores head with release; the consumer
  * loads head with acquire before reading. Symmetrically for tail and reuse of space.
  * Blocking: a waiter registers in *_waiters, snapshots *_seq, re-checks its condition
@@ -155,6 +167,9 @@ typedef struct ovl_ring {
     int reading;       /* consumer: a record is handed out but not released */
     uint64_t read_pos; /* its tail counter value */
     uint64_t read_span;
+    uint64_t peak;     /* producer: the most bytes of records in use it has seen (rewinding) */
+    uint64_t pad_at;   /* producer: head counter value of its last WRAP record */
+    uint64_t pad_len;  /* and its span (0: none yet) */
 } ovl_ring;
 
 /* Segment size for a (rounded) capacity. */

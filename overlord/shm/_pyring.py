@@ -43,9 +43,17 @@ from typing import Any
 from overlord.errors import PeerDied, RingClosed, RingError, RingFullError, RingTimeout
 from overlord.shm import _ring as _native
 from overlord.shm._proc import peer_alive, self_identity
-from overlord.shm._segment import attach_segment, create_segment, unlink_segment
+from overlord.shm._segment import (
+    RESERVE_STEP,
+    attach_segment,
+    create_segment,
+    first_reserved,
+    reserve_pages,
+    unlink_segment,
+)
 
 PEER_CHECK_S = 0.05  # how often a blocked call checks that its peer is alive
+_NEXT_HEADER = 16  # a record's end, 8-aligned, plus the header written there next (a record's or a WRAP's)
 
 
 class Ring:
@@ -61,6 +69,7 @@ class Ring:
         self._read_view: memoryview | None = None
         self._res_view: memoryview | None = None
         self._next_poll_check = 0.0  # try_read's rate limit on peer checks
+        self._reserved = first_reserved(len(mm))  # producer: segment bytes known reserved in /dev/shm
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -290,6 +299,8 @@ class Ring:
         while True:
             off = h.try_reserve(nbytes)
             if off >= 0:
+                if off + nbytes + _NEXT_HEADER > self._reserved:
+                    self._reserve_pages(off + nbytes + _NEXT_HEADER)
                 return off
             if -off == _native.ETOOBIG:
                 raise RingFullError(
@@ -306,6 +317,18 @@ class Ring:
                     f"({h.pending} of {h.capacity} B in use; consumer pid {h.consumer_pid or 'unclaimed'})"
                 )
             h.wait_space(nbytes, step)
+
+    def _reserve_pages(self, end: int) -> None:
+        """Reserve the segment's pages up to `end` (RESERVE_STEP at a time) before the
+        record just reserved is written there; drops the reservation if /dev/shm is full."""
+        size = len(self._mm)  # type: ignore[arg-type]
+        upto = min(size, -(-end // RESERVE_STEP) * RESERVE_STEP)
+        try:
+            reserve_pages(self._name, self._reserved, upto)
+        except RingError:
+            self._handle().abort()
+            raise
+        self._reserved = upto
 
     # ------------------------------------------------------------------ consumer
     def read(self, timeout: float) -> memoryview:

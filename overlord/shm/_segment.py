@@ -7,10 +7,15 @@ magic last, so an attacher that sees the magic sees a complete header. Attaching
 because the attacher may start before the creator: the segment may not exist yet, may
 exist with size 0 (created, not yet sized), or be sized with its magic still 0.
 
-Creating reserves every page of the segment (posix_fallocate on tmpfs): the rings are
-written for the whole job, and a page that cannot be had when first written kills the
-writer with SIGBUS; reserved at creation, a /dev/shm too small for the rings is a
-RingError at start that names the segment, the sizes and the fix.
+Every page is reserved (posix_fallocate on tmpfs) before anything is written to it: a
+page that cannot be had when first written kills the writer with SIGBUS, while a
+reservation that fails is a RingError that names the segment, the sizes and the fix.
+Creating reserves the header page and the first `RESERVE_STEP` bytes of the data area;
+the producer reserves further pages `RESERVE_STEP` at a time as its records reach them
+(`reserve_pages`, from `Ring.reserve`). A ring rewinds to its start while little is in
+it (native/ring.h), so it holds in /dev/shm about twice its largest fill, not its
+capacity: a ring sized for a burst costs memory when the burst comes. `overlord check`
+and the sidecar's start still refuse a /dev/shm that could not hold every ring full.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from overlord.shm import _ring as _native
 from overlord.shm._proc import self_identity
 
 ATTACH_POLL_S = 0.005  # creating a segment takes microseconds; polling is cheap
+RESERVE_STEP = 256 << 10  # data-area bytes reserved at a time: a 16 MiB ring grows in at most 64 calls
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux
 
 _CHECK_WORDS = {
@@ -37,8 +43,8 @@ _CHECK_WORDS = {
 
 
 def segment_bytes(capacity: int) -> int:
-    """The bytes a ring of `capacity` takes in /dev/shm (header page, capacity rounded up
-    to a power of two), all reserved at creation."""
+    """The bytes a ring of `capacity` takes in /dev/shm when full (header page, capacity
+    rounded up to a power of two)."""
     return _native.segment_size(_native.round_capacity(max(int(capacity), 1)))
 
 
@@ -47,7 +53,7 @@ def create_segment(name: str, capacity: int) -> mmap.mmap:
 
     Raises:
         RingError: The segment already exists, capacity exceeds the maximum, or
-            /dev/shm has no room for all of its pages.
+            /dev/shm has no room for its first pages.
     """
     cap = _native.round_capacity(max(int(capacity), 0))
     if cap == 0:
@@ -61,7 +67,7 @@ def create_segment(name: str, capacity: int) -> mmap.mmap:
             "remove it with overlord.shm.cleanup_stale(job)"
         ) from None
     try:
-        _reserve(name, shm.fd, size)
+        _reserve(name, shm.fd, 0, first_reserved(size), size)
         mm = mmap.mmap(shm.fd, size)
     except BaseException:
         unlink_segment(name)
@@ -76,17 +82,42 @@ def create_segment(name: str, capacity: int) -> mmap.mmap:
     return mm
 
 
-def _reserve(name: str, fd: int, size: int) -> None:
-    """Allocate every page of the segment now, or raise RingError saying why and what to change."""
+def first_reserved(size: int) -> int:
+    """The bytes from the start of a `size`-byte segment that its creator reserves."""
+    return min(size, _native.HEADER_SIZE + RESERVE_STEP)
+
+
+def reserve_pages(name: str, start: int, end: int) -> None:
+    """Reserve bytes [start, end) of an existing segment (the producer, before it writes there).
+
+    A segment whose name is gone (unlinked while mapped, at a job's end) cannot be
+    reserved by name: its pages come on first write.
+
+    Raises:
+        RingError: /dev/shm has no room for them (naming the segment and the fix).
+    """
     try:
-        os.posix_fallocate(fd, 0, size)
+        shm = posix_ipc.SharedMemory(name)
+    except posix_ipc.ExistentialError:
+        return
+    try:
+        _reserve(name, shm.fd, start, end, os.fstat(shm.fd).st_size)
+    finally:
+        shm.close_fd()
+
+
+def _reserve(name: str, fd: int, start: int, end: int, size: int) -> None:
+    """Allocate the pages of bytes [start, end) of a `size`-byte segment now, or raise
+    RingError saying why and what to change."""
+    try:
+        os.posix_fallocate(fd, start, end - start)
     except OSError as exc:
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
             return  # a filesystem that cannot reserve: the pages come on first write, as before
         st = os.statvfs(SHM_DIR)
         raise RingError(
-            f"ring {name!r}: cannot reserve its {size} B ({size / 2**20:.1f} MiB) segment in {SHM_DIR} "
-            f"({exc.strerror}): {st.f_bavail * st.f_frsize} B free of {st.f_blocks * st.f_frsize} B; give the "
+            f"ring {name!r}: cannot reserve bytes {start}-{end} of its {size} B ({size / 2**20:.1f} MiB) segment "
+            f"in {SHM_DIR} ({exc.strerror}): {st.f_bavail * st.f_frsize} B free of {st.f_blocks * st.f_frsize} B; give the "
             "job more shared memory (the container's shm_size / docker run --shm-size, or a larger tmpfs on "
             f"{SHM_DIR}), or lower BatchSpec.ring_bytes / Job.sample_ring_bytes"
         ) from None

@@ -90,7 +90,7 @@ def check_shm(job: Job, loaders: int, path: str = SHM_PATH) -> None:
 
 
 def reserved_ring_bytes(job: Job, loaders: int) -> int:
-    """The /dev/shm bytes this node's sidecar reserves: a segment per ring from every
+    """The /dev/shm bytes this node's rings take when full: a segment per ring from every
     loader process to every DP group (on several nodes too: a loader may move here)
     and per client ring of its ranks, each its header page plus its capacity rounded
     up to a power of two (overlord.shm.segment_bytes)."""

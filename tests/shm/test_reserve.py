@@ -2,10 +2,10 @@
 
 POSIX shared memory always lives in /dev/shm, so each test runs its child in a mount
 namespace of its own (`unshare -m`, as root) with a small tmpfs mounted on /dev/shm:
-the host's /dev/shm is never filled. A ring's pages are reserved when it is created,
-so a short /dev/shm is a RingError naming the segment and the fix (before, the first
-write past the end killed the writer with SIGBUS), and `overlord check` refuses a job
-whose rings do not fit in what is free.
+the host's /dev/shm is never filled. A ring's pages are reserved before its producer
+writes them, so a short /dev/shm is a RingError naming the segment and the fix
+(before reservations, the first write past the end killed the writer with SIGBUS),
+and `overlord check` refuses a job whose rings, full, do not fit in what is free.
 """
 
 from __future__ import annotations
@@ -65,35 +65,44 @@ def _in_small_shm(size: str, script: str, fill_kib: int = 0, timeout: float = 40
 
 
 @needs_namespace
-def test_a_ring_larger_than_the_free_shared_memory_is_refused_at_creation_naming_the_fix(job):
+def test_a_ring_reserves_pages_as_its_producer_reaches_them_and_a_full_shm_is_a_ring_error(job):
     done = _in_small_shm(
         "1m",
         f"""
         import os
         from overlord.errors import RingError
         from overlord.shm import Ring, segment_name
-        name = segment_name({job!r}, "c", "0")
+        ring = Ring.create(segment_name({job!r}, "c", "0"), 4 << 20)  # 4 MiB in a 1 MiB /dev/shm
+        path = "/dev/shm/" + ring.name.lstrip("/")
+        print("CREATED", os.stat(path).st_blocks * 512)
+        written = []
         try:
-            Ring.create(name, 4 << 20)
+            for i in range(64):  # never read: the producer reaches further pages
+                record = bytes([i]) * (64 << 10)
+                ring.write(record, timeout=1)
+                written.append(record)
         except RingError as exc:
             print("ERROR", exc)
+        print("WRITTEN", len(written), os.stat(path).st_blocks * 512)
+        print("INTACT", all(bytes(ring.read(timeout=1)) == record for record in written))
+        ring.close()
+        ring.unlink()
         print("LEFT", sorted(os.listdir("/dev/shm")))
-        small = Ring.create(segment_name({job!r}, "c", "1"), 64 << 10)  # what fits still works
-        small.write(b"x" * 1000, timeout=1)
-        print("SMALL", os.stat("/dev/shm/" + small.name.lstrip("/")).st_blocks * 512)
-        small.close()
-        small.unlink()
     """,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    error = next(line for line in done.stdout.splitlines() if line.startswith("ERROR"))
-    assert "cannot reserve its 4198400 B (4.0 MiB) segment in /dev/shm (No space left on device)" in error, error
-    assert job in error and "B free of 1048576 B" in error, error
+    lines = {line.split()[0]: line for line in done.stdout.splitlines()}
+    assert int(lines["CREATED"].split()[1]) == 4096 + (256 << 10)  # the header page and the first step
+    error = lines["ERROR"]
+    assert f"ring '/ovl.{job}.c.0': cannot reserve bytes" in error, error
+    assert "of its 4198400 B (4.0 MiB) segment in /dev/shm (No space left on device)" in error, error
+    assert "B free of 1048576 B" in error, error
     assert "shm_size / docker run --shm-size" in error and "BatchSpec.ring_bytes / Job.sample_ring_bytes" in error
-    assert "LEFT []" in done.stdout  # the half-made segment is gone
+    written, reserved = (int(x) for x in lines["WRITTEN"].split()[1:])
+    assert 8 <= written < 16 and written * (64 << 10) <= reserved <= 1 << 20, lines["WRITTEN"]
+    assert "INTACT True" in done.stdout  # what was written before the error reads back whole
+    assert "LEFT []" in done.stdout
     assert "SIGBUS" not in done.stderr and "Bus error" not in done.stderr
-    small = int(next(line for line in done.stdout.splitlines() if line.startswith("SMALL")).split()[1])
-    assert small >= 64 << 10  # every page reserved at creation, not only the one written
 
 
 @needs_namespace
