@@ -46,17 +46,14 @@ import logging
 import os
 import threading
 import time
-from typing import Any
 
-import pyarrow as pa
 import redis
 
-from overlord.errors import ConfigError, PeerDied, PlanError, RingFullError, SourceReadError
+from overlord.errors import PeerDied, PlanError, RingFullError, SourceReadError
 from overlord.loader.inflight import Deadline, Inflight, inflight_path
-from overlord.loader.profile import JOURNAL_EVERY_S
-from overlord.loader.refill import PlanWatch, RefillTurns
+from overlord.loader.refill import SHADOW_BLOCK_MS, PlanWatch, RefillTurns, idle_ms
+from overlord.loader.reports import Reports
 from overlord.loader.source_loader import Prepared, SourceLoader
-from overlord.plan import meta
 from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.lowlevel import loader_do_plan
 from overlord.plan.step_plan import Plan
@@ -65,15 +62,12 @@ from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import sample_ring
 from overlord.runtime.readbuffer import ReadBudget, draw_per_step
 from overlord.shm import Ring, SampleMeta
-from overlord.store.client import SOCKET_TIMEOUT_S
 from overlord.store.durable import Durability
 from overlord.store.schema import (
     PLANNER_TOKEN,
     built,
     demanded_values,
     encode_active,
-    encode_record,
-    loader_stats_field,
     plans_after,
     replay,
     unread,
@@ -81,13 +75,8 @@ from overlord.store.schema import (
 
 log = logging.getLogger("overlord.loader")
 
-STATS_S = 1.0  # between two publications of the running totals
-
 CHUNK = 64  # samples prepared per stream between two looks at the plans
 
-IDLE_BLOCK_MS = 200  # an idle active loader's wait on the plans and `demanded` streams
-SHADOW_BLOCK_MS = 20  # a shadow's: its promotion must not wait for a plan to arrive
-IDLE_ENV = "OVERLORD_LOADER_IDLE_MS"  # overrides IDLE_BLOCK_MS (tests: a demand must not wait for it)
 DEMAND_REFRESH_S = 1.0  # the `demand` hash is read again after this long without an entry
 
 Item = tuple[int, int, int]  # (stream, epoch, seq)
@@ -139,14 +128,11 @@ class LoaderProcess:
         self.demand: dict[str, int] = {}  # stream -> samples the Planner asked it to hold
         self.demanded = "0-0"  # the last `demanded` entry applied
         self._demand_read = 0.0  # monotonic: when the `demand` hash or an entry last told it
-        self.idle_ms = _idle_ms()
+        self.idle_ms = idle_ms()
         self.last_step: int | None = None
         self.step = 0
         self.first = 0  # the job's first step (0, or the resume's)
-        self._pipe: Any = None  # a redis pipeline: metadata reports queued for one round trip
-        self._journaled = time.monotonic()
-        self._stated = 0.0  # when the running totals were last published
-        self._skips_published: dict[int, int] = {}  # stream -> Skips.version last written to Redis
+        self.reports = Reports(self.r, self.keys, list(layout.streams), self.durable)
 
     def _open(self, i: int) -> SourceLoader:
         """Start hosting stream i: its Source Loader (at the epoch order's start), an
@@ -272,9 +258,9 @@ class LoaderProcess:
             self.start()
             while not ctx.stop.is_set():
                 ctx.beat()
-                if self.active and time.monotonic() - self._journaled > JOURNAL_EVERY_S:
-                    self._journal()
-                if self.active and time.monotonic() - self._stated > STATS_S:
+                if self.active and self.reports.journal_due():
+                    self.reports.journal(self.loaders)
+                if self.active and self.reports.stats_due():
                     self._publish_stats()
                 pipe = self.r.pipeline(transaction=False)
                 pipe.get(self.keys.plan(self.step))
@@ -317,11 +303,11 @@ class LoaderProcess:
         finally:
             if self.active:
                 try:
-                    self._journal()
+                    self.reports.journal(self.loaders)
                 except Exception:  # noqa: BLE001 - a profile is never worth failing the exit
                     pass
                 try:  # the skip counters reach Redis even when a loader stops on them
-                    self._publish_skips()
+                    self.reports.skips(self.loaders)
                 except redis.RedisError:
                     pass
             for ring in self.rings:
@@ -453,7 +439,7 @@ class LoaderProcess:
             )
             self.loaders.pop(i).close()
             del self.buffers[i], self.held_bytes[i], self.budgets[i]
-            self._skips_published.pop(i, None)
+            self.reports.forget(i)
         gained = [i for i, k in enumerate(serving) if k == me and i not in self.loaders]
         started = time.monotonic()
         for i in gained:
@@ -515,7 +501,7 @@ class LoaderProcess:
             # no further than asked (a stream just handed over is read on the spot): the
             # refills read on in the next turns
             self._prepare(stream, min(CHUNK, seq - loader.seq + 1) if loader.epoch == epoch else CHUNK)
-        self._flush_reports()
+        self.reports.flush()
 
     def _push(self, step: int, dp: int, bucket: int, mb: int, item: Item, sample: Prepared) -> None:
         stream, epoch, seq = item
@@ -563,7 +549,7 @@ class LoaderProcess:
 
         # a plan published meanwhile is served before the rest of the turn (refill.py)
         filled = self._turns.turn(list(self.loaders), top_up, lambda: self._plans.published(self.step))
-        self._flush_reports()
+        self.reports.flush()
         if filled:
             self._pace[0] = _ewma(self._pace[0], time.monotonic() - started)
         return filled
@@ -576,38 +562,23 @@ class LoaderProcess:
             self.held_bytes[i] += s.nbytes
         self.budgets[i].observe(s.nbytes for s in samples)
         if self.active:
-            self._report(i, samples, ended, loader.epoch)
+            self.reports.chunk(i, loader, samples, ended, loader.epoch, int(self.token or 0))
 
-    def _report(self, i: int, samples: list[Prepared], ended, epoch: int) -> None:
-        if self._pipe is None:
-            self._pipe = self.r.pipeline(transaction=False)
-        loader = self.loaders[i]
-        chunk = meta.MetaChunk(
-            epoch=samples[0].epoch if samples else epoch,
-            seq=[s.seq for s in samples],
-            tokens=[s.tokens for s in samples],
-            patches=[s.patches for s in samples],
-            nbytes=[s.nbytes for s in samples],
-            ended=ended,
-            final=loader.finished,
-            token=int(self.token or 0),
+    def _report_all(self) -> None:
+        """Report every unsent sample again, in order (the Planner keeps what is new)."""
+        self.reports.all(self.buffers, self.loaders, int(self.token or 0))
+
+    def _publish_stats(self) -> None:
+        self.reports.stats(
+            self.ctx.index,
+            self.job.node,
+            self.step,
+            self.loaders,
+            self.buffers,
+            self.held_bytes,
+            self.budgets,
+            self.kept,
         )
-        self._pipe.xadd(self.keys.meta(self.layout.streams[i]), meta.encode(chunk))
-        if loader.skips.version != self._skips_published.get(i, 0):  # only what changed since the last report
-            self._skips_published[i] = loader.skips.version
-            self._pipe.hset(self.keys.counters, mapping=loader.skips.fields())
-
-    def _publish_skips(self) -> None:
-        """Every stream's skip counters (`skips.py`), now."""
-        fields = {k: v for ld in self.loaders.values() if ld.skips.any for k, v in ld.skips.fields().items()}
-        if fields:
-            self.r.hset(self.keys.counters, mapping=fields)
-
-    def _flush_reports(self) -> None:
-        pipe = self._pipe
-        if pipe is not None:
-            self._pipe = None
-            self.durable.execute(pipe)
 
     def _scale(self, workers: dict) -> None:
         """Run each stream's transforms on the workers the Planner's scaler set."""
@@ -616,79 +587,6 @@ class LoaderProcess:
             if n is not None and int(n) != loader.workers:
                 log.info("stream %s: %d -> %d transform worker(s)", self.layout.streams[i], loader.workers, int(n))
                 loader.set_workers(int(n))
-
-    def _journal(self) -> None:
-        """Journal what this process's samples cost, for the next auto-partitioning."""
-        self._journaled = time.monotonic()
-        mapping = {}
-        for i, loader in self.loaders.items():
-            loader.profile.state_bytes = max(loader.profile.state_bytes, loader.state_bytes())
-            if loader.profile.samples:
-                mapping[self.layout.streams[i]] = loader.profile.to_json()
-        if mapping:
-            self.r.hset(self.keys.profile, mapping=mapping)
-
-    def _publish_stats(self) -> None:
-        """This process's running totals per stream (`stats` hash): what `overlord top`
-        and the metrics endpoint turn into rates. Not on the data path: one HSET a second."""
-        self._stated = time.monotonic()
-        streams = {}
-        for i, loader in self.loaders.items():
-            streams[self.layout.streams[i]] = {
-                "prepared": loader.profile.samples,
-                "transform_s": round(loader.profile.seconds, 4),
-                "buffered": len(self.buffers[i]),
-                "workers": loader.workers,
-                "skipped": loader.skipped,
-                "skipped_files": loader.skips.files_skipped,
-                "skipped_row_groups": loader.skips.groups_skipped,
-                "epoch": loader.epoch,
-                "buffered_bytes": self.held_bytes[i],
-                "budget_bytes": self.budgets[i].target_bytes(),
-            }
-        kept = sum(p.nbytes for p in self.kept.values())  # sent, kept until every trainer read the step
-        record = {
-            "node": self.job.node,
-            "pid": os.getpid(),
-            "time": time.time(),
-            "step": self.step,
-            "kept_bytes": kept,
-            "arrow_bytes": pa.total_allocated_bytes(),  # row groups read, in Arrow's pool
-            "streams": streams,
-        }
-        try:
-            self.r.hset(self.keys.stats, loader_stats_field(self.ctx.index), encode_record(record))
-        except redis.RedisError:
-            pass  # statistics wait for the next second; the data path does not
-
-    def _report_all(self) -> None:
-        """Report every unsent sample again, in order (the Planner keeps what is new)."""
-        for i, buffer in self.buffers.items():
-            by_epoch: dict[int, list[Prepared]] = {}
-            for key in sorted(buffer):
-                by_epoch.setdefault(key[0], []).append(buffer[key])
-            for epoch, samples in sorted(by_epoch.items()):
-                self._report(i, samples, [], epoch)
-            if not by_epoch and self.loaders[i].finished:
-                self._report(i, [], [], self.loaders[i].epoch)
-        self._flush_reports()
-
-
-def _idle_ms() -> int:
-    """The idle block: IDLE_BLOCK_MS, or `$OVERLORD_LOADER_IDLE_MS`."""
-    raw = os.environ.get(IDLE_ENV)
-    if raw is None:
-        return IDLE_BLOCK_MS
-    try:
-        ms = int(raw)
-    except ValueError:
-        ms = 0
-    if not 1 <= ms < SOCKET_TIMEOUT_S * 1000:
-        raise ConfigError(
-            f"${IDLE_ENV}={raw!r} is not a number of milliseconds from 1 to below the Redis socket timeout "
-            f"({SOCKET_TIMEOUT_S * 1000:g}: a longer block reads as an outage); unset it for {IDLE_BLOCK_MS}"
-        )
-    return ms
 
 
 def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:

@@ -12,24 +12,34 @@ is read does not change: each stream's samples and their order are its own
 A look costs no Redis round trip: `PlanWatch` follows the `plans` stream in a thread of
 its own (a blocking XREAD, one wake per plan) and a look reads the step it last saw. An
 EXISTS per look instead took 6% of the main thread's time on a loaded machine.
+
+With no plan to serve and no stream to top up, the process blocks on the plans stream
+and the `demanded` stream for at most `idle_ms()` (a shadow, SHADOW_BLOCK_MS).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 import redis
 
+from overlord.errors import ConfigError
 from overlord.store import Keys
+from overlord.store.client import SOCKET_TIMEOUT_S
 from overlord.store.schema import plans_after
 
 log = logging.getLogger(__name__)
 
 LOOK_S = 0.02  # during a refill turn, how often to look whether the next plan is out
 WATCH_BLOCK_MS = 500  # the watch thread's XREAD wait, so that it sees `stop` within that
+
+IDLE_BLOCK_MS = 200  # an idle active loader's wait on the plans and `demanded` streams
+SHADOW_BLOCK_MS = 20  # a shadow's: its promotion must not wait for a plan to arrive
+IDLE_ENV = "OVERLORD_LOADER_IDLE_MS"  # overrides IDLE_BLOCK_MS (tests: a demand must not wait for it)
 
 
 class PlanWatch:
@@ -113,3 +123,20 @@ class RefillTurns:
                     self.yielded += 1
                     return True
         return filled
+
+
+def idle_ms() -> int:
+    """The idle block: IDLE_BLOCK_MS, or `$OVERLORD_LOADER_IDLE_MS`."""
+    raw = os.environ.get(IDLE_ENV)
+    if raw is None:
+        return IDLE_BLOCK_MS
+    try:
+        ms = int(raw)
+    except ValueError:
+        ms = 0
+    if not 1 <= ms < SOCKET_TIMEOUT_S * 1000:
+        raise ConfigError(
+            f"${IDLE_ENV}={raw!r} is not a number of milliseconds from 1 to below the Redis socket timeout "
+            f"({SOCKET_TIMEOUT_S * 1000:g}: a longer block reads as an outage); unset it for {IDLE_BLOCK_MS}"
+        )
+    return ms

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from overlord import BatchSpec, Mesh
-from overlord.loader.process import IDLE_ENV
+from overlord.loader.refill import IDLE_ENV
 from overlord.store import Keys
 from overlord.store.schema import demanded_values
 
