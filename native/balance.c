@@ -1,94 +1,12 @@
 /* Balancing kernels: see balance.h. Plain C11, no Python. */
 #include "balance.h"
+#include "balance_sort.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* idx[0..len) := positions 0..len-1 ordered by key ascending, ties by position (what
- * numpy's argsort(kind="stable") gives). tmp: len scratch entries. Bottom-up merge sort
- * with a branch-free merge step (the comparisons are data-dependent coin flips, which a
- * branch mispredicts half the time): stable, since a tie takes from the left run. */
-static void stable_order(const double *key, int64_t len, int64_t *idx, int64_t *tmp) {
-    for (int64_t i = 0; i < len; i++) {
-        idx[i] = i;
-    }
-    int64_t *src = idx, *dst = tmp;
-    for (int64_t width = 1; width < len; width *= 2) {
-        for (int64_t lo = 0; lo < len; lo += 2 * width) {
-            int64_t mid = lo + width < len ? lo + width : len;
-            int64_t hi = lo + 2 * width < len ? lo + 2 * width : len;
-            int64_t a = lo, b = mid, o = lo;
-            while (a < mid && b < hi) {
-                int64_t ia = src[a], ib = src[b];
-                int take_b = key[ib] < key[ia];
-                dst[o++] = take_b ? ib : ia;
-                b += take_b;
-                a += !take_b;
-            }
-            while (a < mid) {
-                dst[o++] = src[a++];
-            }
-            while (b < hi) {
-                dst[o++] = src[b++];
-            }
-        }
-        int64_t *t = src;
-        src = dst;
-        dst = t;
-    }
-    if (src != idx) {
-        memcpy(idx, src, (size_t)len * sizeof *idx);
-    }
-}
-
 /* ---- cost order ------------------------------------------------------------------ */
-
-typedef struct {
-    uint64_t key;
-    int64_t idx;
-} keyed;
-
-enum { RADIX_BITS = 11, RADIX_BUCKETS = 1 << RADIX_BITS, RADIX_PASSES = (64 + RADIX_BITS - 1) / RADIX_BITS };
-
-/* Stable LSD radix sort of a[0..n) by key; b: n scratch entries. Returns the array
- * (a or b) that holds the result. Passes where every key has the same digit are skipped. */
-static keyed *radix_sort(keyed *a, keyed *b, int64_t n, int64_t (*hist)[RADIX_BUCKETS]) {
-    memset(hist, 0, RADIX_PASSES * sizeof *hist);
-    for (int64_t i = 0; i < n; i++) {
-        for (int p = 0; p < RADIX_PASSES; p++) {
-            hist[p][(a[i].key >> (p * RADIX_BITS)) & (RADIX_BUCKETS - 1)]++;
-        }
-    }
-    for (int p = 0; p < RADIX_PASSES; p++) {
-        int64_t *h = hist[p], total = 0;
-        int trivial = 0;
-        for (int d = 0; d < RADIX_BUCKETS; d++) {
-            trivial |= h[d] == n; /* every key has this digit: the pass would change nothing */
-            int64_t cnt = h[d];
-            h[d] = total;
-            total += cnt;
-        }
-        if (trivial) {
-            continue;
-        }
-        for (int64_t i = 0; i < n; i++) { /* stable: equal digits keep their order */
-            b[h[(a[i].key >> (p * RADIX_BITS)) & (RADIX_BUCKETS - 1)]++] = a[i];
-        }
-        keyed *t = a;
-        a = b;
-        b = t;
-    }
-    return a;
-}
-
-/* A non-negative double's sort key: its bits, which order as the values do (-0.0 as 0.0). */
-static uint64_t cost_key(double v) {
-    v += 0.0; /* -0.0 + 0.0 is +0.0: both zeros tie */
-    uint64_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    return bits;
-}
 
 int ovl_bal_cost_order(const double *c, int64_t n, int descending, int64_t *out) {
     keyed *a = malloc((size_t)(n ? n : 1) * sizeof *a), *b = malloc((size_t)(n ? n : 1) * sizeof *b);
@@ -100,11 +18,11 @@ int ovl_bal_cost_order(const double *c, int64_t n, int descending, int64_t *out)
         return OVL_BAL_ENOMEM;
     }
     for (int64_t i = 0; i < n; i++) {
-        uint64_t bits = cost_key(c[i]);
+        uint64_t bits = ovl_sort_cost_key(c[i]);
         a[i].key = descending ? ~bits : bits;
         a[i].idx = i;
     }
-    const keyed *sorted = radix_sort(a, b, n, hist);
+    const keyed *sorted = ovl_sort_radix(a, b, n, hist);
     for (int64_t i = 0; i < n; i++) {
         out[i] = sorted[i].idx;
     }
@@ -296,7 +214,7 @@ int ovl_bal_differencing(const double *vals, int64_t m, int64_t k, int equal_cou
             key[t] = -ns[t];
             ni[t] = ia[t] >= 0 ? ia[t] : ib[r];
         }
-        stable_order(key, k, o, o + k);
+        ovl_sort_stable_order(key, k, o, o + k);
         for (int64_t t = 0; t < k; t++) {
             sa[t] = ns[o[t]];
             ia[t] = ni[o[t]];
@@ -451,10 +369,10 @@ static int rows_sort_all(refine_state *st, int64_t k) {
         return OVL_BAL_ENOMEM;
     }
     for (int64_t j = 0; j < n; j++) {
-        a[j].key = cost_key(st->tcn[j]);
+        a[j].key = ovl_sort_cost_key(st->tcn[j]);
         a[j].idx = j;
     }
-    const keyed *by_cost = radix_sort(a, b, n, hist);
+    const keyed *by_cost = ovl_sort_radix(a, b, n, hist);
     for (int64_t t = 0; t < n; t++) {
         int64_t j = by_cost[t].idx, bin = j / m;
         member *e = st->sorted + bin * m + fill[bin]++;
@@ -511,7 +429,7 @@ int ovl_bal_refine_pairs(const double *cn, const double *cz, int64_t n, int64_t 
     int64_t shift = 0, swaps = 0;
     int64_t max_shift = half < 8 ? half : 8;
     while (swaps < max_swaps) {
-        stable_order(loads, k, order, order + k);
+        ovl_sort_stable_order(loads, k, order, order + k);
         int64_t hot = 0;
         while (hot < half && loads[order[k - 1 - hot]] > stop) {
             hot++; /* the heavy half, heaviest first: those above `stop` are a prefix */
