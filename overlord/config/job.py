@@ -51,7 +51,7 @@ class Job:
             its mean sample bytes; at least two steps' draw (overlord.runtime.readbuffer).
         buffer_samples: an explicit sample cap on each read buffer, over buffer_bytes;
             None (default): bytes only. Kept for configs written before buffer_bytes.
-        sample_ring_bytes: capacity of each ring from a loader process to a Data Constructor; /dev/shm holds about twice its largest fill.
+        sample_ring_bytes: capacity of each ring from a loader process to a Data Constructor; /dev/shm holds up to about three times its peak fill.
         plan_ahead: how many steps the Planner may plan past what the slowest trainer consumed
             (and past the slowest Data Constructor): a metric reported at step t shapes the plan
             of step t + plan_ahead + 1 at the latest, whatever the ring sizes.

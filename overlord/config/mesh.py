@@ -63,7 +63,7 @@ class BatchSpec:
         micro_batches: micro-batches per step per data-parallel group.
         context_length: tokens per packed row (and the truncation length).
         packing: pack several documents per row (cu_seqlens) instead of one padded row each.
-        ring_bytes: capacity of each client's shared-memory ring; /dev/shm holds about twice its largest fill.
+        ring_bytes: capacity of each client's shared-memory ring; /dev/shm holds up to about three times its peak fill.
         drop_last: drop a final partial step at the end of the last epoch.
         vocab_size: the model's vocabulary size: every token id a transform returns
             (input_ids, labels) must lie in [0, vocab_size), else the row is a bad row

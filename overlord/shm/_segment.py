@@ -13,7 +13,7 @@ reservation that fails is a RingError that names the segment, the sizes and the 
 Creating reserves the header page and the first `RESERVE_STEP` bytes of the data area;
 the producer reserves further pages `RESERVE_STEP` at a time as its records reach them
 (`reserve_pages`, from `Ring.reserve`). A ring rewinds to its start while little is in
-it (native/ring.h), so it holds in /dev/shm about twice its largest fill, not its
+it (native/ring.h), so it holds in /dev/shm about three times its peak fill, not its
 capacity: a ring sized for a burst costs memory when the burst comes. `overlord check`
 and the sidecar's start still refuse a /dev/shm that could not hold every ring full.
 """
