@@ -138,6 +138,12 @@ static uint64_t space_needed(const ovl_ring *r, uint64_t head, uint64_t span) {
     return span <= contig ? span : contig;
 }
 
+/* A WRAP record at data offset pos covering the contig bytes to the end. */
+static void write_wrap(ovl_ring *r, uint64_t pos, uint64_t contig) {
+    uint32_t wrap[2] = {(uint32_t)(contig - OVL_RING_RECORD_HEADER), OVL_RING_FLAG_WRAP};
+    memcpy(r->data + pos, wrap, sizeof(wrap));
+}
+
 int ovl_ring_try_reserve(ovl_ring *r, uint64_t len, uint64_t *offset) {
     r->reserved = 0; /* an uncommitted reservation was never published: dropping it is safe */
     if (len > ovl_ring_max_record(r)) {
@@ -160,8 +166,7 @@ int ovl_ring_try_reserve(ovl_ring *r, uint64_t len, uint64_t *offset) {
             return OVL_EAGAIN;
         }
         /* Pad to the end so the record starts at data offset 0 and stays contiguous. */
-        uint32_t wrap[2] = {(uint32_t)(contig - OVL_RING_RECORD_HEADER), OVL_RING_FLAG_WRAP};
-        memcpy(r->data + pos, wrap, sizeof(wrap));
+        write_wrap(r, pos, contig);
         r->pad_at = head;
         r->pad_len = contig;
         head += contig;
@@ -171,11 +176,9 @@ int ovl_ring_try_reserve(ovl_ring *r, uint64_t len, uint64_t *offset) {
     } else if (pos != 0 && used <= pos && pos - used >= span + 2 * r->peak) { /* used <= pos: no WRAP in use */
         /* Rewind early (see ring.h): in use is [tail, head) before pos, and the free
          * bytes in front of tail hold this record and twice the most this producer has
-         * had in use. The WRAP record is published with this one, by commit. */
-        uint32_t wrap[2] = {(uint32_t)(contig - OVL_RING_RECORD_HEADER), OVL_RING_FLAG_WRAP};
-        memcpy(r->data + pos, wrap, sizeof(wrap));
-        r->pad_at = head;
-        r->pad_len = contig;
+         * had in use. The WRAP record is published with this one, by commit (which
+         * also notes it as the last WRAP: a reservation dropped uncommitted leaves none). */
+        write_wrap(r, pos, contig);
         head += contig;
         pos = 0;
     }
@@ -217,6 +220,11 @@ int ovl_ring_commit(ovl_ring *r) {
     uint32_t rec[2] = {(uint32_t)r->res_len, 0};
     memcpy(r->data + (r->res_pos & r->mask), rec, sizeof(rec));
     r->reserved = 0;
+    uint64_t published = atomic_load_explicit(&r->hdr->head, memory_order_relaxed); /* only this side writes it */
+    if (published != r->res_pos) { /* an early rewind's WRAP record, published now with this one */
+        r->pad_at = published;
+        r->pad_len = r->res_pos - published;
+    }
     atomic_store_explicit(&r->hdr->head, r->res_pos + record_span(r->res_len), memory_order_release);
     notify(&r->hdr->data_seq, &r->hdr->data_waiters);
     return OVL_OK;
