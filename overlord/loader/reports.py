@@ -8,8 +8,8 @@
 - the running totals (`stats`), every STATS_S, for `overlord top` and the metrics
   endpoint: one HSET a second, never on the data path.
 
-The loader process (process.py) owns the streams, buffers and budgets; these functions
-read them and write nothing back.
+The loader process (process.py) owns the streams, buffers and budgets; `Reports` reads
+them and writes back only each Source Loader's profile peak (`journal`).
 """
 
 from __future__ import annotations
