@@ -29,12 +29,28 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # a script in a checkout: import the checkout's package
 
-import peers_data  # noqa: E402  (bench/: the corpus, tokenizer and transform)
 from loadkit import colocated_dataset, command, emit, pad_collate  # noqa: E402
+
+if TYPE_CHECKING:
+    import peers_data
+
+# bench/peers_data.py (the corpus, its tokenizer and the transform, with pyarrow, PIL and
+# tokenizers behind them) is imported by the loaders that run the transform in the
+# trainer's process tree, not by Overlord's trainer: its Source Loaders run the transform
+# in the sidecar, and a training script that uses overlord.torch does not import it
+# either. Imported at the top, it cost each Overlord trainer about 7 MiB of private
+# memory and its share of those libraries' pages: memory the job did not need.
+
+
+def _data():
+    import peers_data
+
+    return peers_data
 
 
 class _ByKind:
@@ -49,6 +65,7 @@ class _ByKind:
 
 def _samples(cfg: dict) -> dict[str, peers_data.Sample]:
     """``{"text": Sample, "image_text": Sample}`` over the corpus's tokenizer."""
+    peers_data = _data()
     tok = Path(cfg["corpus"]) / "tokenizer" / "tokenizer.json"
     return {
         kind: peers_data.Sample(
@@ -69,7 +86,7 @@ def _colocated(cfg: dict):
     import torch.utils.data as tud
 
     samples = _samples(cfg)
-    sources = peers_data.sources_of(Path(cfg["corpus"]))
+    sources = _data().sources_of(Path(cfg["corpus"]))
     dataset = colocated_dataset(
         [s["files"] for s in sources],
         [samples[s["kind"]] for s in sources],
@@ -83,6 +100,7 @@ def _colocated(cfg: dict):
 
 
 def _mosaic(cfg: dict):
+    peers_data = _data()
     peers_data.torchvision_without_ops()
     # deferred: mosaicml-streaming is a bench extra
     import torch.utils.data as tud
@@ -110,7 +128,7 @@ def _litdata(cfg: dict):
     root = Path(cfg["corpus"]) / "litdata"
     datasets = [
         StreamingDataset(input_dir=str(root / s["name"]), shuffle=True, seed=cfg["seed"], transform=samples[s["kind"]])
-        for s in peers_data.sources_of(Path(cfg["corpus"]))
+        for s in _data().sources_of(Path(cfg["corpus"]))
     ]
     loader = StreamingDataLoader(
         CombinedStreamingDataset(datasets, seed=cfg["seed"]), **_torch_loader_kwargs(cfg), timeout=cfg["timeout_s"]
