@@ -12,6 +12,13 @@ What is measured (all in one run, on this machine):
   size, repeated `--count` times in this process.
 - ratio: ring / memcpy. Two copies happen per batch in the ring path, one per process,
   in parallel on two cores, so 1.0 is the ceiling when memory bandwidth is not shared.
+- copy_out_gb_per_s, copy_out_ratio: the consumer's np.copyto of each tensor out of the
+  ring in the ring_gb_per_s run, timed alone (the same copy as memcpy's, but of bytes
+  the producer process wrote moments before on another core), and its ratio to memcpy.
+  The ring path cannot outrun its own copy out, so copy_out_ratio bounds `ratio` on the
+  machine: where it is low, cache lines crossing between cores cost it, not the ring.
+- ring_vs_copy_out: ring / copy_out, what the ring itself (waits, headers, decode,
+  release) leaves of that bound.
 - next_latency_us: median time of `Ring.read()` when the next batch is already in the
   ring (written by the producer process; read() releases the previous record, wakes
   the producer and returns a view: no copy). next_decode_latency_us adds `decode_batch`.
@@ -113,16 +120,20 @@ class _Producer:
             raise RuntimeError(f"producer exited {self.child.returncode}")
 
 
-def bench_ring(nbytes: int, count: int, leased: bool = False) -> float:
+def bench_ring(nbytes: int, count: int, leased: bool = False) -> tuple[float, float]:
+    """(ring GB/s, copy-out GB/s): the transfer's rate, and the rate of the consumer's
+    copy of each tensor out of the ring timed alone (0.0 for the leased path, which
+    does not copy)."""
     import torch
 
     dst = np.empty(nbytes // 4, np.float32)
     last = source(nbytes)[-1]
+    copying = 0.0
     with _Producer(nbytes, count) as ring:
         read = LeasedReader(ring).read if leased else ring.read
         for step in range(WARMUP + count):
             if step == WARMUP:
-                t0 = time.perf_counter()
+                t0, copying = time.perf_counter(), 0.0
             tensors, meta = decode_batch(read(timeout=TIMEOUT_S))
             if leased:  # zero-copy: the trainer uses the tensor where it lies
                 batch = {k: torch.from_numpy(v) for k, v in tensors.items()}
@@ -130,11 +141,13 @@ def bench_ring(nbytes: int, count: int, leased: bool = False) -> float:
                 dst[0], dst[-1] = x[0].item(), x[-1].item()
                 del batch, tensors, x  # the trainer is done with it: the lease ends
             else:
+                c0 = time.perf_counter()
                 np.copyto(dst, tensors["x"])
+                copying += time.perf_counter() - c0
             if meta["step"] != step or dst[0] != step or dst[-1] != last:
                 raise RuntimeError(f"batch {step} arrived wrong: meta {meta}, x[0]={dst[0]}")
         elapsed = time.perf_counter() - t0
-    return nbytes * count / elapsed / 1e9
+    return nbytes * count / elapsed / 1e9, (nbytes * count / copying / 1e9 if copying else 0.0)
 
 
 def bench_leased_latency(nbytes: int, samples: int = 200) -> float:
@@ -240,9 +253,9 @@ def main() -> None:
         return
     nbytes = int(args.size_mb * (1 << 20)) // 4 * 4
     memcpy = bench_memcpy(nbytes, args.count)
-    ring = bench_ring(nbytes, args.count)
+    ring, copy_out = bench_ring(nbytes, args.count)
     latency, decode_latency = bench_latency(nbytes)
-    leased = bench_ring(nbytes, args.count, leased=True)
+    leased, _ = bench_ring(nbytes, args.count, leased=True)
     leased_latency = bench_leased_latency(nbytes)
     torch_q = bench_torch_queue(nbytes, args.count)
     result = {
@@ -251,6 +264,9 @@ def main() -> None:
         "ring_gb_per_s": round(ring, 3),
         "memcpy_gb_per_s": round(memcpy, 3),
         "ratio": round(ring / memcpy, 3),
+        "copy_out_gb_per_s": round(copy_out, 3),
+        "copy_out_ratio": round(copy_out / memcpy, 3),
+        "ring_vs_copy_out": round(ring / copy_out, 3),
         "next_latency_us": round(latency, 2),
         "next_decode_latency_us": round(decode_latency, 2),
         "leased_gb_per_s": round(leased, 3),
@@ -266,6 +282,7 @@ def main() -> None:
     print(f"batch {nbytes / (1 << 20):.1f} MiB x {args.count}, {os.cpu_count()} CPUs")
     print(f"  ring (producer -> consumer process, copy out): {ring:8.2f} GB/s")
     print(f"  memcpy (one core, same size):                  {memcpy:8.2f} GB/s  ratio {ring / memcpy:.2f}")
+    print(f"  the consumer's copy out of the ring, alone:    {copy_out:8.2f} GB/s  ratio {copy_out / memcpy:.2f}")
     print(f"  torch.multiprocessing queue:                   {torch_q:8.2f} GB/s  ring is {ring / torch_q:.1f}x")
     print(f"  leased, as the DataLoader reads:               {leased:8.2f} GB/s  ratio {leased / memcpy:.2f}")
     print(f"  read() of a ready batch: {latency:.1f} us median ({decode_latency:.1f} us with decode_batch)")
