@@ -51,7 +51,7 @@ import redis
 
 from overlord.errors import PeerDied, PlanError, RingFullError, SourceReadError
 from overlord.loader.inflight import Deadline, Inflight, inflight_path
-from overlord.loader.refill import SHADOW_BLOCK_MS, PlanWatch, RefillTurns, idle_ms
+from overlord.loader.refill import SHADOW_BLOCK_MS, Pace, PlanWatch, RefillTurns, idle_ms
 from overlord.loader.reports import Reports
 from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.plan.checkpoint import Checkpoints
@@ -111,8 +111,7 @@ class LoaderProcess:
         for i, owner in enumerate(layout.loader_of):
             if owner == ctx.index:
                 self._open(i)
-        self._pace: list[float | None] = [None, None]  # (seconds a refill turn takes, seconds between plans)
-        self._served_at: float | None = None
+        self._pace = Pace(job.plan_ahead)
         self._turns = RefillTurns()
         self._plans = PlanWatch(self.r, self.keys, ctx.stop)  # started with the loop
         self.sent: dict[int, list] = {}  # step -> its sends, kept until every trainer read the step
@@ -291,7 +290,7 @@ class LoaderProcess:
                 if raw_plan is not None:
                     plan = Plan.decode(raw_plan)
                     self._serve(plan)
-                    self._paced(time.monotonic())
+                    self._pace.served(plan.step, time.monotonic())
                     self.step += 1
                     if plan.last:
                         self.last_step = plan.step
@@ -522,18 +521,12 @@ class LoaderProcess:
 
     # -- reading and reporting ---------------------------------------------------------
 
-    def _paced(self, now: float) -> None:
-        """A plan was served at `now`: fold the time since the last into the pace."""
-        if self._served_at is not None:
-            self._pace[1] = _ewma(self._pace[1], now - self._served_at)
-        self._served_at = now
-
     def _refill(self) -> bool:
         """Top up every stream below its low-water mark by one chunk; True if any was."""
-        refill_s, step_s = self._pace
-        if refill_s is not None and step_s is not None:
+        pace = self._pace.known()
+        if pace is not None:
             for budget in self.budgets.values():
-                budget.pace(refill_s, step_s)
+                budget.pace(*pace)
         started = time.monotonic()
 
         def top_up(i: int) -> bool:
@@ -551,7 +544,7 @@ class LoaderProcess:
         filled = self._turns.turn(list(self.loaders), top_up, lambda: self._plans.published(self.step))
         self.reports.flush()
         if filled:
-            self._pace[0] = _ewma(self._pace[0], time.monotonic() - started)
+            self._pace.refilled(time.monotonic() - started)
         return filled
 
     def _prepare(self, i: int, limit: int) -> None:
@@ -587,10 +580,6 @@ class LoaderProcess:
             if n is not None and int(n) != loader.workers:
                 log.info("stream %s: %d -> %d transform worker(s)", self.layout.streams[i], loader.workers, int(n))
                 loader.set_workers(int(n))
-
-
-def _ewma(old: float | None, new: float, alpha: float = 0.2) -> float:
-    return new if old is None else old + alpha * (new - old)
 
 
 def run_loader(ctx) -> None:

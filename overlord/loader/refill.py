@@ -125,6 +125,52 @@ class RefillTurns:
         return filled
 
 
+class Pace:
+    """How long a refill turn takes and how far apart the plans come, as moving averages:
+    together the refill latency in steps that a stream's read buffer must cover
+    (runtime/readbuffer.py, `ReadBudget.pace`).
+
+    The plans of the first `plan_ahead` + 1 steps a process serves were published ahead
+    of the trainers (at a start, a restart, a resume) and it serves them as fast as it
+    reads: their spacing is its own speed, not the job's steps, so it is not folded in.
+    Folded in, that burst read as steps of a few ms, the refill latency as the most
+    steps, and every stream filled to twice what it needed while the trainers were still
+    starting: the loading processes' peak memory.
+
+    Args:
+        plan_ahead: Job.plan_ahead.
+        alpha: Weight of one observation in the averages.
+    """
+
+    def __init__(self, plan_ahead: int, alpha: float = 0.2) -> None:
+        self.plan_ahead, self.alpha = plan_ahead, alpha
+        self.refill_s: float | None = None  # seconds a refill turn takes
+        self.step_s: float | None = None  # seconds between two plans
+        self._served_at: float | None = None
+        self._burst_end: int | None = None  # the last step of the plans published ahead of its first
+
+    def _fold(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+    def served(self, step: int, now: float) -> None:
+        """The plan of `step` was served at `now` (monotonic seconds)."""
+        if self._burst_end is None:
+            self._burst_end = step + self.plan_ahead
+        if self._served_at is not None and step > self._burst_end:
+            self.step_s = self._fold(self.step_s, now - self._served_at)
+        self._served_at = now
+
+    def refilled(self, seconds: float) -> None:
+        """A refill turn that read took `seconds`."""
+        self.refill_s = self._fold(self.refill_s, seconds)
+
+    def known(self) -> tuple[float, float] | None:
+        """(refill_s, step_s) once both were measured, else None."""
+        if self.refill_s is None or self.step_s is None:
+            return None
+        return self.refill_s, self.step_s
+
+
 def idle_ms() -> int:
     """The idle block: IDLE_BLOCK_MS, or `$OVERLORD_LOADER_IDLE_MS`."""
     raw = os.environ.get(IDLE_ENV)

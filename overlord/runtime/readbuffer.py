@@ -7,7 +7,8 @@ before its loader refills, no more:
                or what the plans served took from the stream a step (a moving average),
                whichever is larger: a mixing schedule that turns to a source is followed
     horizon  = plan_ahead + refill steps (the steps that pass while the loader process
-               turns once over its streams; measured, at least 1)
+               turns once over its streams; measured, at least 1, and 1 until the
+               job's steps are: overlord.loader.refill.Pace)
     need     = draw x horizon + 3 sqrt(draw x horizon)   (what the Planner may take before
                a refill: the mixer draws each step's counts at random (multinomial), so
                the mean plus three standard deviations)

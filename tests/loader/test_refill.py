@@ -1,11 +1,13 @@
-"""Refill turns: they stop between streams for a published plan and resume after it."""
+"""Refill turns: they stop between streams for a published plan and resume after it; the
+pace they and the plans set, without the burst of plans published ahead at a start."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from overlord.loader.refill import PlanWatch, RefillTurns
+from overlord.loader.refill import Pace, PlanWatch, RefillTurns
+from overlord.runtime.readbuffer import MAX_REFILL_STEPS, ReadBudget
 from overlord.store import Keys
 from overlord.store.schema import plans_entry, plans_entry_id
 
@@ -109,3 +111,48 @@ def wait_for(cond, timeout_s: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "the watch did not see the announcement in time"
         time.sleep(0.01)
+
+
+def served(pace: Pace, steps, start: float, spacing: float) -> float:
+    """Serve `steps` `spacing` seconds apart from `start`; returns the last time."""
+    now = start
+    for step in steps:
+        pace.served(step, now)
+        now += spacing
+    return now - spacing
+
+
+def test_the_plans_published_ahead_at_a_start_do_not_set_the_pace():
+    # the Planner publishes plan_ahead + 1 plans before any trainer consumes; the process
+    # serves them 2 ms apart while its first refill turns take seconds (every stream's
+    # first fill). Taken for the job's steps, that set the refill latency to the most
+    # steps and every stream filled to twice its need while the trainers started.
+    pace = Pace(plan_ahead=4)
+    pace.refilled(3.0)
+    served(pace, range(5), start=0.0, spacing=0.002)
+    assert pace.known() is None  # no step time yet: the budgets keep one refill step
+    budget = ReadBudget(draw=1.0, plan_ahead=4, cap_bytes=1 << 30)
+    budget.observe([1000] * 8)
+    before = budget.target_samples()
+    # the trainers start 20 s later and then step every 100 ms
+    last = served(pace, range(5, 40), start=20.0, spacing=0.1)
+    for _ in range(20):
+        pace.refilled(0.05)
+    refill_s, step_s = pace.known()
+    assert step_s < 0.5 and refill_s < 0.2
+    budget.pace(refill_s, step_s)
+    assert budget.refill_steps == 1 and budget.target_samples() == before
+    assert last > 20.0
+
+
+def test_the_burst_counts_from_the_first_step_a_process_serves():
+    # a restart (or a resume) at step 100: the burst is 100..104, then the job's steps
+    pace = Pace(plan_ahead=4)
+    pace.refilled(0.25)
+    served(pace, range(100, 105), start=0.0, spacing=0.001)
+    assert pace.known() is None
+    served(pace, range(105, 107), start=1.0, spacing=0.1)
+    assert pace.known() is not None
+    budget = ReadBudget(draw=1.0, plan_ahead=4, cap_bytes=1 << 30)
+    budget.pace(*pace.known())
+    assert 1 <= budget.refill_steps < MAX_REFILL_STEPS
