@@ -106,6 +106,7 @@ class PlannerCore:
         self.rr = [0] * n_sources  # next stream (round robin) of each source
         self.deferred = np.empty(0, dtype=ITEM)
         self.wanted: dict[int, int] = {}  # stream -> samples it must hold, while a step waits
+        self.took: dict[int, int] = {}  # stream -> samples the last planned step took from it
         self.step = 0
         self.done = False
         self._dirty: set[int] = set()  # streams whose cursor moved since the last delta()
@@ -212,6 +213,7 @@ class PlannerCore:
         self.wanted = {}
         self._check(planned)
         self.buffer.commit(planned.take)
+        self.took = planned.take
         self._dirty.update(planned.take)
         self.rr, self.step, self.done = planned.round_robin, self.step + 1, planned.plan.last
         # the last step's leftovers are dropped (counted in the plan), not carried

@@ -11,6 +11,13 @@ deposed Planner writes neither) adds an entry carrying what it set to the `deman
 stream, which the loaders block on with the plans stream: a shortage wakes them at
 once, not when their idle wait ends.
 
+A demand follows need down as well: once DEMAND_HOLD_STEPS planned steps in a row took
+less of a stream than it was asked to hold, it is lowered to the most one of them took
+(0: none), in the same fenced write. A loader holds max(its budget, the demand), so a
+mixing schedule that turned to a source and away again does not leave its buffer at
+the old demand for the rest of the job; a step that needs more again asks again. A
+Planner that takes over reads the `demand` hash, so it lowers what its predecessor asked.
+
 No new samples for `Job.timeout_s` is a stall only if the loaders of the starving
 streams have not turned their loops for as long either (else it is back-pressure).
 """
@@ -18,7 +25,7 @@ streams have not turned their loops for as long either (else it is back-pressure
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import redis
@@ -30,7 +37,7 @@ from overlord.runtime.flow import alive_within
 from overlord.runtime.layout import Layout
 from overlord.runtime.lease import Lease, Superseded
 from overlord.store import Keys
-from overlord.store.schema import DEMANDED_MAXLEN
+from overlord.store.schema import DEMAND_HOLD_STEPS, DEMANDED_MAXLEN, demanded_values
 
 WAIT_MS = 20  # longest block on the metadata streams
 
@@ -66,7 +73,12 @@ class Intake:
         self.timeout_s, self.run_dir = timeout_s, run_dir
         self.index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
         self.last_ids = {keys.meta(name): "0-0" for name in layout.streams}
-        self.asked: dict[int, int] = {}  # what the loaders were last asked to hold, per stream
+        index = {name: i for i, name in enumerate(layout.streams)}
+        # what the loaders were last asked to hold, per stream (a predecessor's asks included)
+        self.asked: dict[int, int] = {
+            index[name]: n for name, n in demanded_values(r.hgetall(keys.demand)).items() if n > 0 and name in index
+        }
+        self.held: dict[int, tuple[int, int]] = {}  # demanded stream -> (most a step took, steps) since its last ask
         self.waiting_since = time.monotonic()
 
     def progressed(self) -> None:
@@ -85,15 +97,12 @@ class Intake:
         Raises:
             Superseded: another Planner holds the lease (nothing was asked).
         """
-        keys = self.keys
-        demand = [(self.layout.streams[i], n) for i, n in wanted.items() if n > self.asked.get(i, 0)]
-        if demand:
-            pairs = [x for kv in demand for x in kv]
-            keys_ = [keys.leader, keys.demand, keys.demanded]
-            if self.ask(keys=keys_, args=[self.lease.value or b"", *pairs]) == -1:
-                self.lease.lost.set()
-                raise Superseded(f"the Planner lease (token {self.lease.token}) is no longer this process's")
-            self.asked.update(wanted)
+        raised = {i: n for i, n in wanted.items() if n > self.asked.get(i, 0)}
+        if raised:
+            self._write(raised)
+            self.asked.update(raised)  # what the `demand` hash holds
+            for i in raised:
+                self.held.pop(i, None)
         reply = self.r.xread(self.last_ids, block=block_ms, count=64)
         if not reply:
             return []
@@ -110,6 +119,40 @@ class Intake:
         trim.execute()
         self.progressed()
         return out
+
+    def planned(self, took: Mapping[int, int]) -> None:
+        """A step was planned that took `took[i]` samples of stream i: lower each demand
+        that DEMAND_HOLD_STEPS steps in a row took less than (the module docstring).
+
+        Raises:
+            Superseded: another Planner holds the lease (nothing was written).
+        """
+        lowered = {}
+        for i, asked in self.asked.items():
+            most, steps = self.held.get(i, (0, 0))
+            most, steps = max(most, took.get(i, 0)), steps + 1
+            if steps >= DEMAND_HOLD_STEPS:
+                if most < asked:
+                    lowered[i] = most
+                most, steps = 0, 0
+            self.held[i] = (most, steps)
+        if lowered:
+            self._write(lowered)
+            for i, n in lowered.items():
+                if n:
+                    self.asked[i] = n
+                else:
+                    del self.asked[i]
+                    self.held.pop(i, None)
+
+    def _write(self, demand: Mapping[int, int]) -> None:
+        """Set `demand` (stream index -> samples) in the `demand` hash, with its `demanded`
+        entry, fenced by the lease."""
+        pairs = [x for i, n in demand.items() for x in (self.layout.streams[i], n)]
+        keys_ = [self.keys.leader, self.keys.demand, self.keys.demanded]
+        if self.ask(keys=keys_, args=[self.lease.value or b"", *pairs]) == -1:
+            self.lease.lost.set()
+            raise Superseded(f"the Planner lease (token {self.lease.token}) is no longer this process's")
 
     def check_stalled(self, step: int, streams: Sequence, serving: Sequence[int] | None = None) -> None:
         """Args:

@@ -138,6 +138,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
         plan = handoffs.stamp(plan)
         publisher.publish(plan, core.delta(), core.state, bound)
         handoffs.published()
+        intake.planned(core.took)
         if scaling is not None and plan.step > first + job.plan_ahead:
             # the steps that fill the look-ahead are planned as soon as loaders report
             # samples, not at the pace the job consumes them: timed, they read as a

@@ -16,6 +16,7 @@ from overlord.store.schema import (
     COPIED,
     COUNTER_DROPPED_LAST,
     COUNTER_OVER_BUDGET,
+    DEMAND_HOLD_STEPS,
     DEMANDED_MAXLEN,
     HANDOFF_FIELDS,
     LOADER_STATS,
@@ -272,7 +273,9 @@ SCHEMA: tuple[Key, ...] = (
         "demand",
         "demand",
         "hash",
-        "samples the Planner needs each stream to hold (when a step takes more than its read buffer holds)",
+        "samples the Planner needs each stream to hold (when a step takes more than its read buffer "
+        f"holds); lowered to the most a step took once {DEMAND_HOLD_STEPS} planned steps in a row took less "
+        "(0: none)",
         "Planner",
         "loaders",
         fields=(Field("<stream>", "int", ""),),

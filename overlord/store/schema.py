@@ -116,6 +116,7 @@ def plans_after(step: int) -> str:
 # -- the `demand` hash and the `demanded` stream ----------------------------------------
 
 DEMANDED_MAXLEN = 256  # entries the `demanded` stream keeps, about (a loader reads the hash when it starts)
+DEMAND_HOLD_STEPS = 32  # planned steps in a row that took less of a stream than its demand before it is lowered
 
 
 def demanded_values(fields: Mapping[bytes, bytes]) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """Intake against a real redis-server: only the current generation's reports reach the
 core, read streams are trimmed, demand is asked once (with its `demanded` entry, only
-while this Planner leads), and a stall is told from back-pressure by the loaders'
-heartbeats."""
+while this Planner leads) and lowered once steps stop needing it, and a stall is told
+from back-pressure by the loaders' heartbeats."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from planner_helpers import chunk, small_core
 
 from overlord.errors import PlanError
 from overlord.plan.meta import encode
-from overlord.planner.intake import Intake
+from overlord.planner.intake import DEMAND_HOLD_STEPS, Intake
 from overlord.runtime.layout import Layout
 from overlord.runtime.lease import Lease, Superseded
 from overlord.store import Keys
@@ -90,3 +90,62 @@ def test_no_reports_from_hung_loaders_is_a_stall_but_back_pressure_is_not(r):
     r.delete(KEYS.heartbeat("loader", "1"))
     with pytest.raises(PlanError, match=r"loader process\(es\) \[0, 1\].*'s0.0', 's1.0'.*/run"):
         intake.check_stalled(0, streams)
+
+
+def demand_now(r) -> dict[str, int]:
+    return demanded_values(r.hgetall(KEYS.demand))
+
+
+def entries(r) -> list[dict[str, int]]:
+    return [demanded_values(fields) for _, fields in r.xrange(KEYS.demanded)]
+
+
+def test_a_demand_steps_stop_needing_is_lowered_and_asked_again_when_needed(r):
+    # a mixing schedule turned to s0 (a step wanted 50 of it), then away: steps take 3
+    intake = Intake(r, KEYS, LAYOUT, leading(r), generation=1, timeout_s=30, run_dir="/run")
+    intake.read({0: 50}, block_ms=1)
+    assert demand_now(r) == {"s0.0": 50}
+    for _ in range(DEMAND_HOLD_STEPS - 1):
+        intake.planned({0: 3, 1: 8})
+    assert demand_now(r) == {"s0.0": 50}  # not yet: a burst may come back
+    intake.planned({0: 2})
+    assert demand_now(r) == {"s0.0": 3}  # the most a step of the window took
+    assert entries(r)[-1] == {"s0.0": 3}  # the loaders blocked on `demanded` see it at once
+    for _ in range(DEMAND_HOLD_STEPS):
+        intake.planned({1: 8})
+    assert demand_now(r) == {"s0.0": 0} and intake.asked == {}
+    writes = r.xlen(KEYS.demanded)
+    for _ in range(DEMAND_HOLD_STEPS):
+        intake.planned({1: 8})
+    assert r.xlen(KEYS.demanded) == writes  # nothing left to lower: no writes
+    intake.read({0: 10}, block_ms=1)  # a step needs 10 again: asked again
+    assert demand_now(r) == {"s0.0": 10}
+
+
+def test_a_demand_a_step_still_takes_is_kept(r):
+    intake = Intake(r, KEYS, LAYOUT, leading(r), generation=1, timeout_s=30, run_dir="/run")
+    intake.read({1: 20}, block_ms=1)
+    for step in range(3 * DEMAND_HOLD_STEPS):
+        intake.planned({1: 20 if step % DEMAND_HOLD_STEPS == 7 else 1})
+    assert demand_now(r) == {"s1.0": 20} and r.xlen(KEYS.demanded) == 1
+
+
+def test_a_planner_that_takes_over_lowers_its_predecessors_demand(r):
+    lease = leading(r)
+    Intake(r, KEYS, LAYOUT, lease, generation=1, timeout_s=30, run_dir="/run").read({1: 40}, block_ms=1)
+    successor = Intake(r, KEYS, LAYOUT, lease, generation=2, timeout_s=30, run_dir="/run")
+    assert successor.asked == {1: 40}
+    for _ in range(DEMAND_HOLD_STEPS):
+        successor.planned({1: 5})
+    assert demand_now(r) == {"s1.0": 5}
+
+
+def test_a_deposed_planner_lowers_nothing(r):
+    lease = leading(r)
+    intake = Intake(r, KEYS, LAYOUT, lease, generation=1, timeout_s=30, run_dir="/run")
+    intake.read({0: 30}, block_ms=1)
+    r.set(KEYS.leader, b"another planner")
+    with pytest.raises(Superseded):
+        for _ in range(DEMAND_HOLD_STEPS):
+            intake.planned({})
+    assert demand_now(r) == {"s0.0": 30} and r.xlen(KEYS.demanded) == 1
