@@ -40,7 +40,7 @@ from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout, SourceReadError
 from overlord.plan.lowlevel import constructor_do_plan, encoder_destinations
 from overlord.plan.waiting import resume_point, wait_plan
-from overlord.remote.bridge import Bridge
+from overlord.remote.bridge import Breaks, Bridge
 from overlord.runtime.flow import Beat, Stopped, alive_within, push
 from overlord.runtime.layout import Layout, client_ring, sample_ring
 from overlord.shm import Ring, decode_batch
@@ -99,6 +99,7 @@ class DataConstructor:
         self.r, self.keys, self.stop, self.beat = r, keys, stop, beat
         self.owner = Owner(r, keys, dp)
         self.bridges = list(bridges.values()) if bridges else []
+        self.breaks = Breaks(self.bridges)
         # per loader process: its ring on this node, and on several nodes a Bridge that
         # carries its samples when it runs elsewhere (overlord.remote.bridge)
         self.inputs: list[list] = []
@@ -354,10 +355,9 @@ class DataConstructor:
     def _replay_if_broken(self, step: int) -> None:
         """A bridge's stream broke (records in transit may be lost): ask the loaders to
         send again every step from the one being collected (not from c<dp>: samples of
-        this step and later ones may have been in transit)."""
-        if any(b.broke.is_set() for b in self.bridges):
-            for b in self.bridges:
-                b.broke.clear()
+        this step and later ones may have been in transit); at most one request every
+        REPLAY_GAP_S (overlord.remote.bridge.Breaks)."""
+        if self.breaks.owed():
             self.owner.write(replay_field(self.dp), replay_request(os.getpid(), step))
 
     def _decoded(self, meta: dict, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

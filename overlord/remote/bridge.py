@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from overlord.errors import RingTimeout
 from overlord.remote.flight import RemoteReader
@@ -36,6 +37,11 @@ REFRESH_S = 0.1
 QUEUE_RECORDS = 64
 RETRY_S = 0.1
 OPEN_S = 1.0  # how long to dial a node before looking up the placement again
+# A bridge that cannot get its stream back fails every RETRY_S or so (its node is
+# unreachable, or its ring there is still held by a unit that is stopping), and each
+# failure owes a replay, in which every loader sends the group all it keeps from the
+# step on: a constructor asks at most once this often (one owed meanwhile waits)
+REPLAY_GAP_S = 1.0
 
 
 class Directory:
@@ -68,6 +74,26 @@ class Directory:
 
     def flight(self, node: str) -> str | None:
         return (self.nodes.get(node) or {}).get("flight")
+
+
+class Breaks:
+    """Whether a Data Constructor owes its loaders a replay request for broken
+    streams of its bridges (each bridge's `broke`), at most once every REPLAY_GAP_S."""
+
+    def __init__(self, bridges, gap_s: float | None = None) -> None:
+        self.bridges, self.gap_s = bridges, REPLAY_GAP_S if gap_s is None else gap_s
+        self._asked = float("-inf")  # monotonic: the last time owed() said yes
+
+    def owed(self) -> bool:
+        """True (and the flags cleared) when a stream broke since the last request and
+        the gap has passed; a break within the gap stays flagged until it has."""
+        now = time.monotonic()
+        if now - self._asked < self.gap_s or not any(b.broke.is_set() for b in self.bridges):
+            return False
+        for b in self.bridges:
+            b.broke.clear()
+        self._asked = now
+        return True
 
 
 class Bridge:

@@ -46,6 +46,13 @@ log = logging.getLogger("overlord.membership")
 
 BOOT_LOCK_MS = 30_000
 PLACEMENT_S = 0.1  # how often a sidecar reads the placement
+# A unit placed elsewhere gets SIGTERM and this long to exit; then its threads' stacks go
+# to its log (SIGUSR1, overlord.sidecar.role) and it is killed. Alive, it keeps what it
+# holds on this node, e.g. the consumer side of its loaders' rings, which the Flight
+# endpoint then cannot serve to the unit's successor on another node: the successor
+# would wait for those samples for ever.
+STOP_GRACE_S = 5.0
+DUMP_S = 0.5  # for its signal handler to write the stacks
 
 
 def clear_dead(r, keys: Keys, node: str) -> list[str]:
@@ -90,7 +97,8 @@ class Membership:
     def __init__(self, job: Job, keys: Keys, roles: Roles) -> None:
         self.job, self.keys, self.roles = job, keys, roles
         self.layout: Layout | None = None  # the job's, once booted
-        self.leaving: set[str] = set()  # units placed elsewhere now, stopping here
+        self.leaving: dict[str, float] = {}  # units placed elsewhere now, stopping here -> when told to
+        self._dumped: set[str] = set()  # of those, the ones past STOP_GRACE_S (stacks asked for)
         self.fostered: dict[str, list[Ring]] = {}  # constructor<h> of another node run here -> its client rings
         self.made: list[Ring] = []  # every ring it created, for the sidecar to close on its way out
         self._placed_at = 0.0
@@ -218,7 +226,7 @@ class Membership:
                     "%s (pid %d) is placed on node %r now; stopping it here", name, proc.pid, placement.get(name)
                 )
                 proc.terminate()
-                self.leaving.add(name)
+                self.leaving[name] = time.monotonic()
             elif proc.returncode == 0:
                 self.roles.forget(name)  # it stopped by itself (a superseded loader): it may be placed here again
         for unit in sorted(mine):
@@ -264,11 +272,30 @@ class Membership:
         return [ring for rings in self.fostered.values() for ring in rings]
 
     def retire(self, codes: dict[str, int | None]) -> None:
-        """Forget units that stopped because they were placed elsewhere."""
-        for name in [n for n in self.leaving if codes.get(n) is not None]:
-            self.leaving.discard(name)
-            codes.pop(name)
-            self.roles.forget(name)
+        """Forget units that stopped because they were placed elsewhere; one that has
+        not stopped within STOP_GRACE_S of its SIGTERM dumps its stacks, then is killed."""
+        now = time.monotonic()
+        for name, since in list(self.leaving.items()):
+            if codes.get(name) is not None:
+                del self.leaving[name]
+                self._dumped.discard(name)
+                codes.pop(name)
+                self.roles.forget(name)
+                continue
+            proc = self.roles.children.get(name)
+            if proc is None or now - since <= STOP_GRACE_S:
+                continue
+            if name not in self._dumped:
+                log.warning(
+                    "%s (pid %d) did not stop within %gs of SIGTERM; its threads' stacks go to its log; killing it",
+                    name,
+                    proc.pid,
+                    STOP_GRACE_S,
+                )
+                proc.dump_stacks()
+                self._dumped.add(name)
+            elif now - since > STOP_GRACE_S + DUMP_S:
+                proc.kill()
 
     def remote_failure(self, r) -> str | None:
         """Several nodes: a role on another node failed with an error (every trainer

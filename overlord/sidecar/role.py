@@ -17,6 +17,7 @@ starting the job.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -179,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     log_context(job.name, job.node)
     ctx = RoleContext(args.role, args.index, job, os.environ["OVERLORD_REDIS_URL"], run_dir, args.attempt)
     signal.signal(signal.SIGTERM, set_on_signal(ctx.stop))
+    # every thread's stack to the role's log (its stderr), from the signal handler in C:
+    # it works while a thread holds the GIL (the sidecar sends it before killing a role
+    # that would not stop; `kill -USR1 <pid>` by hand shows where a role waits)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     threading.Thread(target=ctx.heartbeat_forever, daemon=True, name="heartbeat").start()
     try:
         _run(ctx)

@@ -93,6 +93,10 @@ class RoleProcess:
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
 
+    def dump_stacks(self) -> None:
+        """Have it write every thread's stack to its log (overlord.sidecar.role)."""
+        self._signal(signal.SIGUSR1)
+
 
 def _set_name(name: str) -> None:
     """Name the process (/proc/PID/comm, shown by ps and top) after its role."""

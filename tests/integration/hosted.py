@@ -215,6 +215,7 @@ class HostedJob:
             text += f"== progress\n{json.dumps(progress, sort_keys=True)}\n"
         except redis.RedisError as e:
             text += f"== progress unreadable: {e}\n"
+        text += self._processes()
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         if Path(spy).exists():
             for node, host in self.hosts.items():
@@ -229,6 +230,32 @@ class HostedJob:
                     text += f"== py-spy {node} pid {pid}: {cmd}\n{dump.stdout[-3000:]}{dump.stderr[-300:]}\n"
         return text + self.log()
 
+    def _processes(self) -> str:
+        """Each host's processes (pid in the host, name, state), and every role's thread
+        stacks written to its log (SIGUSR1: overlord.sidecar.role)."""
+        text = ""
+        for node, host in self.hosts.items():
+            rows = []
+            for pid in host.pids()[1:]:
+                try:
+                    status = dict(
+                        line.split(":\t", 1)
+                        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                        if ":\t" in line
+                    )
+                except OSError:
+                    continue
+                inner = status.get("NSpid", "").split()[-1:] or ["?"]
+                rows.append(f"{inner[0]:>6} {status.get('Name', '?'):<16} {status.get('State', '?')}")
+                if status.get("Name", "").startswith("ovl-"):
+                    try:
+                        os.kill(pid, signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
+            text += f"== processes on {node}\n" + "\n".join(rows) + "\n"
+        time.sleep(0.5)  # for the stacks to reach the logs
+        return text
+
     def stop(self, timeout: float = 30) -> dict[str, int]:
         for proc in self.sidecars.values():
             proc.send_signal(signal.SIGTERM)
@@ -240,7 +267,7 @@ class HostedJob:
             text += f"\n== {path.name}\n" + path.read_text(errors="replace")[-4000:]
         for node in self.job.node_ids:
             for role in sorted(self.job.on_node(node).run_path.glob("*.log")):
-                text += f"\n== {node}/{role.name}\n" + role.read_text(errors="replace")[-2500:]
+                text += f"\n== {node}/{role.name}\n" + role.read_text(errors="replace")[-4000:]
         if self.sentinels is not None:
             text += "\n" + self.sentinels.logs()
         return text
