@@ -200,7 +200,13 @@ class BatchServer(flight.FlightServerBase):
             ring = Ring.attach(name, timeout=self.job.timeout_s)
         except RingTimeout:
             raise flight.FlightUnavailableError(f"ring {name} does not exist on node {self.job.node!r} yet") from None
-        ring.claim_consumer()  # the remote reader is this ring's consumer now
+        try:
+            ring.claim_consumer()  # the remote reader is this ring's consumer now
+        except RingError as exc:
+            ring.close()
+            # a role of this node still reads it (one placed elsewhere that is stopping, which
+            # its sidecar kills past a grace): unavailable for now, the reader dials again
+            raise flight.FlightUnavailableError(f"{exc} on node {self.job.node!r}; try again") from None
         me = object()
         with self._guard:
             self._owners[name] = me  # an older stream of this ring stops at its next read

@@ -12,10 +12,12 @@ runs.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from harness import assert_delivered
@@ -144,6 +146,54 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
     for rank, rec in out.items():
         assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
     assert_delivered(out, corpus_keys, log=h.log)
+
+
+def _host_pid(h: HostedJob, node: str, ns_pid: int) -> int:
+    """This machine's pid of the process `ns_pid` of `node`'s PID namespace."""
+    for pid in h.hosts[node].pids():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        inner = next((line.split()[-1] for line in status.splitlines() if line.startswith("NSpid:")), None)
+        if inner == str(ns_pid):
+            return pid
+    raise AssertionError(f"no process {ns_pid} on {node}")
+
+
+@pytest.mark.slow
+def test_a_foster_unit_that_does_not_stop_is_killed_and_every_sample_arrives_once(hosted, corpus_keys):
+    """n1's link down: n0 fosters its Data Constructor. That process is frozen (SIGSTOP:
+    alive, reading nothing, deaf to SIGTERM) before the link is back, as one that would
+    not stop. Sent home, it still holds the consumer side of n0's loader ring for n1's
+    group, which n0's Flight endpoint then refuses to the group's constructor on n1:
+    the job waited for ever. n0's sidecar kills it once its grace is over, and every
+    sample reaches the trainers once."""
+    h = hosted(redis_outage_s=60.0)
+    for node in NODES:
+        h.start_sidecar(node)
+    h.start_trainers(sleep="0.2")
+    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
+    until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
+    h.hosts["n1"].cut()
+
+    def fostered() -> dict | None:
+        raw = r.get(keys.heartbeat("constructor", "1"))
+        beat = json.loads(raw) if raw else None
+        return beat if beat and beat.get("node") == "n0" else None
+
+    until(lambda: fostered() is not None, h, what="n1's Data Constructor run on n0", timeout=60)
+    time.sleep(3)  # it claims n0's rings of its group
+    foster = _host_pid(h, "n0", fostered()["pid"])
+    os.kill(foster, signal.SIGSTOP)
+    h.hosts["n1"].mend()
+    out = h.results(timeout=180)
+    for rank, rec in out.items():
+        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
+    assert_delivered(out, corpus_keys, log=h.log)
+    assert "did not stop within" in (h.workdir / "sidecar-n0.log").read_text(), h.log()
+    assert h.stop() == {n: 0 for n in NODES}, h.log()
+    assert {n: h.segments(n) for n in NODES} == {"n0": [], "n1": []}, "segments left on a host"
 
 
 @pytest.mark.slow

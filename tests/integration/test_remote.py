@@ -5,6 +5,7 @@ token are refused."""
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import replace
 
 import pyarrow.flight as flight
@@ -12,6 +13,7 @@ import pytest
 
 from overlord import BatchSpec, Mesh
 from overlord.remote.flight import RemoteReader, job_token
+from overlord.store import Keys
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,8 +54,6 @@ def test_a_rank_over_flight_gets_the_bytes_of_the_local_ring(cluster, corpus_key
 
 
 def _wait_port(port: int, timeout: float = 30) -> None:
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         with socket.socket() as s:
@@ -74,6 +74,31 @@ def test_a_wrong_token_or_job_is_refused(cluster):
     other = replace(c.job, name="otherjob")
     with pytest.raises(flight.FlightUnauthenticatedError, match="serves job"):
         next(iter(RemoteReader(other, location, 0, token=job_token(c.job))))
+    assert c.stop() == 0
+
+
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
+def test_a_ring_a_local_role_reads_is_unavailable_not_taken(cluster):
+    """A loader's sample ring that this node's Data Constructor reads (or one of this
+    node's roles that is stopping still holds): a reader is told to try again, and the
+    local consumer keeps the ring."""
+    port = _free_port()
+    c = cluster(**JOB, flight_port=port)
+    c.start_sidecar()
+    c.start_trainers(sleep="0.02")
+    r, keys = c.redis(), Keys(c.job.name)
+    deadline = time.monotonic() + 60
+    while int(r.hget(keys.progress, "c0") or -1) < 0:  # dp 0's constructor reads its loader's ring
+        assert time.monotonic() < deadline, "no step built within 60 s"
+        time.sleep(0.05)
+    reader = RemoteReader(
+        c.job, f"grpc://127.0.0.1:{port}", token=job_token(c.job), samples=(0, 0), timeout_s=5, open_timeout_s=1
+    )
+    with pytest.raises(flight.FlightUnavailableError, match="consumer side already claimed by live pid .* try again"):
+        next(iter(reader))
+    reader.close()
+    got = c.results()
+    assert all(rec["end"] == "stop" for rec in got.values()), got
     assert c.stop() == 0
 
 
