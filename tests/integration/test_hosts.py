@@ -126,6 +126,19 @@ def test_a_nodes_roles_killed_while_its_trainer_lives_reads_over_flight_and_back
     assert {n: h.segments(n) for n in NODES} == {"n0": [], "n1": []}, "segments left on a host"
 
 
+def _cut_n1_at_step_4(hosted, redis_outage_s: float):
+    """A job on both nodes, trainers pacing 0.2 s a step, n1's link cut once both
+    groups built step 4; (job, Redis client, keys)."""
+    h = hosted(redis_outage_s=redis_outage_s)
+    for node in NODES:
+        h.start_sidecar(node)
+    h.start_trainers(sleep="0.2")
+    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
+    until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
+    h.hosts["n1"].cut()
+    return h, r, keys
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seconds", [10, 60])
 def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_keys, seconds):
@@ -133,13 +146,7 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
     back once it answers again; every sample reaches the trainers once."""
     # the cut-off node's trainer waits for the job's Redis past the cut (as a user who
     # rides out partitions this long sets it)
-    h = hosted(redis_outage_s=max(60.0, 2.0 * seconds))
-    for node in NODES:
-        h.start_sidecar(node)
-    h.start_trainers(sleep="0.2")
-    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
-    until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
-    h.hosts["n1"].cut()
+    h, _, _ = _cut_n1_at_step_4(hosted, redis_outage_s=max(60.0, 2.0 * seconds))
     time.sleep(seconds)
     h.hosts["n1"].mend()
     out = h.results(timeout=180)
@@ -169,13 +176,7 @@ def test_a_foster_unit_that_does_not_stop_is_killed_and_every_sample_arrives_onc
     group, which n0's Flight endpoint then refuses to the group's constructor on n1:
     the job waited for ever. n0's sidecar kills it once its grace is over, and every
     sample reaches the trainers once."""
-    h = hosted(redis_outage_s=60.0)
-    for node in NODES:
-        h.start_sidecar(node)
-    h.start_trainers(sleep="0.2")
-    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
-    until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
-    h.hosts["n1"].cut()
+    h, r, keys = _cut_n1_at_step_4(hosted, redis_outage_s=60.0)
 
     def fostered() -> dict | None:
         raw = r.get(keys.heartbeat("constructor", "1"))
