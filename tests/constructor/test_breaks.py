@@ -31,17 +31,21 @@ def test_breaks_within_the_gap_wait_for_it_and_then_go_out_once():
     bridges = [Flagged(), Flagged()]
     breaks = Breaks(bridges, gap_s=0.3)
     bridges[0].broke.set()
-    assert breaks.owed()
     asked = time.monotonic()
+    assert breaks.owed()
     answers = []
-    while time.monotonic() - asked < 0.6:  # a bridge failing every few ms, as one that cannot reconnect
+    # a bridge failing every few ms, as one that cannot reconnect, for 0.6 s (and on until
+    # one request went out, however late this thread runs on a loaded machine)
+    while time.monotonic() - asked < 0.6 or not any(owed for _, owed in answers):
         bridges[0].broke.set()
         bridges[1].broke.set()
         answers.append((time.monotonic() - asked, breaks.owed()))
         time.sleep(0.005)
     yes = [t for t, owed in answers if owed]
-    assert 1 <= len(yes) <= 2  # one per gap at most, not one per failure (~100 of them)
-    assert yes[0] >= 0.3 and all(b - a >= 0.3 for a, b in zip(yes, yes[1:]))
+    span = answers[-1][0]
+    assert 1 <= len(yes) <= span / 0.3 + 1  # one per gap at most, not one per failure (~100 of them)
+    slack = 0.01  # the test reads the clock just before Breaks does
+    assert yes[0] >= 0.3 - slack and all(b - a >= 0.3 - slack for a, b in zip(yes, yes[1:]))
     bridges[0].broke.set()
     time.sleep(0.31)
     assert breaks.owed()  # the break within the gap was kept, not dropped
