@@ -277,6 +277,7 @@ class Membership:
         now = time.monotonic()
         for name, since in list(self.leaving.items()):
             if codes.get(name) is not None:
+                log.info("%s stopped %.1fs after its SIGTERM (exit %s)", name, now - since, codes[name])
                 del self.leaving[name]
                 self._dumped.discard(name)
                 codes.pop(name)
