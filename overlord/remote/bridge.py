@@ -80,8 +80,8 @@ class Breaks:
     """Whether a Data Constructor owes its loaders a replay request for broken
     streams of its bridges (each bridge's `broke`), at most once every REPLAY_GAP_S."""
 
-    def __init__(self, bridges, gap_s: float | None = None) -> None:
-        self.bridges, self.gap_s = bridges, REPLAY_GAP_S if gap_s is None else gap_s
+    def __init__(self, bridges, gap_s: float = REPLAY_GAP_S) -> None:
+        self.bridges, self.gap_s = bridges, gap_s
         self._asked = float("-inf")  # monotonic: the last time owed() said yes
 
     def owed(self) -> bool:

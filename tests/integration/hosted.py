@@ -236,20 +236,11 @@ class HostedJob:
         text = ""
         for node, host in self.hosts.items():
             rows = []
-            for pid in host.pids()[1:]:
-                try:
-                    status = dict(
-                        line.split(":\t", 1)
-                        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                        if ":\t" in line
-                    )
-                except OSError:
-                    continue
-                inner = status.get("NSpid", "").split()[-1:] or ["?"]
-                rows.append(f"{inner[0]:>6} {status.get('Name', '?'):<16} {status.get('State', '?')}")
-                if status.get("Name", "").startswith("ovl-"):
+            for machine, inner, name, state in host.processes():
+                rows.append(f"{inner:>6} {name:<16} {state}")
+                if name.startswith("ovl-"):
                     try:
-                        os.kill(pid, signal.SIGUSR1)
+                        os.kill(machine, signal.SIGUSR1)
                     except ProcessLookupError:
                         pass
             text += f"== processes on {node}\n" + "\n".join(rows) + "\n"

@@ -237,18 +237,24 @@ class Host:
                     pass
         return sorted(found, key=lambda p: p != self.init)
 
+    def processes(self) -> list[tuple[int, int, str, str]]:
+        """(pid on this machine, pid in the host, name, state) of each of its processes but init."""
+        out = []
+        for machine in self.pids()[1:]:
+            try:
+                lines = Path(f"/proc/{machine}/status").read_text().splitlines()
+            except OSError:
+                continue  # it ended meanwhile
+            status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+            nspids = status.get("NSpid", "").split()
+            if nspids:
+                out.append((machine, int(nspids[-1]), status.get("Name", "?"), status.get("State", "?")))
+        return out
+
     def machine_pid(self, pid: int) -> int | None:
         """The pid on this machine of the process this host knows as `pid` (its PID
         namespace's; what Redis records, e.g. `active`); None if none runs."""
-        for machine in self.pids():
-            try:
-                status = Path(f"/proc/{machine}/status").read_text()
-            except OSError:
-                continue
-            nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
-            if nspids and int(nspids[-1]) == pid:
-                return machine
-        return None
+        return next((machine for machine, inner, _, _ in self.processes() if inner == pid), None)
 
     def kill(self) -> None:
         """The host vanishes: SIGKILL to its init takes every process with it."""

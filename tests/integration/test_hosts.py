@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from harness import assert_delivered
@@ -155,19 +154,6 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
     assert_delivered(out, corpus_keys, log=h.log)
 
 
-def _host_pid(h: HostedJob, node: str, ns_pid: int) -> int:
-    """This machine's pid of the process `ns_pid` of `node`'s PID namespace."""
-    for pid in h.hosts[node].pids():
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        inner = next((line.split()[-1] for line in status.splitlines() if line.startswith("NSpid:")), None)
-        if inner == str(ns_pid):
-            return pid
-    raise AssertionError(f"no process {ns_pid} on {node}")
-
-
 @pytest.mark.slow
 def test_a_foster_unit_that_does_not_stop_is_killed_and_every_sample_arrives_once(hosted, corpus_keys):
     """n1's link down: n0 fosters its Data Constructor. That process is frozen (SIGSTOP:
@@ -185,7 +171,8 @@ def test_a_foster_unit_that_does_not_stop_is_killed_and_every_sample_arrives_onc
 
     until(lambda: fostered() is not None, h, what="n1's Data Constructor run on n0", timeout=60)
     time.sleep(3)  # it claims n0's rings of its group
-    foster = _host_pid(h, "n0", fostered()["pid"])
+    foster = h.hosts["n0"].machine_pid(fostered()["pid"])
+    assert foster is not None, h.log()
     os.kill(foster, signal.SIGSTOP)
     h.hosts["n1"].mend()
     out = h.results(timeout=180)
