@@ -30,7 +30,8 @@ Measured per loader, one loader at a time, page cache warmed for every format fi
 - ``ttfb_s``: trainer spawn to its first batch, median over ranks (Overlord: from the
   sidecar's spawn, so its start is included; ``ttfb_trainer_s`` from the trainer's).
 - ``cpu_s_per_1k``: user + system CPU of the whole tree (``/proc/<pid>/stat``) over the
-  window, per 1,000 samples.
+  window, per 1,000 samples; ``cpu_s_per_1k_by_process`` the same split by process name
+  (``/proc/<pid>/comm``; the trainer processes as ``trainer``).
 - ``image_share``: image-text samples among the window's (about 0.2 for every loader: the
   same mix through the same transform).
 
@@ -133,9 +134,14 @@ class _Probe:
             loading=max(self.peak["loading"], pss_loading), processes=max(self.peak["processes"], len(loading))
         )
 
-    def cpu(self) -> float:
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far by process name (trainers as ``trainer``), the run's processes."""
         loading, trainers = self.pids()
-        return cpu_seconds(loading + trainers)
+        by_name = {"trainer": cpu_seconds(trainers)}
+        for pid in loading:
+            name = _name_of(pid)
+            by_name[name] = by_name.get(name, 0.0) + cpu_seconds([pid])
+        return by_name
 
 
 def _name_of(pid: int) -> str:
@@ -302,7 +308,10 @@ def run_loader(loader: str, corpus: Path, tokenizer: Path, args: argparse.Namesp
         "trainer_pss_mb": round(probe.peak["trainers"] / MIB, 1),
         "samples_per_s": round(total / window, 1),
         "ttfb_s": round(statistics.median(f - (start if sidecar else t.spawned) for f, t in zip(first, trainers)), 2),
-        "cpu_s_per_1k": round((cpu1 - cpu0) / total * 1000, 3),
+        "cpu_s_per_1k": round((sum(cpu1.values()) - sum(cpu0.values())) / total * 1000, 3),
+        "cpu_s_per_1k_by_process": {
+            name: round((spent - cpu0.get(name, 0.0)) / total * 1000, 3) for name, spent in sorted(cpu1.items())
+        },
         "loading_processes": probe.peak["processes"],
         "window_s": round(window, 2),
         "samples": total,
