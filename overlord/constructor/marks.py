@@ -7,12 +7,13 @@ consumed is in its client ring: the client sets the ring's consumer mark to step
 each time it hands the trainer a batch of `step` (0: nothing yet), and the Flight
 endpoint does the same for a rank it serves over the network (overlord.remote.flight).
 
-A `MarkWatch` thread of each Data Constructor reads the marks of the rings it writes
-(every rank of its group on this node: plain loads from shared memory, every `POLL_S`,
-through mappings of its own, so no Ring object is shared between threads) and
-publishes their minimum as `progress` t<dp>, with an entry on the `progressed` stream
-the Planner blocks on, when it rises: O(1) Redis writes per step, none while it
-stands, whether the constructor builds or waits for a plan.
+Each Data Constructor's `MarkWatch` reads the marks of the rings it writes (every rank
+of its group on this node: plain loads from shared memory, through mappings of the
+watch's own, so no Ring object is shared with the constructor's thread) and publishes
+their minimum as `progress` t<dp>, with an entry on the `progressed` stream the Planner
+blocks on, when it rises: O(1) Redis writes per step, none while it stands, whether
+the constructor builds or waits for a plan. One thread per process looks at every
+watch started in it, every `POLL_S` (a constructor host runs several groups).
 
 - A ring read to the end (nothing pending) counts as consumed up to the last step
   written to it: a consumer that sets no mark paces the Planner step by step instead
@@ -35,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 
 import redis
@@ -47,6 +49,7 @@ from overlord.store.schema import consumed_entry, consumed_field, owner_field, r
 log = logging.getLogger("overlord.constructor")
 
 POLL_S = 0.002  # between two looks at the marks: a few loads from shared memory
+RETRY_S = 0.1  # after a failed write, before the group's next look
 STREAM_MAXLEN = 1000  # `progressed` entries kept (only the newest matter)
 
 # KEYS: `progress`, `progressed`; ARGV: o<dp>, the writer, the field, its value, then for
@@ -112,7 +115,7 @@ class MarkWatch:
     Args:
         job: the job.
         dp: the DP group.
-        r: a Redis client (thread-safe: this thread takes connections of its own).
+        r: a Redis client (thread-safe: the poller takes connections of its own).
         keys: the job's keys.
         outputs: the constructor's rank -> ring it writes; a rank dropped from it
             (its trainer left) no longer counts. Read, never changed, here.
@@ -128,19 +131,30 @@ class MarkWatch:
         self.rings = {rank: Ring.attach(client_ring(job, rank), timeout=job.timeout_s) for rank in outputs}
         raw = r.hget(keys.progress, consumed_field(dp))
         self.published = int(raw) if raw is not None else 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"marks-{dp}")
+        self.ended = threading.Event()  # stopped, superseded, or its rings are gone
+        self._lock = threading.Lock()  # held by the poller while it looks at this group
+        self._retry_at = 0.0  # after a failed write: the next look is not before this
+        self._stopping = False  # stop() was called: whoever holds `_lock` last closes the rings
 
     def start(self) -> MarkWatch:
-        self._thread.start()
+        _Poller.of_this_process().add(self)
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
+        self._stopping = True
+        self.ended.set()
+        _Poller.of_this_process().remove(self)
+        if self._lock.acquire(timeout=5):  # the poller is not looking at the rings now
+            try:
+                self._close()
+            finally:
+                self._lock.release()
+        # else the poller is stuck in this group's write: it closes the rings when it returns
+
+    def _close(self) -> None:
         for ring in self.rings.values():
             ring.close()
+        self.rings = {}
 
     def mark(self) -> int:
         """The group's mark now: the least over its ranks still served (0: one has not
@@ -156,18 +170,75 @@ class MarkWatch:
             marks.append(mark)
         return min(marks, default=0)
 
+    def poll(self, now: float) -> None:
+        """One look at the group's rings (the poller's, with `_lock` held): publish the
+        mark if it rose; `ended` is set once nothing more is to be published here."""
+        if self.ended.is_set():
+            return
+        if now < self._retry_at:
+            return
+        try:
+            mark = self.mark()
+            if mark > self.published:
+                self.owner.write(consumed_field(self.dp), mark, entry=consumed_entry(self.dp, mark))
+                self.published = mark
+        except Superseded as exc:
+            log.warning("%s; its trainers' mark is no longer published from here", exc)
+            self.ended.set()
+        except redis.RedisError as exc:  # the control path rides through outages; try again
+            log.warning("DataConstructor dp=%d: publishing the trainers' mark failed (%s); retrying", self.dp, exc)
+            self._retry_at = now + RETRY_S
+        except RingError:
+            self.ended.set()  # the sidecar removed the rings: the job is ending
+
+
+class _Poller:
+    """One thread per process looks at the marks of every group whose Data Constructor
+    runs in it, every `POLL_S`: a constructor host runs several groups, and a thread
+    each woke 500 times a second per group for a few loads from shared memory (each
+    cost about 1.5% of a core). It runs while a watch is started, and ends with the last.
+    """
+
+    _instance: _Poller | None = None
+    _pid = 0
+    _guard = threading.Lock()
+
+    def __init__(self) -> None:
+        self.watches: list[MarkWatch] = []
+        self.lock = threading.Lock()  # guards `watches` and `thread`
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def of_this_process(cls) -> _Poller:
+        with cls._guard:
+            if cls._instance is None or cls._pid != os.getpid():  # a forked child has no thread
+                cls._instance, cls._pid = _Poller(), os.getpid()
+            return cls._instance
+
+    def add(self, watch: MarkWatch) -> None:
+        with self.lock:
+            self.watches.append(watch)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, daemon=True, name="marks")
+                self.thread.start()
+
+    def remove(self, watch: MarkWatch) -> None:
+        with self.lock:
+            if watch in self.watches:
+                self.watches.remove(watch)
+
     def _run(self) -> None:
-        while not self._stop.wait(POLL_S):
-            try:
-                mark = self.mark()
-                if mark > self.published:
-                    self.owner.write(consumed_field(self.dp), mark, entry=consumed_entry(self.dp, mark))
-                    self.published = mark
-            except Superseded as exc:
-                log.warning("%s; its trainers' mark is no longer published from here", exc)
-                return
-            except redis.RedisError as exc:  # the control path rides through outages; try again
-                log.warning("DataConstructor dp=%d: publishing the trainers' mark failed (%s); retrying", self.dp, exc)
-                self._stop.wait(0.1)
-            except RingError:
-                return  # the sidecar removed the rings: the job is ending
+        while True:
+            time.sleep(POLL_S)
+            with self.lock:
+                self.watches = [w for w in self.watches if not w.ended.is_set()]
+                if not self.watches:
+                    self.thread = None
+                    return
+                watches = list(self.watches)
+            now = time.monotonic()
+            for watch in watches:
+                with watch._lock:
+                    watch.poll(now)
+                    if watch._stopping:
+                        watch._close()  # stop() could not wait for this look to end

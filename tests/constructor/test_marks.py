@@ -1,6 +1,7 @@
 """MarkWatch: the trainers' mark of a DP group, from real rings into a real Redis; and
 Owner, the fence on every write of a group's marks."""
 
+import threading
 import time
 import uuid
 
@@ -133,7 +134,7 @@ def test_a_superseded_constructor_writes_no_mark_and_its_watch_publishes_none(se
     try:
         time.sleep(0.1)
         assert r.hget(keys.progress, "t0") is None, "a superseded watch published its trainers' mark"
-        assert not stale._thread.is_alive()  # it stopped at its first refused write
+        assert stale.ended.is_set()  # it stopped at its first refused write
     finally:
         stale.stop()
     watch = MarkWatch(job, 0, r, keys, dict(rings), {}, new).start()
@@ -162,3 +163,48 @@ def test_a_queued_mark_costs_no_script_exists_and_a_lost_script_is_told(setup):
         pipe.execute()
     claim.write("c0", 3, entry=built_entry(0, 3))
     assert r.hget(keys.progress, "c0") == b"3"
+
+
+def _marks_threads():
+    return [t for t in threading.enumerate() if t.name == "marks"]
+
+
+def test_the_groups_of_a_process_share_one_poller_that_ends_with_the_last(setup):
+    """A constructor host runs several groups: one thread looks at all their marks (a
+    thread each woke 500 times a second per group); a group stopped or superseded
+    leaves the others published, and the thread ends with the last watch."""
+    job, r, keys, rings = setup
+    group = {dp: MarkWatch(job, dp, r, keys, {dp: rings[dp]}, {}, owner(r, keys, dp)).start() for dp in (0, 1)}
+    try:
+        assert len(_marks_threads()) == 1
+        rings[0].set_consumer_mark(4)
+        rings[1].set_consumer_mark(6)
+        assert published(r, keys, lambda m: m == 4) == 4
+        deadline = time.monotonic() + 5
+        while r.hget(keys.progress, "t1") != b"6" and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert r.hget(keys.progress, "t1") == b"6"
+        owner(r, keys, 1)  # group 1 restarted elsewhere: its watch here ends at its next write
+        rings[1].set_consumer_mark(8)
+        deadline = time.monotonic() + 5
+        while not group[1].ended.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert group[1].ended.is_set() and r.hget(keys.progress, "t1") == b"6"
+        rings[0].set_consumer_mark(9)  # the other group is still published
+        assert published(r, keys, lambda m: m == 9) == 9
+        group[0].stop()
+        assert group[0].rings == {}  # its mappings are closed once stopped
+        deadline = time.monotonic() + 5
+        while _marks_threads() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not _marks_threads(), "the poller outlived every watch"
+    finally:
+        for watch in group.values():
+            watch.stop()
+    again = MarkWatch(job, 0, r, keys, {0: rings[0]}, {}, owner(r, keys)).start()
+    try:
+        assert len(_marks_threads()) == 1  # a later watch starts a thread again
+        rings[0].set_consumer_mark(11)
+        assert published(r, keys, lambda m: m == 11) == 11
+    finally:
+        again.stop()
