@@ -106,6 +106,7 @@ class PlannerCore:
         self.rr = [0] * n_sources  # next stream (round robin) of each source
         self.deferred = np.empty(0, dtype=ITEM)
         self.wanted: dict[int, int] = {}  # stream -> samples it must hold, while a step waits
+        self._epoch: int | None = None  # epoch(), until a cursor moves
         self.took: dict[int, int] = {}  # stream -> samples the last planned step took from it
         self.step = 0
         self.done = False
@@ -163,6 +164,7 @@ class PlannerCore:
             )
         for stream in self.streams:
             stream.cursor = stream.known = tuple(state["cursors"][stream.name])
+        self._epoch = None
         self.step, self.rr, self.done = int(state["step"]), list(state["round_robin"]), bool(state.get("done"))
         self._dirty.clear()
         self._rr_written = list(self.rr)
@@ -193,13 +195,24 @@ class PlannerCore:
         )
 
     def epoch(self) -> int:
-        """The job's epoch: the lowest epoch a source that has been planned is being planned in."""
-        per_source = [
-            max(self.streams[i].cursor[0] for i in ids)
-            for ids in self.buffer.by_source
-            if any(self.streams[i].cursor[1] >= 0 for i in ids)  # sources never planned do not hold it back
-        ]
-        return min(per_source, default=0)
+        """The job's epoch: the lowest epoch a source that has been planned is being planned in
+        (kept until a step is planned or a state restored: the only times a cursor moves)."""
+        if self._epoch is None:
+            self._epoch = self._lowest_epoch()
+        return self._epoch
+
+    def _lowest_epoch(self) -> int:
+        streams, lowest = self.buffer.streams, None
+        for ids in self.buffer.by_source:
+            planned, top = False, -1  # sources never planned do not hold it back
+            for i in ids:
+                epoch, seq = streams[i].cursor
+                planned = planned or seq >= 0
+                if epoch > top:
+                    top = epoch
+            if planned and (lowest is None or top < lowest):
+                lowest = top
+        return 0 if lowest is None else lowest
 
     def plan_step(self) -> Plan | None:
         """The plan of `self.step`, or None if metadata is missing; advances on success."""
@@ -213,6 +226,7 @@ class PlannerCore:
         self.wanted = {}
         self._check(planned)
         self.buffer.commit(planned.take)
+        self._epoch = None
         self.took = planned.take
         self._dirty.update(planned.take)
         self.rr, self.step, self.done = planned.round_robin, self.step + 1, planned.plan.last

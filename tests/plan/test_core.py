@@ -352,6 +352,26 @@ def test_epoch_mixing_switches_when_the_job_reaches_an_epoch():
     assert sources[:3] == [{0}, {0}, {0}] and sources[4] == {1}  # epoch 1 of "a" begins at step 3
 
 
+def test_the_job_epoch_follows_each_planned_step_and_a_restore():
+    """epoch() is kept between the moves of a cursor (a planned step, a restore): it
+    must never answer from before one."""
+    core = make(global_batch=8)
+    for i in (0, 1):
+        core.add(i, chunk(0, range(8), ended=[(0, 8)]))
+        core.add(i, chunk(1, range(40)))
+    seen = []
+    for _ in range(4):
+        seen.append(core.epoch())
+        core.plan_step()
+    seen.append(core.epoch())
+    assert seen[0] == 0 and seen[-1] == 1 and seen == sorted(seen)
+    state = core.state()
+    fresh = make(global_batch=8)
+    assert fresh.epoch() == 0  # kept from here ...
+    fresh.restore(state)
+    assert fresh.epoch() == 1  # ... and not after a restore
+
+
 def test_a_restored_core_plans_exactly_what_the_original_did():
     """Resumption: restore the state saved after step s, feed only what loaders restarted
     at the cursors report, and the plans from s on are the original's, byte for byte."""
