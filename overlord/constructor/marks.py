@@ -134,14 +134,12 @@ class MarkWatch:
         self.ended = threading.Event()  # stopped, superseded, or its rings are gone
         self._lock = threading.Lock()  # held by the poller while it looks at this group
         self._retry_at = 0.0  # after a failed write: the next look is not before this
-        self._stopping = False  # stop() was called: whoever holds `_lock` last closes the rings
 
     def start(self) -> MarkWatch:
         _Poller.of_this_process().add(self)
         return self
 
     def stop(self) -> None:
-        self._stopping = True
         self.ended.set()
         _Poller.of_this_process().remove(self)
         if self._lock.acquire(timeout=5):  # the poller is not looking at the rings now
@@ -149,7 +147,7 @@ class MarkWatch:
                 self._close()
             finally:
                 self._lock.release()
-        # else the poller is stuck in this group's write: it closes the rings when it returns
+        # else the poller is stuck in this group's write: it closes the rings (ended) when it returns
 
     def _close(self) -> None:
         for ring in self.rings.values():
@@ -173,9 +171,7 @@ class MarkWatch:
     def poll(self, now: float) -> None:
         """One look at the group's rings (the poller's, with `_lock` held): publish the
         mark if it rose; `ended` is set once nothing more is to be published here."""
-        if self.ended.is_set():
-            return
-        if now < self._retry_at:
+        if self.ended.is_set() or now < self._retry_at:
             return
         try:
             mark = self.mark()
@@ -240,5 +236,5 @@ class _Poller:
             for watch in watches:
                 with watch._lock:
                     watch.poll(now)
-                    if watch._stopping:
-                        watch._close()  # stop() could not wait for this look to end
+                    if watch.ended.is_set():
+                        watch._close()  # nothing more is read here (stop() may not have waited for this look)
