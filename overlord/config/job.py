@@ -63,7 +63,9 @@ class Job:
         flight_port: serve the trainers' micro-batches over Arrow Flight on this TCP port
             (overlord.remote), for trainers without a sidecar on their node; requests
             carry the job's token ($OVERLORD_FLIGHT_TOKEN, or the run directory's
-            flight.token). None: no remote path.
+            flight.token). None: no remote path. Choose a port below the kernel's
+            range for outgoing connections (net.ipv4.ip_local_port_range, 32768-60999
+            by default): any connection on the host can take a port inside it first.
         metrics_port: serve Prometheus metrics on this TCP port (`/metrics`, on
             `metrics_host`), from a process of the sidecar's own; a sidecar's
             `--metrics-port` sets it per node. None: no endpoint. With

@@ -280,11 +280,20 @@ class _Superseded(Exception):
 
 def serve(job: Job, port: int, token: str, host: str = "0.0.0.0") -> BatchServer:
     """Start a BatchServer on `port` in a background thread (TLS when the job has a cert)."""
-    if job.flight_cert and job.flight_key:  # Job refuses one without the other
-        pair = flight.CertKeyPair(cert=Path(job.flight_cert).read_bytes(), key=Path(job.flight_key).read_bytes())
-        server = BatchServer(job, f"grpc+tls://{host}:{port}", token, tls_certificates=[pair])
-    else:
-        server = BatchServer(job, f"grpc://{host}:{port}", token)
+    try:
+        if job.flight_cert and job.flight_key:  # Job refuses one without the other
+            pair = flight.CertKeyPair(cert=Path(job.flight_cert).read_bytes(), key=Path(job.flight_key).read_bytes())
+            server = BatchServer(job, f"grpc+tls://{host}:{port}", token, tls_certificates=[pair])
+        else:
+            server = BatchServer(job, f"grpc://{host}:{port}", token)
+    except pa.ArrowException as e:  # gRPC says only "did not start properly": find out whether the port is taken
+        if service.port_taken(host, port):
+            hint = service.port_hint(port) or "stop what holds it or choose another port"
+            raise ConfigError(
+                f"the Flight endpoint cannot listen on {host}:{port} (Job.flight_port): something on this host "
+                f"holds that port; {hint}"
+            ) from e
+        raise
     threading.Thread(target=server.serve, daemon=True, name="flight").start()
     return server
 

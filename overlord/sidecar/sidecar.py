@@ -41,6 +41,7 @@ from overlord.metrics import metrics_host, start_metrics_process
 from overlord.remote.flight import job_token, start_server_process
 from overlord.runtime.flow import HEARTBEAT_S, set_on_signal
 from overlord.runtime.layout import Layout, client_ring, sample_ring
+from overlord.runtime.service import Supervised, port_hint
 from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.shm import pid_alive as _alive
 from overlord.sidecar import mode, resume, rewind
@@ -88,9 +89,8 @@ class Sidecar:
         self.client_rings: dict[int, Ring] = {}
         self.stop = threading.Event()
         self._lock_fh: TextIO | None = None
-        # processes of its own next to the roles (not forked: they run server threads):
-        # name -> (how to start it, the process)
-        self.services: dict[str, tuple[Callable[[], subprocess.Popen], subprocess.Popen]] = {}
+        # processes of its own next to the roles (not forked: they run server threads)
+        self.services: list[Supervised] = []
         self._beaten = 0.0  # when the node heartbeat was last written (monotonic)
         self._state_checked = 0.0  # when Redis was last seen holding the job's state (monotonic)
 
@@ -194,8 +194,11 @@ class Sidecar:
             self.rings.append(ring)
             self.client_rings[rank] = ring
 
-    def _serve(self, name: str, start: Callable[[], subprocess.Popen]) -> None:
-        self.services[name] = (start, start())
+    def _serve(self, name: str, start: Callable[[], subprocess.Popen], log_name: str, port: int) -> None:
+        hint = port_hint(port)
+        if hint:
+            log.warning("%s: %s", name, hint)
+        self.services.append(Supervised(name, start, self.run_dir / log_name))
 
     def _layout(self) -> Layout:
         """Size the loaders (autoscale) and lay the job out."""
@@ -232,9 +235,19 @@ class Sidecar:
         preload()
         if self.job.flight_port:
             token = job_token(self.job, create=True, r=self.r)
-            self._serve("the Flight endpoint", lambda: start_server_process(self.job, token, self.run_dir))
+            self._serve(
+                "the Flight endpoint",
+                lambda: start_server_process(self.job, token, self.run_dir),
+                "flight.log",
+                self.job.flight_port,
+            )
         if self.job.metrics_port:
-            self._serve("the metrics endpoint", lambda: start_metrics_process(self.job, self.run_dir, url))
+            self._serve(
+                "the metrics endpoint",
+                lambda: start_metrics_process(self.job, self.run_dir, url),
+                "metrics.log",
+                self.job.metrics_port,
+            )
         self._start_roles(*begun)
         if self.job.flight_port:
             log.info(
@@ -391,10 +404,9 @@ class Sidecar:
         while not self.stop.wait(POLL_S):
             if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
                 self._restart_redis()
-            for name, (start, proc) in list(self.services.items()):
-                if proc.poll() is not None:
-                    log.warning("%s (pid %d) exited with %s; starting it again", name, proc.pid, proc.returncode)
-                    self._serve(name, start)
+            now = time.monotonic()
+            for service in self.services:
+                service.keep_up(now)
             self._beat()
             codes = self.roles.codes()
             lost = self._lost_state(failing=any(c not in (None, 0) for c in codes.values()))
@@ -485,14 +497,14 @@ class Sidecar:
     # -- shutdown ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        for _, service in self.services.values():
-            if service.poll() is None:
-                service.terminate()
-        for _, service in self.services.values():
+        for service in self.services:
+            if service.proc.poll() is None:
+                service.proc.terminate()
+        for service in self.services:
             try:
-                service.wait(timeout=5)
+                service.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                service.kill()
+                service.proc.kill()
         self.roles.stop()
         for ring in [*self.rings, *self.membership.made]:
             ring.close()

@@ -110,12 +110,15 @@ def fork_role(role: str, index: int, run_dir: Path, redis_url: str, attempt: int
     log = run_dir / f"{role}{index}.log"
     sys.stdout.flush()
     sys.stderr.flush()
+    parent = os.getpid()
     pid = os.fork()
     if pid:
         return RoleProcess(f"{role}{index}", pid)
     code = 1
     try:
         die_with_parent(signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)  # the sidecar died between the fork and that request: nobody would kill us
         _set_name(f"ovl-{role}{index}")
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(fd, 1)

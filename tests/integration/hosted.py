@@ -38,7 +38,8 @@ from overlord.store.server import redis_server_binary
 REDIS_PORT = 6379
 SENTINEL_PORT = 26379
 SERVICE = "overlord"  # the Sentinels' name for the job's Redis
-FLIGHT_PORT = 47470  # the same on every host: each has its own network namespace
+FLIGHT_PORT = 28815  # the same on every host (each has its own network namespace); below the
+# kernel's ephemeral range (32768-60999), so no outgoing connection on a host can take it first
 
 
 class HostedJob:
