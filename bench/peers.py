@@ -34,6 +34,10 @@ Measured per loader, one loader at a time, page cache warmed for every format fi
   (``/proc/<pid>/comm``; the trainer processes as ``trainer``).
 - ``image_share``: image-text samples among the window's (about 0.2 for every loader: the
   same mix through the same transform).
+- ``idle_before`` and ``settled_s``: each loader starts once the machine was ``--idle``
+  idle over 5 s (at most ``--settle-max`` s of waiting): the idle share it started at
+  and how long it waited; ``probe_ms``: how long a fixed piece of Python took on one core
+  just before it (the VM's speed then). ``--only`` sets the loaders and their order.
 
 Every wait has a timeout; trainers' process groups and the sidecar are killed on error
 (and a loader's run is stopped, its entry ``{"error": ...}``, when the machine's available
@@ -162,6 +166,44 @@ def _memory_guard(floor_mb: float) -> None:
         available = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 1024
     if available < floor_mb:
         raise MemoryError(f"{available:.0f} MiB available, under --memory-floor {floor_mb:.0f} MiB: run stopped")
+
+
+def _idle_share(seconds: float) -> float:
+    """The machine's idle share of CPU time over the next `seconds` (/proc/stat)."""
+
+    def read() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+
+    idle0, all0 = read()
+    time.sleep(seconds)
+    idle1, all1 = read()
+    return (idle1 - idle0) / max(1, all1 - all0)
+
+
+def settle(idle: float, most_s: float) -> dict:
+    """Wait (at most `most_s`) until the machine was at least `idle` idle over 5 s: a
+    loader started straight after another (or after any heavy run) runs on a machine
+    still busy with its tail, and this VM's speed swings for minutes after. Returns how
+    long it waited and the idle share it started at."""
+    t0, share = time.monotonic(), 0.0
+    while True:
+        share = _idle_share(5.0)
+        if share >= idle or time.monotonic() - t0 >= most_s:
+            return {"settled_s": round(time.monotonic() - t0, 1), "idle_before": round(share, 3), **speed_probe()}
+
+
+def speed_probe() -> dict:
+    """How fast one core runs a fixed piece of Python now (ms; best of three): this VM's
+    speed swings within minutes, so each loader's figures come with the speed it started at."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        acc = 0
+        for i in range(300_000):
+            acc = (acc * 31 + i) & 0xFFFFFFFF
+        best = min(best, time.perf_counter() - t)
+    return {"probe_ms": round(best * 1000, 1)}
 
 
 def _clean_mosaic_shm() -> None:
@@ -406,7 +448,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan-ahead", type=int, default=0, help="Overlord's Job.plan_ahead (0: its default)")
     p.add_argument("--sample-ring-mib", type=int, default=1, help="Overlord's Job.sample_ring_bytes, MiB")
     p.add_argument("--trainer-ring-mib", type=int, default=4, help="Overlord's BatchSpec.ring_bytes, MiB")
-    p.add_argument("--only", default=",".join(LOADERS), help="comma-separated loaders to run")
+    p.add_argument("--only", default=",".join(LOADERS), help="comma-separated loaders to run, in this order")
+    p.add_argument(
+        "--idle", type=float, default=0.9, help="before each loader, wait for the machine this idle over 5 s"
+    )
+    p.add_argument("--settle-max", type=float, default=180.0, help="... at most this many seconds (0: no wait)")
     p.add_argument("--out", type=Path, default=OUT, help="where logs, the PSS series and the PNG go")
     p.add_argument("--png", type=Path, help="the PNG (default: OUT/peers.png)")
     p.add_argument("--json", action="store_true", help="print one JSON line (the default)")
@@ -428,8 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     _warm_page_cache(corpus)
     loaders = {}
     for loader in only:
+        settled = settle(args.idle, args.settle_max) if args.settle_max > 0 else speed_probe()
         try:
-            loaders[loader] = run_loader(loader, corpus, tokenizer, args)
+            loaders[loader] = {**run_loader(loader, corpus, tokenizer, args), **settled}
         except MemoryError as exc:  # the others still run: their figures stand alone
             loaders[loader] = {"error": str(exc), "pss_series": []}
         print(

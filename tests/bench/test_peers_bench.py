@@ -78,7 +78,7 @@ def test_a_run_prints_one_json_line(corpus, tmp_path):
     out = subprocess.run(
         [sys.executable, str(BENCH / "peers.py"), "--corpus", str(corpus.parent), "--sources", "5", "--rows", "40",
          "--seed", "3", "--ranks", "1", "--workers", "1", "--warm", "8", "--samples", "32", "--batch-size", "8",
-         "--hold", "1", "--only", "colocated", "--timeout", "60", "--out", str(tmp_path), "--json"],
+         "--hold", "1", "--only", "colocated", "--settle-max", "0", "--timeout", "60", "--out", str(tmp_path), "--json"],
         capture_output=True, text=True, timeout=90,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -89,5 +89,5 @@ def test_a_run_prints_one_json_line(corpus, tmp_path):
     assert set(result["loaders"]) == {"colocated"} and fields <= set(result["loaders"]["colocated"])
     figures = result["loaders"]["colocated"]
     assert figures["samples"] >= 32 and 0 < figures["pss_mb"] < figures["tree_pss_mb"] and figures["samples_per_s"] > 0
-    assert 0 <= figures["image_share"] <= 1
+    assert 0 <= figures["image_share"] <= 1 and figures["probe_ms"] > 0
     assert result["config"]["sources"] == 5 and len(result["load_avg"]) == 3
