@@ -39,7 +39,7 @@ from overlord.constructor.packing import pack, pad
 from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout, SourceReadError
 from overlord.plan.lowlevel import constructor_do_plan, encoder_destinations
-from overlord.plan.waiting import resume_point, wait_plan
+from overlord.plan.waiting import SharedPlans, resume_point, wait_plan
 from overlord.remote.bridge import Breaks, Bridge
 from overlord.runtime.flow import Beat, Stopped, alive_within, push
 from overlord.runtime.layout import Layout, client_ring, sample_ring
@@ -94,8 +94,10 @@ class DataConstructor:
         beat: Beat,
         restarted: bool = False,
         bridges: Mapping[int, Bridge] | None = None,
+        plans: SharedPlans | None = None,
     ) -> None:
         self.job, self.layout, self.dp, self.restarted = job, layout, dp, restarted
+        self.plans = plans  # the host's plans, read once for its DP groups
         self.r, self.keys, self.stop, self.beat = r, keys, stop, beat
         self.owner = Owner(r, keys, dp)
         self.bridges = list(bridges.values()) if bridges else []
@@ -172,7 +174,9 @@ class DataConstructor:
         marks = MarkWatch(self.job, self.dp, self.r, self.keys, self.outputs, self.written, self.owner).start()
         try:
             while not self.stop.is_set():
-                plan = wait_plan(self.r, self.keys, step, self.stop, self.job.timeout_s, beat=self.beat)
+                plan = wait_plan(
+                    self.r, self.keys, step, self.stop, self.job.timeout_s, beat=self.beat, shared=self.plans
+                )
                 receivers = constructor_do_plan(plan, self.job.mesh, self.dp)  # rank -> bucket
                 buckets = sorted(set(receivers.values()))
                 bins = self.job.batch.micro_batches

@@ -13,6 +13,7 @@ import threading
 from overlord.constructor.constructor import DataConstructor
 from overlord.constructor.marks import Superseded
 from overlord.errors import OverlordError
+from overlord.plan.waiting import SharedPlans
 from overlord.remote.bridge import Bridge, Directory
 from overlord.remote.flight import job_token
 from overlord.runtime.flow import Stopped
@@ -36,12 +37,23 @@ def run_constructors(ctx) -> None:
             for dp in hosted
         }
 
+    plans = SharedPlans(len(hosted))  # every group builds every step: its plan read once for all
+
     def one(dp: int) -> None:
         try:
             # a Redis client of its own: blocking reads of one must not delay another
             r = connect(ctx.redis_url, ride_through_s=ctx.job.redis_outage_s, name=f"constructor{ctx.index}.dp{dp}")
             DataConstructor(
-                ctx.job, ctx.layout, dp, r, ctx.keys, ctx.stop, ctx.beat, restarted=ctx.attempt > 0, bridges=bridges[dp]
+                ctx.job,
+                ctx.layout,
+                dp,
+                r,
+                ctx.keys,
+                ctx.stop,
+                ctx.beat,
+                restarted=ctx.attempt > 0,
+                bridges=bridges[dp],
+                plans=plans,
             ).run()
         except Stopped:
             pass
