@@ -40,7 +40,7 @@ class SharedPlans:
     by the others until a read of the plans stream returns (`woke`); they go straight to
     that blocking read, which returns at once if the plan came meanwhile."""
 
-    KEEP = 64
+    KEEP = 8  # a lagging group past these reads its own from Redis: a plan at 64k samples is 1.5 MB
     LOCK_S = 1.0
 
     def __init__(self, users: int) -> None:
