@@ -135,7 +135,11 @@ class Pace:
     reads: their spacing is its own speed, not the job's steps, so it is not folded in.
     Folded in, that burst read as steps of a few ms, the refill latency as the most
     steps, and every stream filled to twice what it needed while the trainers were still
-    starting: the loading processes' peak memory.
+    starting: the loading processes' peak memory. Nor are the refill turns made until
+    that burst is served: they are every stream's first fill from empty (seconds, where
+    a turn that tops streams up takes milliseconds). Folded in, the first one alone,
+    decaying by `alpha` a turn, set the refill latency to the most steps for the first
+    tens of the job's steps, and every stream filled to twice its need then.
 
     Args:
         plan_ahead: Job.plan_ahead.
@@ -148,6 +152,7 @@ class Pace:
         self.step_s: float | None = None  # seconds between two plans
         self._served_at: float | None = None
         self._burst_end: int | None = None  # the last step of the plans published ahead of its first
+        self._past_burst = False  # a plan after the burst was served: refill turns are the job's
 
     def _fold(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -156,13 +161,16 @@ class Pace:
         """The plan of `step` was served at `now` (monotonic seconds)."""
         if self._burst_end is None:
             self._burst_end = step + self.plan_ahead
-        if self._served_at is not None and step > self._burst_end:
-            self.step_s = self._fold(self.step_s, now - self._served_at)
+        if step > self._burst_end:
+            self._past_burst = True
+            if self._served_at is not None:
+                self.step_s = self._fold(self.step_s, now - self._served_at)
         self._served_at = now
 
     def refilled(self, seconds: float) -> None:
-        """A refill turn that read took `seconds`."""
-        self.refill_s = self._fold(self.refill_s, seconds)
+        """A refill turn that read took `seconds` (not counted before the burst is served)."""
+        if self._past_burst:
+            self.refill_s = self._fold(self.refill_s, seconds)
 
     def known(self) -> tuple[float, float] | None:
         """(refill_s, step_s) once both were measured, else None."""

@@ -152,7 +152,28 @@ def test_the_burst_counts_from_the_first_step_a_process_serves():
     served(pace, range(100, 105), start=0.0, spacing=0.001)
     assert pace.known() is None
     served(pace, range(105, 107), start=1.0, spacing=0.1)
+    assert pace.known() is None  # the refill turn was made during the burst
+    pace.refilled(0.25)
     assert pace.known() is not None
     budget = ReadBudget(draw=1.0, plan_ahead=4, cap_bytes=1 << 30)
     budget.pace(*pace.known())
     assert 1 <= budget.refill_steps < MAX_REFILL_STEPS
+
+
+def test_the_first_fill_does_not_set_the_refill_latency():
+    # a process's first refill turns fill every stream from empty (seconds) while the
+    # burst is served; the job's turns then take tens of ms. Folded in, the first fill
+    # held the refill latency at the most steps for tens of steps after the burst, and
+    # every stream's buffer at twice its need: the loaders' peak memory at a start.
+    pace = Pace(plan_ahead=4)
+    pace.refilled(3.0)
+    served(pace, range(5), start=0.0, spacing=0.002)
+    pace.refilled(1.5)  # still every stream's first fill, while the burst is served
+    served(pace, range(5, 8), start=0.038, spacing=0.03)  # the trainers step every 30 ms
+    pace.refilled(0.05)
+    refill_s, step_s = pace.known()
+    assert refill_s == 0.05 and abs(step_s - 0.03) < 1e-9
+    budget = ReadBudget(draw=4.0, plan_ahead=4, cap_bytes=1 << 30)
+    budget.observe([1000] * 8)
+    budget.pace(refill_s, step_s)
+    assert budget.refill_steps == 2
