@@ -30,6 +30,23 @@ ITEM = np.dtype(
 )
 
 
+def join_items(parts: list[np.ndarray]) -> np.ndarray:
+    """ITEM arrays end to end, as one new array.
+
+    `np.concatenate` of structured arrays promotes their dtypes field by field in Python
+    (numpy's `_promote_fields`, ~8 us a part): a step that takes a sample or two from
+    each of hundreds of streams spent ~1.6 ms in it at 200 parts, a tenth of the
+    Planner's CPU in bench/peers.py. The parts' bytes are joined in one C pass instead
+    (~0.15 ms); a part of any other dtype is refused, never reinterpreted.
+    """
+    raw = []
+    for part in parts:
+        if part.dtype != ITEM or part.ndim != 1:
+            raise TypeError(f"join_items takes 1-D arrays of ITEM rows, not {part.ndim}-D of {part.dtype}")
+        raw.append(np.ascontiguousarray(part).view(np.uint8))
+    return np.concatenate(raw).view(ITEM) if raw else np.empty(0, dtype=ITEM)
+
+
 class NeedMetadata(Exception):
     """A decision needs metadata the loaders have not reported yet: plan this step later.
 
@@ -94,7 +111,7 @@ class Stream:
             offset = 0
             if not need:
                 break
-        return np.concatenate(out) if out else np.empty(0, dtype=ITEM)
+        return join_items(out)
 
     def _at(self, i: int) -> np.void:
         """The item `i` places after the next one (i < count), without copying the others."""
@@ -196,7 +213,7 @@ class Buffer:
                 left[i] -= 1
                 take[i] = take.get(i, 0) + 1
         parts = [self.streams[i].peek(n) for i, n in sorted(take.items())]
-        items = np.concatenate(parts) if parts else np.empty(0, dtype=ITEM)
+        items = join_items(parts)
         return items, take, rr
 
     def commit(self, take: dict[int, int]) -> None:

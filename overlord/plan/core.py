@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from overlord.errors import ConfigError, PlanError
-from overlord.plan.buffer import ITEM, Buffer, NeedMetadata, Stream
+from overlord.plan.buffer import ITEM, Buffer, NeedMetadata, Stream, join_items
 from overlord.plan.dgraph import Planned, StepData, triples
 from overlord.plan.meta import MetaChunk
 from overlord.plan.schedule import Constant, Schedule
@@ -236,11 +236,9 @@ class PlannerCore:
 
     def _check(self, planned: Planned) -> None:
         """Exactly once: the plan holds each selected sample once, or defers it."""
-        selected = [triples(self.deferred)]
-        selected += [triples(self.streams[i].peek(n)) for i, n in planned.take.items()]
+        wanted = triples(join_items([self.deferred, *(self.streams[i].peek(n) for i, n in planned.take.items())]))
         planned_items = np.asarray(planned.plan.items, dtype=np.int64).reshape(-1, 3)
         given = np.concatenate([planned_items, triples(planned.deferred)])
-        wanted = np.concatenate(selected)
         given_keys, wanted_keys = _sorted_keys(given, wanted)
         same = np.diff(given_keys, axis=0) == 0  # neighbours that are one sample (whole rows where not keys)
         duplicated = bool((same.all(axis=1) if same.ndim == 2 else same).any())

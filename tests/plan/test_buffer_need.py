@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from overlord.plan.buffer import Buffer, NeedMetadata
+from overlord.plan.buffer import ITEM, Buffer, NeedMetadata, join_items
 from overlord.plan.meta import MetaChunk
 
 
@@ -72,3 +72,26 @@ def test_round_robin_blocking_on_an_open_stream_asks_it_for_more_than_it_holds_w
     buf.add(0, chunk(range(5, 10)))  # A's loader read on
     _, take, _ = buf.select(np.asarray([12]), [0])
     assert take == {0: 6, 1: 1, 2: 5}
+
+
+def test_join_items_is_concatenate_for_item_rows_and_refuses_other_arrays():
+    # the Planner joins the heads of hundreds of streams each step (join_items: their
+    # bytes end to end): the same rows, fields and order as np.concatenate, for views,
+    # strided parts, copies and empty parts; any other dtype or shape is refused, never
+    # read as ITEM bytes
+    rng = np.random.default_rng(3)
+    base = np.zeros(40, dtype=ITEM)
+    for name in ITEM.names:
+        base[name] = rng.integers(-(2**31), 2**31 - 1, 40)
+    ro = base[5:9]
+    ro.flags.writeable = False
+    parts = [base[:3], ro, base[10:30:3], base[:0], base[30:].copy(), base[39:40]]
+    joined = join_items(parts)
+    assert joined.dtype == ITEM and joined.flags.writeable
+    assert joined.tobytes() == np.concatenate(parts).tobytes()
+    assert len(join_items([])) == 0 and join_items([]).dtype == ITEM
+    aligned = np.dtype(ITEM.descr, align=True)  # the same fields, padded: other bytes
+    with pytest.raises(TypeError, match="ITEM rows"):
+        join_items([base[:2], base[:2].astype(aligned)])
+    with pytest.raises(TypeError, match="ITEM rows"):
+        join_items([base[:4].reshape(2, 2)])
