@@ -53,6 +53,32 @@ def test_only_this_generations_reports_are_read_and_then_trimmed(r):
     assert intake.read({}, block_ms=1) == []  # nothing new
 
 
+def test_read_streams_are_trimmed_together_once_a_period(r):
+    # trimmed after every read, a job of 300 streams sent an XTRIM for each stream read
+    # (17 a step in bench/peers.py); now the read streams are trimmed in one round trip
+    # once a period, each to the last entry read of it
+    now = [100.0]
+    intake = Intake(
+        r, KEYS, LAYOUT, leading(r), generation=7, timeout_s=30, run_dir="/run", trim_every_s=5.0, clock=lambda: now[0]
+    )
+    report(r, "s0.0", range(5), token=7)
+    assert len(intake.read({})) == 1
+    assert r.xlen(KEYS.meta("s0.0")) == 1  # the first read trims at once, to its last entry
+    report(r, "s0.0", range(5, 8), token=7)
+    report(r, "s1.0", range(3), token=7)
+    now[0] += 1.0
+    assert [(i, list(c.seq)) for i, c in intake.read({})] == [(0, [5, 6, 7]), (1, [0, 1, 2])]
+    assert r.xlen(KEYS.meta("s0.0")) == 2 and r.xlen(KEYS.meta("s1.0")) == 1  # within the period: kept
+    report(r, "s1.0", range(3, 6), token=7)
+    now[0] += 4.0
+    assert [(i, list(c.seq)) for i, c in intake.read({}, block_ms=1)] == [(1, [3, 4, 5])]
+    last_s1 = r.xrevrange(KEYS.meta("s1.0"), count=1)[0][0]
+    assert r.xlen(KEYS.meta("s0.0")) == 1 and [e[0] for e in r.xrange(KEYS.meta("s1.0"))] == [last_s1]
+    report(r, "s0.0", range(8, 9), token=7)  # after the trim, unread: left for the next read
+    assert r.xlen(KEYS.meta("s0.0")) == 2
+    assert [(i, list(c.seq)) for i, c in intake.read({}, block_ms=1)] == [(0, [8])]
+
+
 def test_a_step_short_of_samples_asks_the_loaders_once(r):
     intake = Intake(r, KEYS, LAYOUT, leading(r), generation=1, timeout_s=30, run_dir="/run")
     core = small_core()
