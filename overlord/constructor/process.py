@@ -15,7 +15,7 @@ from overlord.constructor.marks import Superseded
 from overlord.errors import OverlordError
 from overlord.plan.waiting import SharedPlans
 from overlord.remote.bridge import Bridge, Directory
-from overlord.remote.flight import job_token
+from overlord.remote.endpoint import job_token
 from overlord.runtime.flow import Stopped
 from overlord.store import connect
 

@@ -28,7 +28,6 @@ import threading
 import time
 
 from overlord.errors import RingTimeout
-from overlord.remote.flight import RemoteReader
 from overlord.store.schema import json_records
 
 log = logging.getLogger("overlord.bridge")
@@ -154,6 +153,9 @@ class Bridge:
             if node is None or node == self.job.node or location is None:
                 self.stop.wait(RETRY_S)  # local (its ring is read directly) or not placed yet
                 continue
+            # deferred: pyarrow.flight (overlord.remote.endpoint) loads where a stream crosses nodes
+            from overlord.remote.flight import RemoteReader
+
             reader = RemoteReader(
                 self.job,
                 location,

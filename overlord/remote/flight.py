@@ -44,8 +44,6 @@ import hmac
 import json
 import logging
 import os
-import secrets
-import subprocess
 import threading
 import time
 import weakref
@@ -61,8 +59,6 @@ from overlord.errors import ConfigError, PeerDied, RingClosed, RingError, RingTi
 from overlord.runtime import service
 from overlord.runtime.layout import client_ring, sample_ring
 from overlord.shm import Ring, decode_batch
-from overlord.store import Keys, connect
-from overlord.store.client import password_env
 
 log = logging.getLogger("overlord.remote")
 
@@ -73,44 +69,7 @@ KEEPALIVE_S = 1.0  # an idle stream sends an empty batch this often, so a reader
 # connection is dead without a word (half-open after a link cut: the server forgot the
 # stream, and a reader that only receives never hears of it)
 STALL_S = 10 * KEEPALIVE_S
-TOKEN_ENV = "OVERLORD_FLIGHT_TOKEN"
 CA_ENV = "OVERLORD_FLIGHT_CA"
-TOKEN_FILE = "flight.token"
-
-
-def job_token(job: Job, *, create: bool = False, r=None) -> str:
-    """The job's Flight token: $OVERLORD_FLIGHT_TOKEN; else, on several nodes, the one in
-    the job's Redis (`flight-token`, made by the first sidecar; Redis access is the
-    trust root there); else the run directory's token file (mode 0600), made by the
-    sidecar when `create`."""
-    token = os.environ.get(TOKEN_ENV)
-    if token:
-        return token
-    if job.multi_node:
-        if r is None:
-            if job.redis_url is None:
-                raise ConfigError(f"job {job.name!r} runs on several nodes without Job.redis_url; set it")
-            r = connect(job.redis_url, timeout_s=5)
-        key = Keys(job.name).flight_token
-        if create:
-            r.set(key, secrets.token_urlsafe(32), nx=True)
-        raw = r.get(key)
-        if raw is None:
-            raise ConfigError(f"no Flight token for job {job.name!r} in Redis yet: is a sidecar of the job up?")
-        return raw.decode()
-    path = Path(job.run_path) / TOKEN_FILE
-    if create and not path.exists():
-        job.make_run_path()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_urlsafe(32))
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        raise ConfigError(
-            f"no Flight token for job {job.name!r}: set ${TOKEN_ENV} (the same on every node) or run on the "
-            f"node whose sidecar wrote {path}"
-        ) from None
 
 
 TICKET_HOLDS = (
@@ -457,12 +416,3 @@ class RemoteReader:
         except Exception:  # noqa: BLE001 - closing a finished stream
             pass
         self.client.close()
-
-
-def start_server_process(job: Job, token: str, run_dir: Path) -> subprocess.Popen:
-    """Run the node's Flight endpoint in a process of its own (overlord.runtime.service:
-    a forked role that used gRPC after its parent started gRPC threads would crash); the
-    token travels in its environment, never in argv."""
-    return service.start(
-        "overlord.remote.server", run_dir, "flight.log", {TOKEN_ENV: token, **password_env(job.redis_url)}
-    )

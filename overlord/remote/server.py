@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
-from overlord.remote.flight import TOKEN_ENV, serve
+from overlord.remote.endpoint import TOKEN_ENV
+from overlord.remote.flight import serve
 from overlord.runtime import service
 
 

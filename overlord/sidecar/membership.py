@@ -165,9 +165,8 @@ class Membership:
             if action == rewind.START:
                 layout = lay_out()
                 publish(layout, None)  # the job as `lay_out` sized it (autoscale), not this node's config
-                # deferred: pyarrow.flight is heavy and trainers import this module (for
-                # clear_dead); a sidecar has it loaded already (its constructor host's bridge)
-                from overlord.remote.flight import job_token
+                # deferred: trainers import this module (for clear_dead) and never make a token
+                from overlord.remote.endpoint import job_token
 
                 job_token(self.job, create=True, r=r)  # before anyone can see the placement
                 log.info("node %r starts job %r on nodes %s", self.job.node, self.job.name, list(self.job.node_ids))

@@ -156,8 +156,8 @@ class RoleContext:
 
 
 def _run(ctx: RoleContext) -> None:
-    # deferred: a role process loads only its own role's code (the Data Constructor's
-    # pulls in pyarrow.flight); the sidecar preloads all three before it forks
+    # deferred: a role process loads only its own role's code; the sidecar preloads
+    # all three before it forks
     if ctx.role == "planner":
         from overlord.planner.process import run_planner as main
     elif ctx.role in ("loader", "shadow"):

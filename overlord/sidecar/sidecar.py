@@ -38,7 +38,7 @@ from overlord.config import Job
 from overlord.errors import OverlordError
 from overlord.logs import log_context
 from overlord.metrics import metrics_host, start_metrics_process
-from overlord.remote.flight import job_token, start_server_process
+from overlord.remote.endpoint import job_token, start_server_process
 from overlord.runtime.flow import HEARTBEAT_S, set_on_signal
 from overlord.runtime.layout import Layout, client_ring, sample_ring
 from overlord.runtime.service import Supervised, port_hint
@@ -232,7 +232,7 @@ class Sidecar:
         begun = self._begin()
         if begun is None:
             return
-        preload()
+        preload(remote=self.job.multi_node)
         if self.job.flight_port:
             token = job_token(self.job, create=True, r=self.r)
             self._serve(

@@ -31,13 +31,15 @@ from overlord.store.client import password_env
 from overlord.store.server import die_with_parent
 
 
-def preload() -> None:
+def preload(remote: bool = False) -> None:
     """Import every module a role uses, then freeze them for copy-on-write sharing
     (after `heap.tune`, so the sidecar's own heap is kept flat too, and with Arrow's
-    buffers in that heap: `heap.use_system_arrow_pool`)."""
+    buffers in that heap: `heap.use_system_arrow_pool`). pyarrow.flight only if
+    `remote` (a job on several nodes, whose Data Constructors bridge over Flight): a
+    job on one node never loads it (overlord.remote.endpoint)."""
     heap.tune()
     heap.use_system_arrow_pool()
-    # deferred: the roles' modules (pyarrow and its Flight, Pillow, the role loops: ~0.5 s) load here by
+    # deferred: the roles' modules (pyarrow, Pillow, the role loops: ~0.5 s) load here by
     # design: once, in the sidecar that forks, after heap.tune and the Arrow pool choice
     import numpy  # noqa: F401
     import PIL.Image  # noqa: F401
@@ -48,6 +50,9 @@ def preload() -> None:
     import overlord.loader.process  # noqa: F401
     import overlord.planner.process  # noqa: F401
     import overlord.transforms  # noqa: F401
+
+    if remote:
+        import pyarrow.flight  # noqa: F401
 
     gc.collect()
     gc.freeze()

@@ -101,7 +101,8 @@ class ServingNodeReader:
         """Open the source this rank reads: its node's ring, or Flight to the node that
         runs its Data Constructor host now (the stream starts after `after`)."""
         # deferred: pyarrow.flight is heavy and only a rank reading over Flight needs it
-        from overlord.remote.flight import RemoteReader, job_token
+        from overlord.remote.endpoint import job_token
+        from overlord.remote.flight import RemoteReader
 
         keys = Keys(self.job.name)
         r = self.control.client()

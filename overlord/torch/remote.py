@@ -35,7 +35,8 @@ class FlightReader:
                     "load_state_dict() with a remote DataLoader is not supported yet; read from the local ring"
                 )
             # deferred: pyarrow.flight is heavy and only a rank reading over Flight needs it
-            from overlord.remote.flight import RemoteReader, job_token
+            from overlord.remote.endpoint import job_token
+            from overlord.remote.flight import RemoteReader
 
             self._stream = RemoteReader(
                 self.job, self.location, self.rank, token=job_token(self.job), after=after, timeout_s=self.timeout_s

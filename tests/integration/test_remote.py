@@ -12,7 +12,8 @@ import pyarrow.flight as flight
 import pytest
 
 from overlord import BatchSpec, Mesh
-from overlord.remote.flight import RemoteReader, job_token
+from overlord.remote.endpoint import job_token
+from overlord.remote.flight import RemoteReader
 from overlord.store import Keys
 
 pytestmark = pytest.mark.timeout(180)

@@ -26,7 +26,8 @@ from hosted import FLIGHT_PORT, HostedJob, HostedJobs, until
 from hosts import unavailable
 
 from overlord import BatchSpec, Mesh
-from overlord.remote.flight import RemoteReader, job_token
+from overlord.remote.endpoint import job_token
+from overlord.remote.flight import RemoteReader
 from overlord.store import Keys, connect
 from overlord.store.schema import PLANNER_NODE_PRESSURE, log_entries
 
