@@ -52,6 +52,7 @@ def preload(remote: bool = False) -> None:
     import overlord.transforms  # noqa: F401
 
     if remote:
+        # deferred: gRPC and Arrow's Flight (~8 MiB of PSS), for a job whose constructors bridge nodes
         import pyarrow.flight  # noqa: F401
 
     gc.collect()
