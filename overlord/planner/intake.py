@@ -4,11 +4,13 @@ Per turn one XREAD over every loader's metadata stream (`meta:<stream>`). What t
 Planner has read lives in its memory (and its checkpoint), so it trims the streams
 behind what it read, every TRIM_EVERY_S in one round trip: trimmed after each read, a
 job of 300 streams sent 17 XTRIMs a step, each for the one or two entries a stream got
-since (a Planner that takes over reads what is left and drops it by its generation). Chunks of an older generation (reported before this Planner took
-over) are dropped: every loader reports its read buffer again with the new one (see
-leadership.py). When a step needs more samples of a stream than it holds, the Planner
-tells the loaders (`demand` hash): a full read buffer may be smaller than what one
-step takes from a stream. The same fenced script (the lease checked first, so a
+since (a Planner that takes over reads what is left and drops it by its generation).
+Chunks of an older generation (reported before this Planner took over) are dropped:
+every loader reports its read buffer again with the new one (see leadership.py).
+
+When a step needs more samples of a stream than it holds, the Planner tells the
+loaders (`demand` hash): a full read buffer may be smaller than what one step takes
+from a stream. The same fenced script (the lease checked first, so a
 deposed Planner writes neither) adds an entry carrying what it set to the `demanded`
 stream, which the loaders block on with the plans stream: a shortage wakes them at
 once, not when their idle wait ends.
