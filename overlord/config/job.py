@@ -331,7 +331,7 @@ class Job:
             import yaml  # deferred: PyYAML (~20 ms), for YAML files only: `import overlord` skips it
 
             try:
-                data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - a safe loader
+                data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # a safe loader either way
             except yaml.YAMLError as exc:
                 raise ConfigError(f"{path}: not valid YAML/JSON: {exc}") from None
         if not isinstance(data, dict):

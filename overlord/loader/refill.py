@@ -152,7 +152,6 @@ class Pace:
         self.step_s: float | None = None  # seconds between two plans
         self._served_at: float | None = None
         self._burst_end: int | None = None  # the last step of the plans published ahead of its first
-        self._past_burst = False  # a plan after the burst was served: refill turns are the job's
 
     def _fold(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.alpha * (new - old)
@@ -161,15 +160,14 @@ class Pace:
         """The plan of `step` was served at `now` (monotonic seconds)."""
         if self._burst_end is None:
             self._burst_end = step + self.plan_ahead
-        if step > self._burst_end:
-            self._past_burst = True
-            if self._served_at is not None:
-                self.step_s = self._fold(self.step_s, now - self._served_at)
+        if self._served_at is not None and step > self._burst_end:
+            self.step_s = self._fold(self.step_s, now - self._served_at)
         self._served_at = now
 
     def refilled(self, seconds: float) -> None:
-        """A refill turn that read took `seconds` (not counted before the burst is served)."""
-        if self._past_burst:
+        """A refill turn that read took `seconds`; not counted until a plan after the
+        burst was served (`step_s` is measured from then on)."""
+        if self.step_s is not None:
             self.refill_s = self._fold(self.refill_s, seconds)
 
     def known(self) -> tuple[float, float] | None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from overlord.autoscale.apply import budget_of
 from overlord.config import Job
 from overlord.errors import OverlordError
+from overlord.remote.endpoint import job_token
 from overlord.runtime.layout import Layout, client_ring
 from overlord.runtime.lease import release_dead
 from overlord.runtime.placement import homes
@@ -165,9 +166,6 @@ class Membership:
             if action == rewind.START:
                 layout = lay_out()
                 publish(layout, None)  # the job as `lay_out` sized it (autoscale), not this node's config
-                # deferred: trainers import this module (for clear_dead) and never make a token
-                from overlord.remote.endpoint import job_token
-
                 job_token(self.job, create=True, r=r)  # before anyone can see the placement
                 log.info("node %r starts job %r on nodes %s", self.job.node, self.job.name, list(self.job.node_ids))
             else:
