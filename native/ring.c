@@ -213,7 +213,8 @@ int ovl_ring_wait_space(ovl_ring *r, uint64_t len, int64_t timeout_ns) {
     return rc;
 }
 
-int ovl_ring_commit(ovl_ring *r) {
+/* Publish the reserved record: the consumer sees it at its next look; nobody is woken. */
+static int publish(ovl_ring *r) {
     if (!r->reserved) {
         return OVL_ESTATE;
     }
@@ -226,9 +227,20 @@ int ovl_ring_commit(ovl_ring *r) {
         r->pad_len = r->res_pos - published;
     }
     atomic_store_explicit(&r->hdr->head, r->res_pos + record_span(r->res_len), memory_order_release);
-    notify(&r->hdr->data_seq, &r->hdr->data_waiters);
     return OVL_OK;
 }
+
+int ovl_ring_commit(ovl_ring *r) {
+    int rc = publish(r);
+    if (rc == OVL_OK) {
+        notify(&r->hdr->data_seq, &r->hdr->data_waiters);
+    }
+    return rc;
+}
+
+int ovl_ring_commit_quiet(ovl_ring *r) { return publish(r); }
+
+void ovl_ring_wake_data(ovl_ring *r) { notify(&r->hdr->data_seq, &r->hdr->data_waiters); }
 
 void ovl_ring_abort(ovl_ring *r) { r->reserved = 0; }
 

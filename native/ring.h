@@ -190,6 +190,11 @@ uint64_t ovl_ring_max_record(const ovl_ring *r);
 int ovl_ring_try_reserve(ovl_ring *r, uint64_t len, uint64_t *offset);
 int ovl_ring_wait_space(ovl_ring *r, uint64_t len, int64_t timeout_ns);
 int ovl_ring_commit(ovl_ring *r);
+/* Publish without waking a consumer asleep on the ring: a producer that writes several
+ * records in a row wakes it once, with ovl_ring_wake_data after the last. A waiting
+ * consumer sleeps on until that wake-up or its own timeout, never past either. */
+int ovl_ring_commit_quiet(ovl_ring *r);
+void ovl_ring_wake_data(ovl_ring *r);
 void ovl_ring_abort(ovl_ring *r);
 void ovl_ring_close_writer(ovl_ring *r);
 

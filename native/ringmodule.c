@@ -129,6 +129,21 @@ static PyObject *Handle_commit(HandleObject *self, PyObject *Py_UNUSED(ignored))
     return PyLong_FromLong(ovl_ring_commit(&self->ring));
 }
 
+static PyObject *Handle_commit_quiet(HandleObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!handle_ready(self)) {
+        return NULL;
+    }
+    return PyLong_FromLong(ovl_ring_commit_quiet(&self->ring));
+}
+
+static PyObject *Handle_wake_data(HandleObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (!handle_ready(self)) {
+        return NULL;
+    }
+    ovl_ring_wake_data(&self->ring);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Handle_abort(HandleObject *self, PyObject *Py_UNUSED(ignored)) {
     if (!handle_ready(self)) {
         return NULL;
@@ -368,6 +383,8 @@ static PyMethodDef Handle_methods[] = {
     {"try_reserve", (PyCFunction)Handle_try_reserve, METH_O, "Reserve a record: offset, or -status."},
     {"wait_space", (PyCFunction)Handle_wait_space, METH_VARARGS, "Sleep until space may be free."},
     {"commit", (PyCFunction)Handle_commit, METH_NOARGS, "Publish the reserved record: status."},
+    {"commit_quiet", (PyCFunction)Handle_commit_quiet, METH_NOARGS, "Publish the reserved record, waking nobody: status."},
+    {"wake_data", (PyCFunction)Handle_wake_data, METH_NOARGS, "Wake a consumer asleep on the ring."},
     {"abort", (PyCFunction)Handle_abort, METH_NOARGS, "Drop the reservation."},
     {"copy_into", (PyCFunction)Handle_copy_into, METH_VARARGS, "memcpy a buffer to an offset."},
     {"close_writer", (PyCFunction)Handle_close_writer, METH_NOARGS, "Mark end of stream."},

@@ -382,11 +382,14 @@ class LoaderProcess:
     def _replay(self, dp: int, first: int) -> None:
         """Send again to constructor `dp` every kept sample of steps >= `first`."""
         count = 0
-        for t in sorted(t for t in self.sent if t >= first):
-            for d, bucket, mb, item in self.sent[t]:
-                if d == dp:
-                    self._push(t, d, bucket, mb, item, self.kept[item])
-                    count += 1
+        try:
+            for t in sorted(t for t in self.sent if t >= first):
+                for d, bucket, mb, item in self.sent[t]:
+                    if d == dp:
+                        self._push(t, d, bucket, mb, item, self.kept[item])
+                        count += 1
+        finally:
+            self.rings[dp].wake()
         log.info("replayed %d sample(s) of steps >= %d to Data Constructor dp=%d", count, first, dp)
 
     def _superseded(self, successor: bytes) -> None:
@@ -474,10 +477,18 @@ class LoaderProcess:
         self.sent[plan.step] = sends
         if not self.active:
             return
-        for (dp, bucket, mb, item), sample in zip(sends, samples):
-            if dp in self.broken or plan.step <= self.skip_upto.get(dp, -1):
-                continue  # finished before this process started, or sent again on a replay request
-            self._push(plan.step, dp, bucket, mb, item, sample)
+        run = None  # the DP group of the run of records being written (sends are in plan order: by group)
+        try:
+            for (dp, bucket, mb, item), sample in zip(sends, samples):
+                if dp in self.broken or plan.step <= self.skip_upto.get(dp, -1):
+                    continue  # finished before this process started, or sent again on a replay request
+                if dp != run and run is not None:
+                    self.rings[run].wake()  # its run is written: one wake-up for all of it
+                run = dp
+                self._push(plan.step, dp, bucket, mb, item, sample)
+        finally:
+            for ring in self.rings:
+                ring.wake()
 
     def _take(self, step: int, item: Item) -> Prepared:
         stream, epoch, seq = item
@@ -506,7 +517,8 @@ class LoaderProcess:
         stream, epoch, seq = item
         record_meta = SampleMeta(stream, epoch, seq, sample.key, step, bucket, mb)  # no JSON per sample
         try:
-            push(self.rings[dp], sample.arrays, record_meta, self.ctx.stop, self.ctx.beat)
+            # woken by the caller after its run of records (Ring.commit): one wake-up a run
+            push(self.rings[dp], sample.arrays, record_meta, self.ctx.stop, self.ctx.beat, wake=False)
         except PeerDied:
             # its Data Constructor died: the restarted one asks for a replay of what it lost
             log.warning("Data Constructor dp=%d died; holding its samples for a replay", dp)

@@ -80,11 +80,14 @@ def push(
     meta: dict | SampleMeta,
     stop: threading.Event,
     beat: Beat | None = None,
+    *,
+    wake: bool = True,
 ) -> None:
-    """Write one batch record, waiting on back-pressure while the consumer lives."""
+    """Write one batch record, waiting on back-pressure while the consumer lives;
+    `wake=False`: without waking the consumer (`Ring.commit`), for a run of records."""
     while True:
         try:
-            write_batch(ring, arrays, meta=meta, timeout=SLICE_S)
+            write_batch(ring, arrays, meta=meta, timeout=SLICE_S, wake=wake)
             return
         except RingTimeout:
             if stop.is_set():

@@ -232,7 +232,7 @@ def encode_batch_into(buf: Any, tensors: Mapping[str, Any], meta: Meta = None) -
     return _Plan(tensors, meta).encode(buf)
 
 
-def write_batch(ring: Any, tensors: Mapping[str, Any], meta: Meta = None, *, timeout: float) -> None:
+def write_batch(ring: Any, tensors: Mapping[str, Any], meta: Meta = None, *, timeout: float, wake: bool = True) -> None:
     """Encode a batch straight into a ring record (one copy per array, no temporaries).
 
     Args:
@@ -240,6 +240,7 @@ def write_batch(ring: Any, tensors: Mapping[str, Any], meta: Meta = None, *, tim
         tensors: Name -> array.
         meta: JSON-serialisable dict, a `SampleMeta`, or None.
         timeout: Seconds to wait for space.
+        wake: False: commit without waking the consumer (`Ring.commit`).
 
     Raises:
         RingFullError: The batch can never fit the ring.
@@ -253,7 +254,7 @@ def write_batch(ring: Any, tensors: Mapping[str, Any], meta: Meta = None, *, tim
     except BaseException:
         ring.abort()
         raise
-    ring.commit()
+    ring.commit(wake)
 
 
 def decode_batch(view: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

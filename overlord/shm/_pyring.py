@@ -23,6 +23,15 @@ slices it checks the peer's pid (producer for reads, consumer for writes) and ra
 `PeerDied` when that process is gone, so a crash on the other side is an error, never a
 hang. Slicing in Python (not C) also keeps Ctrl-C responsive.
 
+Waking: `commit()` wakes a consumer asleep on the ring. A producer that writes several
+records in a row commits them with `commit(wake=False)` and wakes the consumer once,
+with `wake()` after the last: one futex wake (and one wake-up of the consumer, its
+thread switch and its turn for the GIL) per run of records, not per record. A process
+never waits for space on any ring while it holds commits it has not woken: the wait
+wakes them first, so a consumer whose progress the producer waits on is never left
+asleep on records that have landed. A consumer asleep on unwoken records wakes by
+itself at its next slice (`PEER_CHECK_S`) at the latest.
+
 Lifetime of views: `read()` returns a view valid until the next `read()`/`try_read()`
 /`release()`/`close()`; then the bytes may be overwritten by the producer. Arrays built
 on a view (`decode_batch`) follow the same rule: copy what must outlive it. A consumer that must hold records longer reads them
@@ -53,6 +62,8 @@ from overlord.shm._segment import (
 )
 
 PEER_CHECK_S = 0.05  # how often a blocked call checks that its peer is alive
+# rings this process committed to without waking their consumer (`Ring.commit(wake=False)`)
+_UNWOKEN: set[Ring] = set()
 _NEXT_HEADER = 16  # a record's end, 8-aligned, plus the header written there next (a record's or a WRAP's)
 
 
@@ -112,6 +123,7 @@ class Ring:
         """
         if self._mm is None:
             return
+        self.wake()
         self._drop_read_view()
         _release_view(self._res_view)
         self._res_view = None
@@ -242,16 +254,30 @@ class Ring:
         self._res_view = self._mv[off : off + nbytes]  # type: ignore[index]
         return self._res_view
 
-    def commit(self) -> None:
+    def commit(self, wake: bool = True) -> None:
         """Publish the reserved record and wake the consumer.
+
+        Args:
+            wake: False: publish it without waking the consumer; `wake()` does, after
+                the last record of a run (see the module docstring).
 
         Raises:
             RingError: Nothing is reserved.
         """
         _release_view(self._res_view)
         self._res_view = None
-        if self._handle().commit() != _native.OK:
+        h = self._handle()
+        if (h.commit() if wake else h.commit_quiet()) != _native.OK:
             raise RingError(f"ring {self._name!r}: commit() without a reserve()")
+        if not wake:
+            _UNWOKEN.add(self)
+
+    def wake(self) -> None:
+        """Wake the consumer for the records committed with `wake=False` (nothing if none)."""
+        if self in _UNWOKEN:
+            _UNWOKEN.discard(self)
+            if self._mm is not None:
+                self._h.wake_data()
 
     def abort(self) -> None:
         """Drop the reserved record unpublished (e.g. encoding it failed)."""
@@ -309,6 +335,7 @@ class Ring:
                 )
             if -off == _native.ECLOSED:
                 raise RingClosed(f"write to ring {self._name!r} after close_writer()")
+            wake_unwoken()  # the consumers this wait may depend on see what landed
             wait = wait or _Wait(self, "consumer", timeout)
             step = wait.next_slice()
             if step is None:
@@ -478,6 +505,12 @@ class Ring:
                 f"{role} pid {pid} of ring {self._name!r} exited while we waited ({why}); "
                 "see that process's log for its failure"
             )
+
+
+def wake_unwoken() -> None:
+    """Wake every ring this process committed to with `wake=False` and has not woken."""
+    for ring in list(_UNWOKEN):
+        ring.wake()
 
 
 class _Wait:
