@@ -295,6 +295,87 @@ int ovl_ring_try_read(ovl_ring *r, uint64_t *offset, uint64_t *len) {
 
 uint64_t ovl_ring_tail(const ovl_ring *r) { return atomic_load_explicit(&r->hdr->tail, memory_order_acquire); }
 
+void ovl_ring_set_mark(ovl_ring *r, uint64_t mark) {
+    atomic_store_explicit(&r->hdr->consumer_mark, mark, memory_order_release);
+    notify(&r->hdr->mark_seq, &r->hdr->mark_waiters);
+}
+
+/* futex_waitv(2) (Linux 5.16): one sleep on several shared futex words. */
+#define OVL_FUTEX_WAITV_MAX 128
+#define OVL_FUTEX2_SIZE_U32 0x02
+#ifndef SYS_futex_waitv
+#define SYS_futex_waitv 449
+#endif
+struct ovl_futex_waitv {
+    uint64_t val;
+    uint64_t uaddr;
+    uint32_t flags;
+    uint32_t reserved;
+};
+
+static int64_t monotonic_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int marks_moved(ovl_ring *const *rings, int n, const uint64_t *seen, uint64_t *out) {
+    int moved = 0;
+    for (int i = 0; i < n; i++) {
+        out[i] = atomic_load_explicit(&rings[i]->hdr->consumer_mark, memory_order_seq_cst);
+        moved |= out[i] != seen[i];
+    }
+    return moved;
+}
+
+int ovl_ring_wait_marks(ovl_ring *const *rings, int n, const uint64_t *seen, uint64_t *marks_out,
+                        int64_t timeout_ns, int64_t poll_ns) {
+    int64_t deadline = monotonic_ns() + timeout_ns;
+    static _Atomic int no_waitv = 0; /* the kernel said ENOSYS once: poll from then on */
+    struct ovl_futex_waitv waiters[OVL_FUTEX_WAITV_MAX];
+    int vector = n > 0 && n <= OVL_FUTEX_WAITV_MAX && !atomic_load_explicit(&no_waitv, memory_order_relaxed);
+    for (;;) {
+        int registered = vector;
+        if (registered) {
+            for (int i = 0; i < n; i++) {
+                atomic_fetch_add_explicit(&rings[i]->hdr->mark_waiters, 1, memory_order_seq_cst);
+                waiters[i].val = atomic_load_explicit(&rings[i]->hdr->mark_seq, memory_order_seq_cst);
+                waiters[i].uaddr = (uint64_t)(uintptr_t)&rings[i]->hdr->mark_seq;
+                waiters[i].flags = OVL_FUTEX2_SIZE_U32; /* shared: the words live in MAP_SHARED mappings */
+                waiters[i].reserved = 0;
+            }
+        }
+        /* after the seq snapshots: a mark set since is seen here or wakes the sleep below */
+        int moved = marks_moved(rings, n, seen, marks_out);
+        int64_t left = deadline - monotonic_ns();
+        if (!moved && left > 0) {
+            if (vector) {
+                struct timespec until = {(time_t)((deadline) / 1000000000), (long)((deadline) % 1000000000)};
+                long rc = syscall(SYS_futex_waitv, waiters, (unsigned int)n, 0, &until, CLOCK_MONOTONIC);
+                if (rc == -1 && errno == ENOSYS) {
+                    atomic_store_explicit(&no_waitv, 1, memory_order_relaxed);
+                    vector = 0;
+                }
+            } else {
+                int64_t nap = left < poll_ns ? left : poll_ns;
+                struct timespec ts = {(time_t)(nap / 1000000000), (long)(nap % 1000000000)};
+                nanosleep(&ts, NULL);
+            }
+        }
+        if (registered) {
+            for (int i = 0; i < n; i++) {
+                atomic_fetch_sub_explicit(&rings[i]->hdr->mark_waiters, 1, memory_order_seq_cst);
+            }
+        }
+        if (moved) {
+            return OVL_OK;
+        }
+        if (left <= 0) {
+            return OVL_ETIMEDOUT;
+        }
+    }
+}
+
 int ovl_ring_space_wanted(const ovl_ring *r) {
     return atomic_load_explicit(&r->hdr->space_waiters, memory_order_acquire) != 0;
 }

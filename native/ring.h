@@ -22,7 +22,8 @@
  *         | error_msg[2048]: UTF-8, NUL-terminated, first error wins     |
  *   2240  | producer_pidns u64 | consumer_pidns u64 (set by claims)       |
  *   2256  | consumer_mark u64: the consumer's progress, opaque to the ring |
- *   2264  | reserved (zero) up to 4096                                   |
+ *   2264  | mark_seq u32 | mark_waiters u32: a watcher of the mark asleep   |
+ *   2272  | reserved (zero) up to 4096                                   |
  *   4096  +== data area: capacity bytes (power of two, >= 4096) ========+
  *         | rec | rec | ... | WRAP pad | (wraps to data offset 0)       |
  *         +--------------------------------------------------------------+
@@ -126,7 +127,11 @@ typedef struct ovl_ring_header {
     /* What the consumer has finished with, in its own units (a trainer: its last batch);
      * the producer reads it to tell how far ahead of the consumer it runs. */
     _Atomic uint64_t consumer_mark;
-    uint8_t reserved[OVL_RING_HEADER_SIZE - 192 - OVL_RING_ERROR_BYTES - 24];
+    /* Bumped (and woken) at every mark the consumer sets: a watcher of many rings' marks
+     * (a Data Constructor host's mark poller) sleeps on them instead of polling. */
+    _Atomic uint32_t mark_seq;
+    _Atomic uint32_t mark_waiters;
+    uint8_t reserved[OVL_RING_HEADER_SIZE - 192 - OVL_RING_ERROR_BYTES - 32];
 } ovl_ring_header;
 
 /* The layout is a cross-process ABI: pin every offset the Python side and other builds rely on. */
@@ -152,6 +157,7 @@ _Static_assert(offsetof(ovl_ring_header, error_msg) == 192, "layout");
 _Static_assert(offsetof(ovl_ring_header, producer_pidns) == 2240, "layout");
 _Static_assert(offsetof(ovl_ring_header, consumer_pidns) == 2248, "layout");
 _Static_assert(offsetof(ovl_ring_header, consumer_mark) == 2256, "layout");
+_Static_assert(offsetof(ovl_ring_header, mark_seq) == 2264, "layout");
 _Static_assert(sizeof(ovl_ring_header) == OVL_RING_HEADER_SIZE, "header is exactly one page");
 _Static_assert(OVL_RING_HEADER_SIZE % 64 == 0, "data area starts cache-line aligned");
 
@@ -218,6 +224,16 @@ int ovl_ring_release_to(ovl_ring *r, uint64_t tail);
  * instead of waiting forever. */
 /* The first record-aligned cursor: where a new consumer starts. */
 uint64_t ovl_ring_tail(const ovl_ring *r);
+
+/* Consumer: store its progress mark (opaque to the ring) and wake a watcher of it. */
+void ovl_ring_set_mark(ovl_ring *r, uint64_t mark);
+
+/* Watcher: sleep until the consumer mark of one of the n rings differs from seen[i], at
+ * most timeout_ns; marks_out[i] gets each ring's mark then. One futex_waitv over the
+ * rings' mark_seq words where the kernel has it (Linux 5.16, at most 128 rings), else
+ * looks every poll_ns. Returns OVL_OK, or OVL_ETIMEDOUT when no mark moved. */
+int ovl_ring_wait_marks(ovl_ring *const *rings, int n, const uint64_t *seen, uint64_t *marks_out,
+                        int64_t timeout_ns, int64_t poll_ns);
 /* Whether the producer is asleep waiting for space. */
 int ovl_ring_space_wanted(const ovl_ring *r);
 

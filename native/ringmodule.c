@@ -13,6 +13,7 @@
 
 #include "ring.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -260,7 +261,7 @@ static PyObject *Handle_set_mark(HandleObject *self, PyObject *arg) {
     if (PyErr_Occurred() || !handle_ready(self)) {
         return NULL;
     }
-    atomic_store_explicit(&self->ring.hdr->consumer_mark, mark, memory_order_release);
+    ovl_ring_set_mark(&self->ring, mark);
     Py_RETURN_NONE;
 }
 
@@ -473,11 +474,95 @@ static PyObject *mod_segment_size(PyObject *Py_UNUSED(m), PyObject *arg) {
     return PyLong_FromUnsignedLongLong(ovl_ring_segment_size(n));
 }
 
+/* wait_marks(handles, seen, timeout, poll): sleep without the GIL until the consumer mark
+ * of one of `handles` differs from `seen` (an int a handle), at most `timeout` seconds
+ * (ovl_ring_wait_marks; `poll`: between looks where the kernel cannot sleep on all);
+ * returns each handle's mark then. `seen` None: at once. The handles are busy meanwhile:
+ * closing one raises, never unmaps under the wait. */
+static PyObject *mod_wait_marks(PyObject *Py_UNUSED(m), PyObject *args) {
+    PyObject *handles, *seen, *limit_arg, *poll_arg;
+    if (!PyArg_ParseTuple(args, "O!OOO:wait_marks", &PyTuple_Type, &handles, &seen, &limit_arg, &poll_arg)) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(handles);
+    int waiting = seen != Py_None;
+    if (n > INT_MAX / 2 || (waiting && (!PyTuple_Check(seen) || PyTuple_GET_SIZE(seen) != n))) {
+        PyErr_SetString(PyExc_ValueError, "wait_marks: seen must be None or a tuple of one int a handle");
+        return NULL;
+    }
+    int64_t limit_ns, poll_ns;
+    if (!timeout_ns(limit_arg, &limit_ns) || !timeout_ns(poll_arg, &poll_ns)) {
+        return NULL;
+    }
+    if (limit_ns < 0 || poll_ns <= 0) {
+        PyErr_SetString(PyExc_ValueError, "wait_marks: timeout must be finite and poll > 0");
+        return NULL;
+    }
+    HandleObject **hs = PyMem_Calloc((size_t)n + 1, sizeof(HandleObject *));
+    ovl_ring **rings = PyMem_Calloc((size_t)n + 1, sizeof(ovl_ring *));
+    uint64_t *want = PyMem_Calloc((size_t)n + 1, sizeof(uint64_t));
+    uint64_t *now = PyMem_Calloc((size_t)n + 1, sizeof(uint64_t));
+    PyObject *out = NULL;
+    if (hs == NULL || rings == NULL || want == NULL || now == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = PyTuple_GET_ITEM(handles, i);
+        if (!PyObject_TypeCheck(h, &HandleType)) {
+            PyErr_SetString(PyExc_TypeError, "wait_marks: handles must be ring Handles");
+            goto done;
+        }
+        hs[i] = (HandleObject *)h;
+        if (!handle_ready(hs[i])) {
+            goto done;
+        }
+        rings[i] = &hs[i]->ring;
+        if (waiting) {
+            want[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(seen, i));
+            if (PyErr_Occurred()) {
+                goto done;
+            }
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hs[i]->busy++;
+    }
+    if (waiting) {
+        Py_BEGIN_ALLOW_THREADS
+        ovl_ring_wait_marks(rings, (int)n, want, now, limit_ns, poll_ns);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            now[i] = atomic_load_explicit(&rings[i]->hdr->consumer_mark, memory_order_acquire);
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hs[i]->busy--;
+    }
+    out = PyTuple_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(now[i]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, v);
+    }
+done:
+    PyMem_Free(hs);
+    PyMem_Free(rings);
+    PyMem_Free(want);
+    PyMem_Free(now);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"init_segment", mod_init_segment, METH_VARARGS, "Initialise a zeroed mapping: status."},
     {"check", mod_check, METH_O, "Check a mapping's header: status."},
     {"round_capacity", mod_round_capacity, METH_O, "Capacity rounded to a power of two (0: too big)."},
     {"segment_size", mod_segment_size, METH_O, "Segment bytes for a capacity."},
+    {"wait_marks", mod_wait_marks, METH_VARARGS, "Sleep until a consumer mark moves: each mark."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,7 +13,8 @@ watch's own, so no Ring object is shared with the constructor's thread) and publ
 their minimum as `progress` t<dp>, with an entry on the `progressed` stream the Planner
 blocks on, when it rises: O(1) Redis writes per step, none while it stands, whether
 the constructor builds or waits for a plan. One thread per process looks at every
-watch started in it, every `POLL_S` (a constructor host runs several groups).
+watch started in it (a constructor host runs several groups) when a trainer sets its
+mark (it wakes the thread: `overlord.shm.wait_marks`), and every `LOOK_EVERY_S`.
 
 - A ring read to the end (nothing pending) counts as consumed up to the last step
   written to it: a consumer that sets no mark paces the Planner step by step instead
@@ -43,12 +44,14 @@ import redis
 
 from overlord.errors import RingError
 from overlord.runtime.layout import client_ring
-from overlord.shm import Ring
+from overlord.shm import Ring, wait_marks
 from overlord.store.schema import consumed_entry, consumed_field, owner_field, replay_requester
 
 log = logging.getLogger("overlord.constructor")
 
-POLL_S = 0.002  # between two looks at the marks: a few loads from shared memory
+POLL_S = 0.002  # between two looks at the marks where the kernel cannot sleep on them all
+LOOK_EVERY_S = 0.02  # a look in Python at least this often, marks moved or not (a ring read
+# to the end, retries, trainers that left)
 RETRY_S = 0.1  # after a failed write, before the group's next look
 STREAM_MAXLEN = 1000  # `progressed` entries kept (only the newest matter)
 
@@ -190,9 +193,12 @@ class MarkWatch:
 
 class _Poller:
     """One thread per process looks at the marks of every group whose Data Constructor
-    runs in it, every `POLL_S`: a constructor host runs several groups, and a thread
-    each woke 500 times a second per group for a few loads from shared memory (each
-    cost about 1.5% of a core). It runs while a watch is started, and ends with the last.
+    runs in it: a constructor host runs several groups, and a thread each woke 500 times
+    a second per group for a few loads from shared memory (each cost about 1.5% of a
+    core). It sleeps on all the rings' marks at once (`wait_marks`: a trainer that sets
+    its mark wakes it) and looks at the groups when one moved, or every `LOOK_EVERY_S`;
+    a look every 2 ms cost 5-5.6% of a core in bench/control.py, half of it the timer's
+    wake-ups alone. It runs while a watch is started, and ends with the last.
     """
 
     _instance: _Poller | None = None
@@ -224,17 +230,32 @@ class _Poller:
                 self.watches.remove(watch)
 
     def _run(self) -> None:
+        seen: tuple[int, ...] | None = None  # the watched rings' marks, as the last wait left them
+        watched: list[Ring] = []
         while True:
-            time.sleep(POLL_S)
             with self.lock:
                 self.watches = [w for w in self.watches if not w.ended.is_set()]
                 if not self.watches:
                     self.thread = None
                     return
                 watches = list(self.watches)
-            now = time.monotonic()
-            for watch in watches:
-                with watch._lock:
+            locks = [watch._lock for watch in watches]  # a group's stop() waits while its rings are watched
+            for lock in locks:
+                lock.acquire()
+            try:
+                rings = [ring for watch in watches for ring in watch.rings.values()]
+                if rings != watched:
+                    seen, watched = None, rings  # a look now, then waits from the marks it saw
+                try:
+                    seen = wait_marks(rings, seen, LOOK_EVERY_S, POLL_S)
+                except RingError:
+                    seen = None  # a ring closed under its group: the look below ends the group
+                    time.sleep(POLL_S)
+                now = time.monotonic()
+                for watch in watches:
                     watch.poll(now)
                     if watch.ended.is_set():
                         watch._close()  # nothing more is read here (stop() may not have waited for this look)
+            finally:
+                for lock in locks:
+                    lock.release()

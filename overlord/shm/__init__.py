@@ -8,7 +8,7 @@ read back zero-copy with `decode_batch`. Segment names come only from
 
 from overlord.shm._batch import SampleMeta, batch_nbytes, decode_batch, encode_batch_into, write_batch
 from overlord.shm._proc import pid_alive
-from overlord.shm._pyring import Ring
+from overlord.shm._pyring import Ring, wait_marks
 from overlord.shm._segment import segment_bytes, unlink_segment
 from overlord.shm.names import cleanup_stale, job_prefix, list_segments, segment_name, unlink_all
 
@@ -26,5 +26,6 @@ __all__ = [  # sorted
     "segment_name",
     "unlink_all",
     "unlink_segment",
+    "wait_marks",
     "write_batch",
 ]

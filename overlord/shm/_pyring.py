@@ -485,7 +485,8 @@ class Ring:
         return self._handle().consumer_mark
 
     def set_consumer_mark(self, mark: int) -> None:
-        """Store what the consumer has finished with, in the caller's own units (>= 0)."""
+        """Store what the consumer has finished with, in the caller's own units (>= 0),
+        and wake a watcher asleep on it (`wait_marks`)."""
         self._handle().set_mark(int(mark))
 
     def _handle(self) -> _native.Handle:
@@ -505,6 +506,27 @@ class Ring:
                 f"{role} pid {pid} of ring {self._name!r} exited while we waited ({why}); "
                 "see that process's log for its failure"
             )
+
+
+def wait_marks(rings: Sequence[Ring], seen: tuple[int, ...] | None, timeout: float, poll: float) -> tuple[int, ...]:
+    """Sleep, without the GIL, until the consumer mark of one of `rings` differs from
+    `seen`, at most `timeout` seconds: one futex_waitv(2) on the rings' mark words, which
+    `set_consumer_mark` bumps and wakes (a look every `poll` seconds where the kernel
+    has no futex_waitv, or for more than 128 rings).
+
+    Args:
+        rings: the rings to watch (a producer's or a watcher's mappings of them).
+        seen: what the last call returned for the same rings; None returns at once.
+        timeout: the longest wait, seconds.
+        poll: seconds between two looks when it cannot sleep on the marks.
+
+    Returns:
+        Each ring's consumer mark when it returned.
+
+    Raises:
+        RingError: a ring was closed in this process.
+    """
+    return _native.wait_marks(tuple(ring._handle() for ring in rings), seen, timeout, poll)
 
 
 def wake_unwoken() -> None:

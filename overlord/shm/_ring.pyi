@@ -29,6 +29,10 @@ def init_segment(buffer: Buffer, capacity: int, creator_pid: int, creator_pidns:
 def check(buffer: Buffer, /) -> int: ...
 def round_capacity(requested: int, /) -> int: ...
 def segment_size(capacity: int, /) -> int: ...
+def wait_marks(
+    handles: tuple[Handle, ...], seen: tuple[int, ...] | None, timeout: float, poll: float, /
+) -> tuple[int, ...]:
+    """Each handle's consumer mark, once one differs from `seen` or at `timeout` (GIL released)."""
 
 class Handle:
     """Process-local handle on a mapped ring; holds a buffer export until close()."""

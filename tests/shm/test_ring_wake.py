@@ -1,4 +1,5 @@
-"""Waking a ring's consumer once per run of records: `commit(wake=False)`, then `wake()`.
+"""Waking a ring's consumer once per run of records (`commit(wake=False)`, then `wake()`),
+and a watcher of consumer marks when one moves (`wait_marks`).
 
 The consumer here sleeps in one futex wait for the whole test (its peer-check slice is
 raised to 30 s), so it returns only when the producer really wakes it: a record that
@@ -8,6 +9,8 @@ wait for space on another ring (the consumer of the first may be what it waits o
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 import time
 
@@ -15,7 +18,7 @@ import numpy as np
 import pytest
 
 from overlord.errors import RingTimeout
-from overlord.shm import Ring, _pyring, decode_batch, segment_name, write_batch
+from overlord.shm import Ring, _pyring, decode_batch, segment_name, wait_marks, write_batch
 
 
 @pytest.fixture
@@ -84,3 +87,57 @@ def test_commit_wakes_by_default(job, one_slice):
         reader.thread.join(5)
         assert reader.got == [b"now"]
         producer.unlink()
+
+
+# -- a watcher of consumer marks (a Data Constructor host's mark poller) ---------------
+
+# one sleep on many futex words (futex_waitv) came with Linux 5.16; before, the watcher
+# looks every `poll` seconds, and a wake-up long before that cannot be asked of it
+_KERNEL = tuple(int(p) for p in re.findall(r"\d+", os.uname().release)[:2])
+needs_waitv = pytest.mark.skipif(_KERNEL < (5, 16), reason="futex_waitv needs Linux 5.16")
+
+
+@needs_waitv
+def test_wait_marks_sleeps_until_a_mark_moves(job):
+    names = [segment_name(job, "n0", f"m{i}") for i in range(3)]
+    rings = [Ring.create(n, 4096) for n in names]
+    try:
+        assert wait_marks(rings, None, 5.0, 0.002) == (0, 0, 0)  # None: the marks now, at once
+        t0 = time.monotonic()
+        assert wait_marks(rings, (0, 0, 0), 0.3, 0.002) == (0, 0, 0)  # nothing moved: the timeout
+        assert time.monotonic() - t0 >= 0.29
+        threading.Timer(0.3, rings[2].set_consumer_mark, args=(7,)).start()
+        t0 = time.monotonic()
+        assert wait_marks(rings, (0, 0, 0), 20.0, 20.0) == (0, 0, 7)  # woken, not a look 20 s later
+        assert 0.25 <= time.monotonic() - t0 < 5
+        rings[0].set_consumer_mark(3)  # moved before the call: returns at once
+        assert wait_marks(rings, (0, 0, 7), 20.0, 20.0) == (3, 0, 7)
+    finally:
+        for ring in rings:
+            ring.close()
+            ring.unlink()
+
+
+MARKER = """
+import sys, time
+from overlord.shm import Ring
+ring = Ring.attach(sys.argv[1], timeout=10)
+print("ready", flush=True)
+time.sleep(0.5)
+ring.set_consumer_mark(int(sys.argv[2]))
+ring.close()
+"""
+
+
+@needs_waitv
+def test_a_consumer_in_another_process_wakes_the_watcher(job, spawn):
+    """The mark words are shared futexes: a trainer process's mark wakes the host's watcher."""
+    name = segment_name(job, "n0", "xmark")
+    with Ring.create(name, 4096) as ring:
+        child = spawn(MARKER, name, 41)
+        child.ready()
+        t0 = time.monotonic()
+        assert wait_marks([ring], (0,), 20.0, 20.0) == (41,)
+        assert time.monotonic() - t0 < 10
+        child.finish()
+        ring.unlink()
