@@ -474,20 +474,17 @@ static PyObject *mod_segment_size(PyObject *Py_UNUSED(m), PyObject *arg) {
     return PyLong_FromUnsignedLongLong(ovl_ring_segment_size(n));
 }
 
-/* wait_marks(handles, seen, timeout, poll): sleep without the GIL until the consumer mark
- * of one of `handles` differs from `seen` (an int a handle), at most `timeout` seconds
- * (ovl_ring_wait_marks; `poll`: between looks where the kernel cannot sleep on all);
- * returns each handle's mark then. `seen` None: at once. The handles are busy meanwhile:
- * closing one raises, never unmaps under the wait. */
+/* wait_marks(handles, seen, timeout, poll): ovl_ring_wait_marks without the GIL; each
+ * handle's mark. The handles are busy meanwhile: closing one raises, never unmaps. */
 static PyObject *mod_wait_marks(PyObject *Py_UNUSED(m), PyObject *args) {
     PyObject *handles, *seen, *limit_arg, *poll_arg;
-    if (!PyArg_ParseTuple(args, "O!OOO:wait_marks", &PyTuple_Type, &handles, &seen, &limit_arg, &poll_arg)) {
+    if (!PyArg_ParseTuple(args, "O!O!OO:wait_marks", &PyTuple_Type, &handles, &PyTuple_Type, &seen, &limit_arg,
+                          &poll_arg)) {
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(handles);
-    int waiting = seen != Py_None;
-    if (n > INT_MAX / 2 || (waiting && (!PyTuple_Check(seen) || PyTuple_GET_SIZE(seen) != n))) {
-        PyErr_SetString(PyExc_ValueError, "wait_marks: seen must be None or a tuple of one int a handle");
+    if (n > INT_MAX / 2 || PyTuple_GET_SIZE(seen) != n) {
+        PyErr_SetString(PyExc_ValueError, "wait_marks: seen must hold one int a handle");
         return NULL;
     }
     int64_t limit_ns, poll_ns;
@@ -500,8 +497,7 @@ static PyObject *mod_wait_marks(PyObject *Py_UNUSED(m), PyObject *args) {
     }
     HandleObject **hs = PyMem_Calloc((size_t)n + 1, sizeof(HandleObject *));
     ovl_ring **rings = PyMem_Calloc((size_t)n + 1, sizeof(ovl_ring *));
-    uint64_t *want = PyMem_Calloc((size_t)n + 1, sizeof(uint64_t));
-    uint64_t *now = PyMem_Calloc((size_t)n + 1, sizeof(uint64_t));
+    uint64_t *want = PyMem_Calloc((size_t)n + 1, sizeof(uint64_t)), *now = PyMem_Calloc((size_t)n + 1, sizeof(uint64_t));
     PyObject *out = NULL;
     if (hs == NULL || rings == NULL || want == NULL || now == NULL) {
         PyErr_NoMemory();
@@ -518,25 +514,17 @@ static PyObject *mod_wait_marks(PyObject *Py_UNUSED(m), PyObject *args) {
             goto done;
         }
         rings[i] = &hs[i]->ring;
-        if (waiting) {
-            want[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(seen, i));
-            if (PyErr_Occurred()) {
-                goto done;
-            }
+        want[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(seen, i));
+        if (PyErr_Occurred()) {
+            goto done;
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         hs[i]->busy++;
     }
-    if (waiting) {
-        Py_BEGIN_ALLOW_THREADS
-        ovl_ring_wait_marks(rings, (int)n, want, now, limit_ns, poll_ns);
-        Py_END_ALLOW_THREADS
-    } else {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            now[i] = atomic_load_explicit(&rings[i]->hdr->consumer_mark, memory_order_acquire);
-        }
-    }
+    Py_BEGIN_ALLOW_THREADS
+    ovl_ring_wait_marks(rings, (int)n, want, now, limit_ns, poll_ns);
+    Py_END_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         hs[i]->busy--;
     }

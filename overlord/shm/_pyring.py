@@ -526,7 +526,10 @@ def wait_marks(rings: Sequence[Ring], seen: tuple[int, ...] | None, timeout: flo
     Raises:
         RingError: a ring was closed in this process.
     """
-    return _native.wait_marks(tuple(ring._handle() for ring in rings), seen, timeout, poll)
+    handles = tuple(ring._handle() for ring in rings)
+    if seen is None:
+        return tuple(h.consumer_mark for h in handles)
+    return _native.wait_marks(handles, seen, timeout, poll)
 
 
 def wake_unwoken() -> None:

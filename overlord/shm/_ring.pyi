@@ -29,9 +29,7 @@ def init_segment(buffer: Buffer, capacity: int, creator_pid: int, creator_pidns:
 def check(buffer: Buffer, /) -> int: ...
 def round_capacity(requested: int, /) -> int: ...
 def segment_size(capacity: int, /) -> int: ...
-def wait_marks(
-    handles: tuple[Handle, ...], seen: tuple[int, ...] | None, timeout: float, poll: float, /
-) -> tuple[int, ...]:
+def wait_marks(handles: tuple[Handle, ...], seen: tuple[int, ...], timeout: float, poll: float, /) -> tuple[int, ...]:
     """Each handle's consumer mark, once one differs from `seen` or at `timeout` (GIL released)."""
 
 class Handle:
