@@ -331,7 +331,7 @@ static int marks_moved(ovl_ring *const *rings, int n, const uint64_t *seen, uint
 int ovl_ring_wait_marks(ovl_ring *const *rings, int n, const uint64_t *seen, uint64_t *marks_out,
                         int64_t timeout_ns, int64_t poll_ns) {
     int64_t deadline = monotonic_ns() + timeout_ns;
-    static _Atomic int no_waitv = 0; /* the kernel said ENOSYS once: poll from then on */
+    static _Atomic int no_waitv = 0; /* futex_waitv failed once: poll from then on */
     struct ovl_futex_waitv waiters[OVL_FUTEX_WAITV_MAX];
     int vector = n > 0 && n <= OVL_FUTEX_WAITV_MAX && !atomic_load_explicit(&no_waitv, memory_order_relaxed);
     for (;;) {
@@ -352,7 +352,9 @@ int ovl_ring_wait_marks(ovl_ring *const *rings, int n, const uint64_t *seen, uin
             if (vector) {
                 struct timespec until = {(time_t)((deadline) / 1000000000), (long)((deadline) % 1000000000)};
                 long rc = syscall(SYS_futex_waitv, waiters, (unsigned int)n, 0, &until, CLOCK_MONOTONIC);
-                if (rc == -1 && errno == ENOSYS) {
+                if (rc == -1 && errno != EAGAIN && errno != ETIMEDOUT && errno != EINTR) {
+                    /* no futex_waitv here (ENOSYS), or it refuses these words: look every poll_ns
+                     * from now on rather than spin on an error until the deadline */
                     atomic_store_explicit(&no_waitv, 1, memory_order_relaxed);
                     vector = 0;
                 }
