@@ -44,7 +44,7 @@ class Job:
         run_dir: where the sidecar keeps its socket, logs and embedded Redis data.
         loader_processes: processes hosting Source Loaders (the CPU budget); None picks.
         buffer_bytes: byte cap of each Source Loader's read buffer (per loader partition;
-            Source.buffer_bytes overrides it per source). Within it a buffer holds twice
+            Source.buffer_bytes overrides it per source). Within it a buffer holds 1.5 times
             what the Planner can draw from the stream before its loader refills: the
             stream's share of a step (global_batch x weight share / partitions) x
             (plan_ahead + refill steps), plus three standard deviations of that draw, x

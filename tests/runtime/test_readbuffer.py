@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from overlord.runtime.readbuffer import MIN_SAMPLES, ReadBudget, draw_per_step, floor_samples, target_bytes
+from overlord.runtime.readbuffer import MIN_SAMPLES, TOP_UP, ReadBudget, draw_per_step, floor_samples, target_bytes
 
 MiB = 1 << 20
 
 
 def held(draw: float, steps: int) -> float:
-    """Twice the draw over `steps` plus three standard deviations (the module docstring)."""
-    return 2 * (draw * steps + 3 * math.sqrt(draw * steps))
+    """1.5 x the draw over `steps` plus three standard deviations (the module docstring)."""
+    return 1.5 * (draw * steps + 3 * math.sqrt(draw * steps))
 
 
 def test_the_draw_follows_the_weight_share_and_the_partitions():
@@ -24,10 +24,11 @@ def test_the_draw_follows_the_weight_share_and_the_partitions():
     assert draw_per_step(64, weights, 2, 1) == 0.0
 
 
-def test_the_target_is_twice_the_horizon_draw_with_its_spread_times_mean_size():
-    # 12 samples a step, plan_ahead 4 + 1 refill step, 10 KiB each: 2 x (60 + 3 sqrt 60)
+def test_the_target_is_one_and_a_half_times_the_horizon_draw_with_its_spread_times_mean_size():
+    assert TOP_UP == 0.5
+    # 12 samples a step, plan_ahead 4 + 1 refill step, 10 KiB each: 1.5 x (60 + 3 sqrt 60)
     assert target_bytes(12.0, 4, 1, 10240, 64 * MiB) == int(held(12.0, 5) * 10240)
-    assert held(12.0, 5) == pytest.approx(166.5, abs=0.1)
+    assert held(12.0, 5) == pytest.approx(124.9, abs=0.1)
     # a slower refill (3 steps) holds more
     assert target_bytes(12.0, 4, 3, 10240, 64 * MiB) == int(held(12.0, 7) * 10240)
     # the refill latency is at least one step
@@ -50,9 +51,9 @@ def test_heavier_samples_hold_fewer_and_weight_follows():
     light.observe([1000] * 10)
     heavy = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB)
     heavy.observe([1 << 20] * 10)
-    assert light.target_samples() == math.ceil(held(8.0, 5))  # 2 x (40 + 3 sqrt 40) = 118
+    assert light.target_samples() == math.ceil(held(8.0, 5))  # 1.5 x (40 + 3 sqrt 40) = 89
     assert light.target_bytes() == int(held(8.0, 5) * 1000)
-    assert heavy.target_samples() == 64  # 118 MiB, capped at 64 MiB
+    assert heavy.target_samples() == 64  # 88 MiB, capped at 64 MiB
     rare = ReadBudget(draw=0.005, plan_ahead=4, cap_bytes=64 * MiB)
     rare.observe([1000])
     assert rare.target_samples() == MIN_SAMPLES
@@ -76,17 +77,18 @@ def test_before_any_sample_the_first_read_is_the_floor():
     assert ReadBudget(draw=20.0, plan_ahead=4, cap_bytes=64 * MiB, cap_samples=8).room(0, 0) == 8
 
 
-def test_low_water_is_half_the_target_in_bytes():
+def test_low_water_is_need_in_bytes_and_a_refill_tops_up_half_of_it():
     b = ReadBudget(draw=8.0, plan_ahead=4, cap_bytes=64 * MiB)
-    b.observe([1000] * 40)  # target 118 samples, 118,000 B; low water 59,000 B
-    assert b.target_samples() == 118
-    assert b.room(0, 0) == 118
-    assert b.room(90, 90000) == 0  # above low water
+    b.observe([1000] * 40)  # need 59 samples; target 89 samples, 89,000 B; low water 59,333 B
+    assert b.target_samples() == 89
+    assert b.low_water_bytes() == 59333
+    assert b.room(0, 0) == 89
+    assert b.room(75, 75000) == 0  # above low water
     assert b.room(60, 60000) == 0
-    assert b.room(58, 58000) == 60  # below: top up to the target
-    # thirty large samples are above low water in bytes though few in count
-    assert b.room(30, 75000) == 0
-    assert b.room(118, 118000) == 0
+    assert b.room(59, 59000) == 30  # below: top up to the target
+    # twenty large samples are above low water in bytes though few in count
+    assert b.room(20, 75000) == 0
+    assert b.room(89, 89000) == 0
 
 
 def test_the_sample_cap_bounds_the_buffer_over_the_bytes():
@@ -122,11 +124,11 @@ def test_a_draw_larger_than_the_weights_give_is_measured_and_followed():
     # a mixing schedule turned to this source: the plans take 20 a step, the weights said 2
     b = ReadBudget(draw=2.0, plan_ahead=4, cap_bytes=64 * MiB)
     b.observe([1000] * 10)
-    assert b.target_samples() == math.ceil(held(2.0, 5))  # 39
+    assert b.target_samples() == math.ceil(held(2.0, 5))  # 30
     for _ in range(60):
         b.took(20)
     assert b.step_draw() == pytest.approx(20.0, rel=0.01)
-    assert b.target_samples() == pytest.approx(held(20.0, 5), abs=2)  # 2 x (100 + 30)
+    assert b.target_samples() == pytest.approx(held(20.0, 5), abs=2)  # 1.5 x (100 + 30)
     # a schedule that turns away keeps the weights' share
     for _ in range(200):
         b.took(0)
