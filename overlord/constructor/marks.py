@@ -24,6 +24,13 @@ mark (it wakes the thread: `overlord.shm.wait_marks`), and every `LOOK_EVERY_S`.
 - The published mark never goes down: a restarted Data Constructor reads it from
   Redis, then from the rings, which keep their marks across its restart.
 
+The same thread publishes the trainers' running totals of a job on one node: a trainer
+leaves them in its ring's consumer note (overlord.torch.stats) and, once every
+`NOTES_EVERY_S`, the notes that changed go to the `stats` hash in one HSET for all the
+groups of the process: one write a second per node instead of a connection and a write
+a second per rank. A trainer that died leaves its note as it was, so its record stands
+still, which is how the other ranks' watchdogs tell it (overlord.torch.watchdog).
+
 Fencing. Every mark of a group (c<dp>, t<dp>) and its replay request (r<dp>) is written
 only while `progress` o<dp> names the writer (`Owner`): a Data Constructor that was
 superseded while out of Redis's reach (its node cut off, its unit restarted on another
@@ -45,7 +52,14 @@ import redis
 from overlord.errors import RingError
 from overlord.runtime.layout import client_ring
 from overlord.shm import Ring, wait_marks
-from overlord.store.schema import consumed_entry, consumed_field, owner_field, replay_requester
+from overlord.store.schema import (
+    consumed_entry,
+    consumed_field,
+    note_record,
+    owner_field,
+    replay_requester,
+    trainer_stats_field,
+)
 
 log = logging.getLogger("overlord.constructor")
 
@@ -53,6 +67,7 @@ POLL_S = 0.002  # between two looks at the marks where the kernel cannot sleep o
 LOOK_EVERY_S = 0.02  # a look in Python at least this often, marks moved or not (a ring read
 # to the end, retries, trainers that left)
 RETRY_S = 0.1  # after a failed write, before the group's next look
+NOTES_EVERY_S = 1.0  # how often the trainers' notes that changed are published
 STREAM_MAXLEN = 1000  # `progressed` entries kept (only the newest matter)
 
 # KEYS: `progress`, `progressed`; ARGV: o<dp>, the writer, the field, its value, then for
@@ -132,6 +147,8 @@ class MarkWatch:
         self.dp, self.r, self.keys, self.outputs, self.written = dp, r, keys, outputs, written
         self.owner = owner
         self.rings = {rank: Ring.attach(client_ring(job, rank), timeout=job.timeout_s) for rank in outputs}
+        self.node = job.node
+        self.noted: dict[int, bytes] = {}  # rank -> the consumer note last published
         raw = r.hget(keys.progress, consumed_field(dp))
         self.published = int(raw) if raw is not None else 0
         self.ended = threading.Event()  # stopped, superseded, or its rings are gone
@@ -147,6 +164,7 @@ class MarkWatch:
         _Poller.of_this_process().remove(self)
         if self._lock.acquire(timeout=5):  # the poller is not looking at the rings now
             try:
+                publish_notes([self])  # the trainers' last totals (a trainer's final note)
                 self._close()
             finally:
                 self._lock.release()
@@ -190,6 +208,39 @@ class MarkWatch:
         except RingError:
             self.ended.set()  # the sidecar removed the rings: the job is ending
 
+    def notes(self) -> dict[int, tuple[bytes, str]]:
+        """rank -> (its trainer's consumer note, its `stats` record) for the notes that
+        changed since they were last published (`noted`)."""
+        fresh = {}
+        for rank, ring in self.rings.items():
+            try:
+                note = ring.consumer_note()
+            except RingError:
+                continue  # closed under the group: its look ends it
+            if note is None or note == self.noted.get(rank):
+                continue
+            record = note_record(note, self.node)
+            if record is not None:
+                fresh[rank] = (note, record)
+        return fresh
+
+
+def publish_notes(watches: list[MarkWatch]) -> None:
+    """The trainers' notes that changed, of every group watched here, in one HSET of the
+    `stats` hash (a Redis that is away only delays them: the next turn tries again)."""
+    fresh = [(watch, watch.notes()) for watch in watches]
+    fields = {trainer_stats_field(rank): record for _, notes in fresh for rank, (_, record) in notes.items()}
+    if not fields:
+        return
+    first = fresh[0][0]
+    try:
+        first.r.hset(first.keys.stats, mapping=fields)
+    except redis.RedisError as exc:
+        log.debug("publishing %d trainers' running totals failed (%s); next turn", len(fields), exc)
+        return
+    for watch, notes in fresh:
+        watch.noted.update((rank, note) for rank, (note, _) in notes.items())
+
 
 class _Poller:
     """One thread per process looks at the marks of every group whose Data Constructor
@@ -232,6 +283,7 @@ class _Poller:
     def _run(self) -> None:
         seen: tuple[int, ...] | None = None  # the watched rings' marks, as the last wait left them
         watched: list[Ring] = []
+        notes_at = 0.0  # monotonic: the next publication of the trainers' notes
         while True:
             with self.lock:
                 self.watches = [w for w in self.watches if not w.ended.is_set()]
@@ -252,6 +304,9 @@ class _Poller:
                     seen = None  # a ring closed under its group: the look below ends the group
                     time.sleep(POLL_S)
                 now = time.monotonic()
+                if now >= notes_at:
+                    notes_at = now + NOTES_EVERY_S
+                    publish_notes(watches)
                 for watch in watches:
                     watch.poll(now)
                     if watch.ended.is_set():

@@ -14,13 +14,16 @@ import json
 import threading
 import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import redis
 
 from overlord.errors import RingTimeout
 from overlord.shm import Ring, SampleMeta, write_batch
-from overlord.store import Keys, outage_within
+from overlord.store import Keys
+
+if TYPE_CHECKING:  # annotations only: a trainer on one node never loads redis-py
+    import redis
 
 SLICE_S = 0.5
 HEARTBEAT_S = 1.0  # how often a role publishes its heartbeat (and loop age)
@@ -68,6 +71,9 @@ def alive_within(r: redis.Redis, keys: Keys, role: str, index: int, timeout_s: f
     """Whether the role turned its loop within `timeout_s` (never judged finer than a
     few heartbeats, since the heartbeat itself is that coarse). Within `timeout_s` of a
     Redis outage it is: a heartbeat that could not be written says nothing of its role."""
+    # deferred: a trainer imports this module without loading redis-py; `r` loaded it
+    from overlord.store import outage_within
+
     if outage_within(r, max(timeout_s, 3 * HEARTBEAT_S)):
         return True
     age = loop_age(r, keys, role, index)

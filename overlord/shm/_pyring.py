@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -65,6 +66,12 @@ PEER_CHECK_S = 0.05  # how often a blocked call checks that its peer is alive
 # rings this process committed to without waking their consumer (`Ring.commit(wake=False)`)
 _UNWOKEN: set[Ring] = set()
 _NEXT_HEADER = 16  # a record's end, 8-aligned, plus the header written there next (a record's or a WRAP's)
+# the consumer's note (native/ring.h): a sequence word (odd while being written), its
+# length, its bytes; in the header's reserved bytes, so a ring that never had one reads 0
+NOTE_OFFSET = 2304
+NOTE_BYTES = 248
+_NOTE_HEAD = struct.Struct("<II")
+_NOTE_SEQ = struct.Struct("<I")
 
 
 class Ring:
@@ -488,6 +495,43 @@ class Ring:
         """Store what the consumer has finished with, in the caller's own units (>= 0),
         and wake a watcher asleep on it (`wait_marks`)."""
         self._handle().set_mark(int(mark))
+
+    def set_consumer_note(self, note: bytes) -> None:
+        """Publish up to NOTE_BYTES bytes for whoever watches the ring (the consumer's own
+        figures, opaque to the ring), replacing the last note. The consumer's thread only:
+        one writer. A reader that finds it being written looks again (`consumer_note`);
+        the sequence word is stored before and after the bytes, which x86-64 keeps in
+        order: the note is for figures, never for data, since a weakly ordered CPU
+        (arm64) may in theory show a torn one."""
+        if len(note) > NOTE_BYTES:
+            raise ValueError(f"a consumer note holds at most {NOTE_BYTES} bytes, not {len(note)}")
+        self._handle()
+        mv = self._mv
+        assert mv is not None
+        seq = _NOTE_SEQ.unpack_from(mv, NOTE_OFFSET)[0]
+        _NOTE_SEQ.pack_into(mv, NOTE_OFFSET, (seq | 1) & 0xFFFFFFFF)  # odd: being written
+        start = NOTE_OFFSET + _NOTE_HEAD.size
+        mv[start : start + len(note)] = note
+        _NOTE_HEAD.pack_into(mv, NOTE_OFFSET, ((seq | 1) + 1) & 0xFFFFFFFF or 2, len(note))
+
+    def consumer_note(self) -> bytes | None:
+        """The consumer's last note, or None: it never set one, or it was being
+        rewritten at each of three looks."""
+        self._handle()
+        mv = self._mv
+        assert mv is not None
+        start = NOTE_OFFSET + _NOTE_HEAD.size
+        for _ in range(3):
+            seq, n = _NOTE_HEAD.unpack_from(mv, NOTE_OFFSET)
+            if seq == 0:
+                return None
+            if seq & 1:
+                time.sleep(0)  # the consumer is writing it: let it finish
+                continue
+            note = bytes(mv[start : start + min(n, NOTE_BYTES)])
+            if _NOTE_SEQ.unpack_from(mv, NOTE_OFFSET)[0] == seq:
+                return note
+        return None
 
     def _handle(self) -> _native.Handle:
         if self._mm is None:

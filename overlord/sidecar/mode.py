@@ -30,8 +30,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
-
 from overlord.config import Job
 from overlord.errors import ConfigError, OverlordError, RingError
 from overlord.runtime.layout import client_ring
@@ -168,6 +166,9 @@ def rewind(job: Job, r, found: Mode, rank: int, at: tuple[int, int], timeout_s: 
             "it, start it with `overlord sidecar --config JOB.yaml --resume`, and load the state on every rank "
             "before iterating"
         )
+    # deferred: a trainer imports this module without loading redis-py; `r` loaded it
+    import redis
+
     me = os.getpid()
     keys = Keys(job.name)
     try:

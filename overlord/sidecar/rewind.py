@@ -30,8 +30,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-
-import redis
+from typing import TYPE_CHECKING
 
 from overlord.config import Job
 from overlord.errors import OverlordError
@@ -46,6 +45,9 @@ from overlord.store.schema import (
     stopped_field,
     stopped_nodes,
 )
+
+if TYPE_CHECKING:  # annotations only: a trainer on one node never loads redis-py
+    import redis
 
 log = logging.getLogger("overlord.sidecar")
 

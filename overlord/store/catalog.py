@@ -509,8 +509,8 @@ SCHEMA: tuple[Key, ...] = (
         "stats",
         "hash",
         "running totals for `overlord top` and /metrics",
-        "loaders, trainers",
-        "top, status, metrics",
+        "loaders, constructors (a job on one node), trainers (several nodes)",
+        "top, status, metrics, trainers",
         fields=(
             Field(
                 f"{LOADER_STATS}<k>",
@@ -520,7 +520,8 @@ SCHEMA: tuple[Key, ...] = (
             Field(
                 f"{TRAINER_STATS}<r>",
                 "JSON {node, pid, time, batches, wait_s, dropped, copies, step, done}",
-                "totals of trainer rank r, once a second",
+                "totals of trainer rank r, once a second (a job on one node: from its ring's consumer note, "
+                "by its Data Constructor host)",
             ),
         ),
         example="HGETALL",

@@ -19,12 +19,14 @@ import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import redis
 
 from overlord.store.keys import Keys
+
+if TYPE_CHECKING:  # annotations only: a trainer on one node never loads redis-py
+    import redis
 
 
 def _text(field: bytes | str) -> str:
@@ -406,6 +408,23 @@ def encode_record(record: Mapping[str, Any]) -> str:
 def decode_record(raw: bytes | str) -> dict[str, Any]:
     record: dict[str, Any] = json.loads(raw)
     return record
+
+
+def encode_trainer_note(pid: int, totals: Mapping[str, Any]) -> bytes:
+    """A trainer's running totals as it leaves them in its ring's consumer note (a job
+    on one node): compact JSON (at most a few hundred bytes), without the node its Data
+    Constructor host adds when it publishes them (`note_record`)."""
+    return json.dumps({"pid": pid, "time": round(time.time(), 3), **totals}, separators=(",", ":")).encode()
+
+
+def note_record(note: bytes, node: str) -> str | None:
+    """The `stats` record (rank<r>) of a trainer's consumer note read on `node`; None
+    where the note is not a JSON object."""
+    try:
+        record = json.loads(note)
+    except ValueError:
+        return None
+    return encode_record({"node": node, **record}) if isinstance(record, dict) else None
 
 
 def json_records(raw: Mapping[bytes, bytes]) -> dict[str, dict[str, Any]]:

@@ -24,8 +24,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import redis
-
 from overlord import heap
 from overlord.errors import StoreError
 
@@ -118,6 +116,9 @@ class EmbeddedRedis:
             preexec_fn=die_with_parent,
             env=heap.redis_env(),  # keeps its libc heap from creeping (overlord/heap.py)
         )
+        # deferred: trainers import this module (redis_url_of) without loading redis-py
+        import redis
+
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,5 +1,8 @@
 """The job's Redis as one trainer rank reaches it: opened on first use, never on the
-data path of a job on one node (a rank there reads only its ring).
+data path of a job on one node (a rank there reads only its ring, and leaves its running
+totals in the ring's consumer note for its Data Constructor host to publish:
+overlord.torch.stats), so redis-py loads in such a rank only when it resumes, reports
+metrics or finds its pipeline stalled.
 
 Two clients: the control client (positions for a resuming sidecar, metrics for the
 mixing, the placement on several nodes) rides through short outages like every role's;
@@ -9,11 +12,14 @@ been away (overlord.torch.watchdog).
 
 from __future__ import annotations
 
-import redis
+from typing import TYPE_CHECKING
 
+from overlord import store
 from overlord.config import Job
-from overlord.store import connect, redact
 from overlord.store.server import redis_url_of
+
+if TYPE_CHECKING:
+    import redis
 
 
 class Control:
@@ -27,13 +33,13 @@ class Control:
     def client(self) -> redis.Redis:
         """The job's Redis, opened on first use."""
         if self._client is None:
-            self._client = connect(redis_url_of(self.job), timeout_s=5, name="trainer")
+            self._client = store.connect(redis_url_of(self.job), timeout_s=5, name="trainer")
         return self._client
 
     def probe(self) -> redis.Redis:
         """A client of the job's Redis that answers within 1 s (no ride-through)."""
         if self._probe is None:
-            self._probe = connect(redis_url_of(self.job), timeout_s=1, ride_through_s=0)
+            self._probe = store.connect(redis_url_of(self.job), timeout_s=1, ride_through_s=0)
         return self._probe
 
     def drop_probe(self) -> None:
@@ -47,4 +53,4 @@ class Control:
 
     def url(self) -> str:
         """The job's Redis URL without its password, for messages."""
-        return redact(redis_url_of(self.job))
+        return store.redact(redis_url_of(self.job))

@@ -43,7 +43,7 @@ from overlord.torch.local import Leases, LocalReader
 from overlord.torch.nodes import ServingNodeReader
 from overlord.torch.remote import FlightReader
 from overlord.torch.sidecar import NodeSidecar
-from overlord.torch.stats import StatsPublisher, totals_of
+from overlord.torch.stats import StatsPublisher, ring_of, totals_of
 from overlord.torch.watchdog import Watchdog
 
 
@@ -204,7 +204,11 @@ class DataLoader:
             raise StopIteration
         started = time.perf_counter()
         if self._stats is None:
-            self._stats = self._watchdog.stats = StatsPublisher(self.job, self.rank, totals_of(weakref.ref(self)))
+            ref = weakref.ref(self)
+            # a rank reading its ring on this node leaves its figures in the ring's
+            # consumer note (its Data Constructor host publishes them): no Redis here
+            noted = ring_of(ref) if isinstance(self._reader, LocalReader) else None
+            self._stats = self._watchdog.stats = StatsPublisher(self.job, self.rank, totals_of(ref), ring=noted)
         while True:
             view = self._reader.read(
                 self._last, final=bool(self.last_meta.get("last")), resuming=self._sidecar.resume_at is not None

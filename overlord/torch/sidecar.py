@@ -22,7 +22,6 @@ from overlord.errors import ConfigError, RemoteRoleError
 from overlord.sidecar import mode, rewind
 from overlord.sidecar.mode import sidecar_running
 from overlord.store import Keys
-from overlord.store.client import password_env
 from overlord.store.schema import encode_position, position_field
 from overlord.torch.control import Control
 from overlord.torch.state import next_of
@@ -59,6 +58,9 @@ class NodeSidecar:
             fcntl.flock(guard, fcntl.LOCK_EX)
             if sidecar_running(self.job):
                 return
+            # deferred: redis-py loads in a trainer on one node only when it talks to Redis
+            from overlord.store.client import password_env
+
             config = run_dir / "spawned-job.json"
             config.write_text(self.job.to_json())
             with open(run_dir / "sidecar.log", "ab") as log:

@@ -1,9 +1,17 @@
 """A trainer's running totals for operators: batches read and seconds spent waiting.
 
-A daemon thread writes them once a second to the job's `stats` hash (`rank<r>`), with
-its own Redis connection: never on the data path, and a Redis that is away only
-delays the figures. `overlord top` and the sidecar's metrics endpoint turn them into
-batches per second and the share of time a trainer stalls on data.
+A daemon thread writes them once a second, never on the data path, to one of two
+places, both ending as the job's `stats` hash (`rank<r>`), which `overlord top`, the
+sidecar's metrics endpoint and the other ranks' watchdogs read:
+
+- a rank that reads a ring on its node (a job on one node) leaves them in the ring's
+  consumer note, through a mapping of the thread's own (no Ring object is shared with
+  the reading thread), and its Data Constructor host publishes the notes of all its
+  rings in one write a second (overlord.constructor.marks). The rank needs no Redis
+  connection, and never loads redis-py, unless it resumes, reports metrics or finds
+  its pipeline stalled: one connection and one write a second per node, not per rank;
+- any other rank (several nodes, or reading over Flight) writes them to the job's
+  Redis with a connection of its own; a Redis that is away only delays the figures.
 """
 
 from __future__ import annotations
@@ -13,22 +21,36 @@ import threading
 import time
 from collections.abc import Callable
 
-from overlord.store import Keys, connect
-from overlord.store.schema import encode_record, trainer_stats_field
+from overlord import store
+from overlord.errors import RingError
+from overlord.runtime.layout import client_ring
+from overlord.shm import Ring
+from overlord.store import Keys
+from overlord.store.schema import encode_record, encode_trainer_note, trainer_stats_field
 from overlord.store.server import redis_url_of
 
 PUBLISH_S = 1.0
+_ATTACH_S = 0.2  # how long the thread waits for the rank's ring to be mapped again
 
 
 class StatsPublisher:
     """Publishes `totals()` (a dict of plain values) for `rank` until stopped or until
-    `totals()` returns None."""
+    `totals()` returns None: to the consumer note of the ring `ring()` returns (the
+    rank's ring now, None while it has none) when `ring` is given, else to Redis."""
 
-    def __init__(self, job, rank: int, totals: Callable[[], dict | None]) -> None:
-        self.job, self.rank, self.totals = job, rank, totals
+    def __init__(
+        self,
+        job,
+        rank: int,
+        totals: Callable[[], dict | None],
+        ring: Callable[[], Ring | None] | None = None,
+    ) -> None:
+        self.job, self.rank, self.totals, self.ring = job, rank, totals, ring
         self._stop = threading.Event()
-        self.reached: float | None = None  # monotonic: the last write Redis took
-        self.missed: float | None = None  # monotonic: the last write Redis did not take
+        self.reached: float | None = None  # monotonic: the last write Redis took (Redis only)
+        self.missed: float | None = None  # monotonic: the last write Redis did not take (Redis only)
+        self._theirs: Ring | None = None  # the reader's ring the thread's own mapping follows
+        self._mine: Ring | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"overlord-stats-{rank}")
         self._thread.start()
 
@@ -36,26 +58,53 @@ class StatsPublisher:
         key, field = Keys(self.job.name).stats, trainer_stats_field(self.rank)
         r = None
         stopping = False
-        while True:  # at once, then every PUBLISH_S: `reached` dates the trainer's last contact
-            totals = self.totals()
-            if totals is None:
-                return  # its DataLoader is gone
+        try:
+            while True:  # at once, then every PUBLISH_S: `reached` dates the trainer's last contact
+                totals = self.totals()
+                if totals is None:
+                    return  # its DataLoader is gone
+                if self.ring is not None:
+                    self._note(totals)
+                else:
+                    try:
+                        r = r or store.connect(redis_url_of(self.job), timeout_s=2, ride_through_s=0)
+                        record = {
+                            "node": self.job.node_of_rank(self.rank) if self.job.multi_node else self.job.node,
+                            "pid": os.getpid(),
+                            "time": time.time(),
+                            **totals,
+                        }
+                        r.hset(key, field, encode_record(record))
+                        self.reached = time.monotonic()
+                    except Exception:  # noqa: BLE001 - figures for operators must never fail training
+                        r = None
+                        self.missed = time.monotonic()
+                if stopping:
+                    return
+                stopping = self._stop.wait(PUBLISH_S)
+        finally:
+            if self._mine is not None:
+                self._mine.close()
+
+    def _note(self, totals: dict) -> None:
+        """Leave `totals` in the rank's ring's consumer note, mapping the ring again when
+        the reader's ring changed (attached, or replaced after a sidecar restart)."""
+        assert self.ring is not None
+        theirs = self.ring()
+        if theirs is not self._theirs:
+            if self._mine is not None:
+                self._mine.close()
+            self._theirs, self._mine = theirs, None
+            if theirs is not None:
+                try:
+                    self._mine = Ring.attach(client_ring(self.job, self.rank), timeout=_ATTACH_S)
+                except RingError:
+                    self._theirs = None  # gone again (a sidecar on its way out): next time
+        if self._mine is not None:
             try:
-                r = r or connect(redis_url_of(self.job), timeout_s=2, ride_through_s=0)
-                record = {
-                    "node": self.job.node_of_rank(self.rank) if self.job.multi_node else self.job.node,
-                    "pid": os.getpid(),
-                    "time": time.time(),
-                    **totals,
-                }
-                r.hset(key, field, encode_record(record))
-                self.reached = time.monotonic()
-            except Exception:  # noqa: BLE001 - figures for operators must never fail training
-                r = None
-                self.missed = time.monotonic()
-            if stopping:
-                return
-            stopping = self._stop.wait(PUBLISH_S)
+                self._mine.set_consumer_note(encode_trainer_note(os.getpid(), totals))
+            except RingError:
+                self._theirs = None  # closed under it: map it again next time
 
     def stop(self) -> None:
         """Write the final totals and end the thread (bounded wait)."""
@@ -82,3 +131,14 @@ def totals_of(ref) -> Callable[[], dict | None]:
         }
 
     return totals
+
+
+def ring_of(ref) -> Callable[[], Ring | None]:
+    """The ring a trainer's reader holds now, read through a weak reference (None once
+    the DataLoader is gone, or while it holds none)."""
+
+    def ring() -> Ring | None:
+        loader = ref()
+        return None if loader is None else loader._reader.ring
+
+    return ring

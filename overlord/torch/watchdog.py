@@ -10,10 +10,10 @@ job's state: RemoteRoleError at once.
 
 A dead peer: the Planner keeps within `plan_ahead` steps of the slowest trainer, so a
 rank whose process died (or froze) without leaving holds every other rank back while
-the roles turn their loops. A peer whose running totals (`stats` rank<r>, written every
-second by its trainer) have not changed for longer than a trainer rides out (`timeout_s`
-plus `Job.redis_outage_s`: a peer cut off from Redis is silent that long, and may come
-back) is named in a RemoteRoleError instead of waited on for ever as "slow".
+the roles turn their loops. A peer whose running totals (`stats` rank<r>, which its
+trainer's stats thread refreshes every second: overlord.torch.stats) have not changed
+for longer than a trainer rides out (`timeout_s` plus `Job.redis_outage_s`: a peer cut
+off from Redis is silent that long, and may come back) is named in a RemoteRoleError instead of waited on for ever as "slow".
 Staleness is judged on this process's own clock (when it first saw the record as it
 is), never against another node's.
 """
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import time
 import warnings
-
-import redis
 
 from overlord.config import Job
 from overlord.errors import OverlordError, RemoteRoleError
@@ -53,6 +51,9 @@ class Watchdog:
         (`look`). When the job's Redis does not answer, waits on up to
         `Job.redis_outage_s` (the roles wait for it too), then RemoteRoleError naming
         Redis; back without the job's state, at once."""
+        # deferred: redis-py loads in a trainer on one node only when its pipeline stalls
+        import redis
+
         keys = Keys(self.job.name)
         try:
             r = self.control.probe()

@@ -5,7 +5,7 @@
 
 Writes OUT (JSON): the sample keys of every batch in order, a sha256 of each batch's
 bytes (tensor names, dtypes, shapes and data), and how it ended ("stop", "limit" or
-the error class and message), and when each batch arrived ("times", seconds since the
+the error class and message), whether it loaded redis-py, and when each batch arrived ("times", seconds since the
 epoch: one clock for every rank of a machine, so a test or bench sees a fault's stall
 against the median gap between batches). With --save-every K it also saves the loader state to
 OUT (with the loader state under "state") every K batches, atomically, as a trainer's
@@ -62,6 +62,7 @@ def main() -> None:
     record["dropped"] = getattr(locals().get("loader"), "dropped", 0)
     record["recoveries"] = getattr(locals().get("loader"), "recoveries", 0)
     record["switches"] = getattr(locals().get("loader"), "switches", 0)
+    record["redis_loaded"] = "redis" in sys.modules  # a rank on one node leaves its totals in its ring
     _save(out, record)
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import collections
 import math
+import time
 
 import pytest
 from harness import assert_delivered
+
+from overlord import Mesh
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,6 +35,35 @@ def test_every_sample_exactly_once_across_four_dp_ranks(cluster, corpus_keys, la
     # every rank saw the same steps, each with all micro-batches
     steps = {tuple(map(tuple, r["steps"])) for r in results.values()}
     assert len(steps) == 1
+    # no trainer loaded redis-py: each left its running totals in its ring's consumer
+    # note, and the Data Constructor host published them (overlord.torch.stats)
+    assert not any(r["redis_loaded"] for r in results.values())
+    assert c.stop() == 0
+
+
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
+def test_trainers_on_one_node_leave_their_totals_to_their_constructor_host(cluster):
+    """A trainer on one node opens no Redis connection for its running totals: it leaves
+    them in its ring's consumer note, and the Data Constructor host publishes them as
+    its `stats` record (with its pid and node), refreshed while it runs."""
+    from overlord.store import Keys
+    from overlord.store.schema import decode_record
+
+    c = cluster(mesh=Mesh(dp=2))
+    c.start_sidecar()
+    c.start_trainers(batches=60, sleep=0.05)
+    r, deadline, seen = c.redis(), time.monotonic() + 60, {}
+    while len(seen) < 2 or min(rec["batches"] for rec in seen.values()) < 10:
+        assert time.monotonic() < deadline, f"no running totals from the trainers: {seen}\n{c.log()}"
+        raw = r.hgetall(Keys(c.job.name).stats)
+        seen = {rank: decode_record(raw[f"rank{rank}".encode()]) for rank in (0, 1) if f"rank{rank}".encode() in raw}
+        time.sleep(0.1)
+    for rank, record in seen.items():
+        assert record["pid"] == c.trainers[rank].pid and record["node"] == c.job.node, record
+        assert record["done"] is False and record["wait_s"] >= 0 and record["step"] >= 0, record
+    results = c.results()
+    assert {res["end"] for res in results.values()} == {"limit"}, c.log()
+    assert not any(res["redis_loaded"] for res in results.values())
     assert c.stop() == 0
 
 
