@@ -24,9 +24,10 @@
  *   2256  | consumer_mark u64: the consumer's progress, opaque to the ring |
  *   2264  | mark_seq u32 | mark_waiters u32: a watcher of the mark asleep   |
  *   2272  | reserved (zero) up to 2304                                  |
- *   2304  | note_seq u32 | note_len u32 | note[248]: the consumer's note, |
- *         | written and read in Python only (overlord.shm._pyring)       |
- *   2560  | reserved (zero) up to 4096                                   |
+ *   2304  | seq u32 | len u32 | note[248]: the consumer's note            |
+ *   2560  | seq u32 | len u32 | note[248]: the producer's note            |
+ *         |   (both written and read in Python only: overlord.shm._pyring) |
+ *   2816  | reserved (zero) up to 4096                                   |
  *   4096  +== data area: capacity bytes (power of two, >= 4096) ========+
  *         | rec | rec | ... | WRAP pad | (wraps to data offset 0)       |
  *         +--------------------------------------------------------------+

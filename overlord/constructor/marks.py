@@ -26,8 +26,8 @@ mark (it wakes the thread: `overlord.shm.wait_marks`), and every `LOOK_EVERY_S`.
 
 The same thread publishes the trainers' running totals of a job on one node: a trainer
 leaves them in its ring's consumer note (overlord.torch.stats) and, once every
-`NOTES_EVERY_S`, the notes that changed go to the `stats` hash in one HSET for all the
-groups of the process: one write a second per node instead of a connection and a write
+`NOTES_EVERY_S` (and at once for a trainer's first), the notes that changed go to the
+`stats` hash in one HSET for all the groups of the process: one write a second per node instead of a connection and a write
 a second per rank. A trainer that died leaves its note as it was, so its record stands
 still, which is how the other ranks' watchdogs tell it (overlord.torch.watchdog).
 
@@ -55,6 +55,7 @@ from overlord.shm import Ring, wait_marks
 from overlord.store.schema import (
     consumed_entry,
     consumed_field,
+    encode_contact,
     note_record,
     owner_field,
     replay_requester,
@@ -208,6 +209,14 @@ class MarkWatch:
         except RingError:
             self.ended.set()  # the sidecar removed the rings: the job is ending
 
+    def first_note(self) -> bool:
+        """Whether a trainer whose note was never published left one (published at once:
+        the contact stamped back is what its watchdog dates a Redis outage from)."""
+        try:
+            return any(rank not in self.noted and ring.consumer_note() is not None for rank, ring in self.rings.items())
+        except RingError:
+            return False  # closed under the group: its look ends it
+
     def notes(self) -> dict[int, tuple[bytes, str]]:
         """rank -> (its trainer's consumer note, its `stats` record) for the notes that
         changed since they were last published (`noted`)."""
@@ -227,7 +236,9 @@ class MarkWatch:
 
 def publish_notes(watches: list[MarkWatch]) -> None:
     """The trainers' notes that changed, of every group watched here, in one HSET of the
-    `stats` hash (a Redis that is away only delays them: the next turn tries again)."""
+    `stats` hash (a Redis that is away only delays them: the next turn tries again). Once
+    it is written, each ring's producer note says when: a trainer that stalls dates a
+    Redis outage from it (overlord.torch.watchdog), as from a write of its own."""
     fresh = [(watch, watch.notes()) for watch in watches]
     fields = {trainer_stats_field(rank): record for _, notes in fresh for rank, (_, record) in notes.items()}
     if not fields:
@@ -238,8 +249,14 @@ def publish_notes(watches: list[MarkWatch]) -> None:
     except redis.RedisError as exc:
         log.debug("publishing %d trainers' running totals failed (%s); next turn", len(fields), exc)
         return
+    contact = encode_contact(time.time())
     for watch, notes in fresh:
         watch.noted.update((rank, note) for rank, (note, _) in notes.items())
+        for ring in watch.rings.values():
+            try:
+                ring.set_producer_note(contact)
+            except RingError:
+                break  # closed under the group: its look ends it
 
 
 class _Poller:
@@ -304,7 +321,7 @@ class _Poller:
                     seen = None  # a ring closed under its group: the look below ends the group
                     time.sleep(POLL_S)
                 now = time.monotonic()
-                if now >= notes_at:
+                if now >= notes_at or any(watch.first_note() for watch in watches):
                     notes_at = now + NOTES_EVERY_S
                     publish_notes(watches)
                 for watch in watches:

@@ -66,9 +66,11 @@ PEER_CHECK_S = 0.05  # how often a blocked call checks that its peer is alive
 # rings this process committed to without waking their consumer (`Ring.commit(wake=False)`)
 _UNWOKEN: set[Ring] = set()
 _NEXT_HEADER = 16  # a record's end, 8-aligned, plus the header written there next (a record's or a WRAP's)
-# the consumer's note (native/ring.h): a sequence word (odd while being written), its
-# length, its bytes; in the header's reserved bytes, so a ring that never had one reads 0
-NOTE_OFFSET = 2304
+# the consumer's and the producer's notes (native/ring.h): a sequence word (odd while
+# being written), a length, the bytes; in the header's reserved bytes (a ring that never
+# had one reads 0)
+CONSUMER_NOTE = 2304
+PRODUCER_NOTE = 2560
 NOTE_BYTES = 248
 _NOTE_HEAD = struct.Struct("<II")
 _NOTE_SEQ = struct.Struct("<I")
@@ -498,38 +500,54 @@ class Ring:
 
     def set_consumer_note(self, note: bytes) -> None:
         """Publish up to NOTE_BYTES bytes for whoever watches the ring (the consumer's own
-        figures, opaque to the ring), replacing the last note. The consumer's thread only:
-        one writer. A reader that finds it being written looks again (`consumer_note`);
-        the sequence word is stored before and after the bytes, which x86-64 keeps in
-        order: the note is for figures, never for data, since a weakly ordered CPU
-        (arm64) may in theory show a torn one."""
-        if len(note) > NOTE_BYTES:
-            raise ValueError(f"a consumer note holds at most {NOTE_BYTES} bytes, not {len(note)}")
-        self._handle()
-        mv = self._mv
-        assert mv is not None
-        seq = _NOTE_SEQ.unpack_from(mv, NOTE_OFFSET)[0]
-        _NOTE_SEQ.pack_into(mv, NOTE_OFFSET, (seq | 1) & 0xFFFFFFFF)  # odd: being written
-        start = NOTE_OFFSET + _NOTE_HEAD.size
-        mv[start : start + len(note)] = note
-        _NOTE_HEAD.pack_into(mv, NOTE_OFFSET, ((seq | 1) + 1) & 0xFFFFFFFF or 2, len(note))
+        figures, opaque to the ring), replacing the last note. One writer: a thread of
+        the consumer's (`_set_note`)."""
+        self._set_note(CONSUMER_NOTE, note)
 
     def consumer_note(self) -> bytes | None:
-        """The consumer's last note, or None: it never set one, or it was being
-        rewritten at each of three looks."""
+        """The consumer's last note, or None (`_note`)."""
+        return self._note(CONSUMER_NOTE)
+
+    def set_producer_note(self, note: bytes) -> None:
+        """As `set_consumer_note`, from the producer's side, for the consumer (a Data
+        Constructor host's last contact with the job's Redis). One writer."""
+        self._set_note(PRODUCER_NOTE, note)
+
+    def producer_note(self) -> bytes | None:
+        """The producer's last note, or None (`_note`)."""
+        return self._note(PRODUCER_NOTE)
+
+    def _set_note(self, offset: int, note: bytes) -> None:
+        """Write a note behind its sequence word: odd while the bytes change, even after.
+        x86-64 keeps the stores in order; a weakly ordered CPU (arm64) may in theory show
+        a reader a torn note, so notes carry figures for operators, never data."""
+        if len(note) > NOTE_BYTES:
+            raise ValueError(f"a ring note holds at most {NOTE_BYTES} bytes, not {len(note)}")
         self._handle()
         mv = self._mv
         assert mv is not None
-        start = NOTE_OFFSET + _NOTE_HEAD.size
+        seq = _NOTE_SEQ.unpack_from(mv, offset)[0] | 1
+        _NOTE_SEQ.pack_into(mv, offset, seq)  # odd: being written
+        start = offset + _NOTE_HEAD.size
+        mv[start : start + len(note)] = note
+        _NOTE_HEAD.pack_into(mv, offset, (seq + 1) & 0xFFFFFFFF or 2, len(note))
+
+    def _note(self, offset: int) -> bytes | None:
+        """The note at `offset`, or None: none was set, or it was being rewritten at each
+        of three looks."""
+        self._handle()
+        mv = self._mv
+        assert mv is not None
+        start = offset + _NOTE_HEAD.size
         for _ in range(3):
-            seq, n = _NOTE_HEAD.unpack_from(mv, NOTE_OFFSET)
+            seq, n = _NOTE_HEAD.unpack_from(mv, offset)
             if seq == 0:
                 return None
             if seq & 1:
-                time.sleep(0)  # the consumer is writing it: let it finish
+                time.sleep(0)  # its writer is at it: let it finish
                 continue
             note = bytes(mv[start : start + min(n, NOTE_BYTES)])
-            if _NOTE_SEQ.unpack_from(mv, NOTE_OFFSET)[0] == seq:
+            if _NOTE_SEQ.unpack_from(mv, offset)[0] == seq:
                 return note
         return None
 

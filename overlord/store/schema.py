@@ -427,6 +427,21 @@ def note_record(note: bytes, node: str) -> str | None:
     return encode_record({"node": node, **record}) if isinstance(record, dict) else None
 
 
+def encode_contact(at: float) -> bytes:
+    """A Data Constructor host's note on its rings: when (epoch seconds) it last wrote to
+    the job's Redis, which dates an outage for the trainers it serves."""
+    return json.dumps({"redis": round(at, 3)}).encode()
+
+
+def contact_of(note: bytes | None) -> float | None:
+    """The time in a host's `encode_contact` note, or None."""
+    try:
+        value = json.loads(note)["redis"] if note else None
+    except (ValueError, TypeError, KeyError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def json_records(raw: Mapping[bytes, bytes]) -> dict[str, dict[str, Any]]:
     """field -> record, from the HGETALL of a hash of JSON records (`stats`, `nodes`)."""
     return {_text(k): json.loads(v) for k, v in raw.items()}

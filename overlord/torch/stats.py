@@ -7,9 +7,12 @@ sidecar's metrics endpoint and the other ranks' watchdogs read:
 - a rank that reads a ring on its node (a job on one node) leaves them in the ring's
   consumer note, through a mapping of the thread's own (no Ring object is shared with
   the reading thread), and its Data Constructor host publishes the notes of all its
-  rings in one write a second (overlord.constructor.marks). The rank needs no Redis
-  connection, and never loads redis-py, unless it resumes, reports metrics or finds
-  its pipeline stalled: one connection and one write a second per node, not per rank;
+  rings in one write a second (overlord.constructor.marks), then says when in the
+  ring's producer note: that is the rank's last contact with Redis (`reached`, or
+  `missed` when it is older than MISSED_S), which dates an outage for its watchdog.
+  The rank needs no Redis connection, and never loads redis-py, unless it resumes,
+  reports metrics or finds its pipeline stalled: one connection and one write a second
+  per node, not per rank;
 - any other rank (several nodes, or reading over Flight) writes them to the job's
   Redis with a connection of its own; a Redis that is away only delays the figures.
 """
@@ -26,11 +29,12 @@ from overlord.errors import RingError
 from overlord.runtime.layout import client_ring
 from overlord.shm import Ring
 from overlord.store import Keys
-from overlord.store.schema import encode_record, encode_trainer_note, trainer_stats_field
+from overlord.store.schema import contact_of, encode_record, encode_trainer_note, trainer_stats_field
 from overlord.store.server import redis_url_of
 
 PUBLISH_S = 1.0
 _ATTACH_S = 0.2  # how long the thread waits for the rank's ring to be mapped again
+MISSED_S = 2.5 * PUBLISH_S  # a host's last contact with Redis older than this: it missed a write
 
 
 class StatsPublisher:
@@ -47,8 +51,8 @@ class StatsPublisher:
     ) -> None:
         self.job, self.rank, self.totals, self.ring = job, rank, totals, ring
         self._stop = threading.Event()
-        self.reached: float | None = None  # monotonic: the last write Redis took (Redis only)
-        self.missed: float | None = None  # monotonic: the last write Redis did not take (Redis only)
+        self.reached: float | None = None  # monotonic: the last write Redis took
+        self.missed: float | None = None  # monotonic: the last write Redis did not take
         self._theirs: Ring | None = None  # the reader's ring the thread's own mapping follows
         self._mine: Ring | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"overlord-stats-{rank}")
@@ -81,7 +85,10 @@ class StatsPublisher:
                         self.missed = time.monotonic()
                 if stopping:
                     return
-                stopping = self._stop.wait(PUBLISH_S)
+                # until the rank's ring is mapped, look again soon: its host publishes a
+                # first note at once, and the contact it stamps back dates an outage
+                waiting = self.ring is not None and self._mine is None
+                stopping = self._stop.wait(_ATTACH_S if waiting else PUBLISH_S)
         finally:
             if self._mine is not None:
                 self._mine.close()
@@ -103,8 +110,15 @@ class StatsPublisher:
         if self._mine is not None:
             try:
                 self._mine.set_consumer_note(encode_trainer_note(os.getpid(), totals))
+                contact = contact_of(self._mine.producer_note())
             except RingError:
                 self._theirs = None  # closed under it: map it again next time
+                return
+            if contact is not None:  # the host's last write to Redis, on this node's clock
+                now, age = time.monotonic(), max(0.0, time.time() - contact)
+                self.reached = now - age
+                if age > MISSED_S:
+                    self.missed = now
 
     def stop(self) -> None:
         """Write the final totals and end the thread (bounded wait)."""

@@ -46,8 +46,10 @@ def test_trainers_on_one_node_leave_their_totals_to_their_constructor_host(clust
     """A trainer on one node opens no Redis connection for its running totals: it leaves
     them in its ring's consumer note, and the Data Constructor host publishes them as
     its `stats` record (with its pid and node), refreshed while it runs."""
+    from overlord.runtime.layout import client_ring
+    from overlord.shm import Ring
     from overlord.store import Keys
-    from overlord.store.schema import decode_record
+    from overlord.store.schema import contact_of, decode_record
 
     c = cluster(mesh=Mesh(dp=2))
     c.start_sidecar()
@@ -61,6 +63,10 @@ def test_trainers_on_one_node_leave_their_totals_to_their_constructor_host(clust
     for rank, record in seen.items():
         assert record["pid"] == c.trainers[rank].pid and record["node"] == c.job.node, record
         assert record["done"] is False and record["wait_s"] >= 0 and record["step"] >= 0, record
+    # and once written, the host says when in each ring: a stalled trainer dates an outage from it
+    for rank in (0, 1):
+        with Ring.attach(client_ring(c.job, rank), timeout=5) as ring:
+            assert abs(contact_of(ring.producer_note()) - time.time()) < 5
     results = c.results()
     assert {res["end"] for res in results.values()} == {"limit"}, c.log()
     assert not any(res["redis_loaded"] for res in results.values())

@@ -24,6 +24,10 @@ def test_a_new_ring_has_no_note_and_a_note_reads_back_through_another_mapping(jo
         assert producer.consumer_note() == b"x" * _pyring.NOTE_BYTES
         consumer.set_consumer_note(b"short")  # replaces the longer one whole
         assert producer.consumer_note() == b"short"
+        # the producer's note, for the consumer, is another
+        assert consumer.producer_note() is None
+        producer.set_producer_note(b"from the producer")
+        assert consumer.producer_note() == b"from the producer" and producer.consumer_note() == b"short"
         with pytest.raises(ValueError, match="at most"):
             consumer.set_consumer_note(b"x" * (_pyring.NOTE_BYTES + 1))
         assert producer.consumer_note() == b"short"
@@ -40,16 +44,16 @@ def test_a_note_caught_while_being_written_is_not_returned(job):
     with Ring.create(name, 4096) as producer:
         producer.set_consumer_note(b"whole")
         with open(f"/dev/shm{name}", "r+b") as fh, mmap.mmap(fh.fileno(), 4096) as raw:
-            seq = int.from_bytes(raw[_pyring.NOTE_OFFSET : _pyring.NOTE_OFFSET + 4], "little")
+            seq = int.from_bytes(raw[_pyring.CONSUMER_NOTE : _pyring.CONSUMER_NOTE + 4], "little")
             assert seq % 2 == 0 and seq > 0
             # a writer stopped halfway (odd sequence word), new bytes over the old
-            raw[_pyring.NOTE_OFFSET : _pyring.NOTE_OFFSET + 4] = (seq + 1).to_bytes(4, "little")
-            raw[_pyring.NOTE_OFFSET + 8 : _pyring.NOTE_OFFSET + 13] = b"WHO.."
+            raw[_pyring.CONSUMER_NOTE : _pyring.CONSUMER_NOTE + 4] = (seq + 1).to_bytes(4, "little")
+            raw[_pyring.CONSUMER_NOTE + 8 : _pyring.CONSUMER_NOTE + 13] = b"WHO.."
             assert producer.consumer_note() is None
             # the next whole note (after a crash mid-write too) reads again
             producer.set_consumer_note(b"again")
             assert producer.consumer_note() == b"again"
-            assert int.from_bytes(raw[_pyring.NOTE_OFFSET : _pyring.NOTE_OFFSET + 4], "little") % 2 == 0
+            assert int.from_bytes(raw[_pyring.CONSUMER_NOTE : _pyring.CONSUMER_NOTE + 4], "little") % 2 == 0
         producer.unlink()
 
 
