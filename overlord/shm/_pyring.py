@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from overlord.errors import PeerDied, RingClosed, RingError, RingFullError, RingTimeout
 from overlord.shm import _ring as _native
+from overlord.shm._note import CONSUMER_NOTE, PRODUCER_NOTE, read_note, write_note
 from overlord.shm._proc import peer_alive, self_identity
 from overlord.shm._segment import (
     RESERVE_STEP,
@@ -66,14 +66,6 @@ PEER_CHECK_S = 0.05  # how often a blocked call checks that its peer is alive
 # rings this process committed to without waking their consumer (`Ring.commit(wake=False)`)
 _UNWOKEN: set[Ring] = set()
 _NEXT_HEADER = 16  # a record's end, 8-aligned, plus the header written there next (a record's or a WRAP's)
-# the consumer's and the producer's notes (native/ring.h): a sequence word (odd while
-# being written), a length, the bytes; in the header's reserved bytes (a ring that never
-# had one reads 0)
-CONSUMER_NOTE = 2304
-PRODUCER_NOTE = 2560
-NOTE_BYTES = 248
-_NOTE_HEAD = struct.Struct("<II")
-_NOTE_SEQ = struct.Struct("<I")
 
 
 class Ring:
@@ -501,55 +493,26 @@ class Ring:
     def set_consumer_note(self, note: bytes) -> None:
         """Publish up to NOTE_BYTES bytes for whoever watches the ring (the consumer's own
         figures, opaque to the ring), replacing the last note. One writer: a thread of
-        the consumer's (`_set_note`)."""
-        self._set_note(CONSUMER_NOTE, note)
+        the consumer's (overlord.shm._note)."""
+        write_note(self._mapping(), CONSUMER_NOTE, note)
 
     def consumer_note(self) -> bytes | None:
-        """The consumer's last note, or None (`_note`)."""
-        return self._note(CONSUMER_NOTE)
+        """The consumer's last note, or None (overlord.shm._note)."""
+        return read_note(self._mapping(), CONSUMER_NOTE)
 
     def set_producer_note(self, note: bytes) -> None:
         """As `set_consumer_note`, from the producer's side, for the consumer (a Data
         Constructor host's last contact with the job's Redis). One writer."""
-        self._set_note(PRODUCER_NOTE, note)
+        write_note(self._mapping(), PRODUCER_NOTE, note)
 
     def producer_note(self) -> bytes | None:
-        """The producer's last note, or None (`_note`)."""
-        return self._note(PRODUCER_NOTE)
+        """The producer's last note, or None (overlord.shm._note)."""
+        return read_note(self._mapping(), PRODUCER_NOTE)
 
-    def _set_note(self, offset: int, note: bytes) -> None:
-        """Write a note behind its sequence word: odd while the bytes change, even after.
-        x86-64 keeps the stores in order; a weakly ordered CPU (arm64) may in theory show
-        a reader a torn note, so notes carry figures for operators, never data."""
-        if len(note) > NOTE_BYTES:
-            raise ValueError(f"a ring note holds at most {NOTE_BYTES} bytes, not {len(note)}")
+    def _mapping(self) -> memoryview:
         self._handle()
-        mv = self._mv
-        assert mv is not None
-        seq = _NOTE_SEQ.unpack_from(mv, offset)[0] | 1
-        _NOTE_SEQ.pack_into(mv, offset, seq)  # odd: being written
-        start = offset + _NOTE_HEAD.size
-        mv[start : start + len(note)] = note
-        _NOTE_HEAD.pack_into(mv, offset, (seq + 1) & 0xFFFFFFFF or 2, len(note))
-
-    def _note(self, offset: int) -> bytes | None:
-        """The note at `offset`, or None: none was set, or it was being rewritten at each
-        of three looks."""
-        self._handle()
-        mv = self._mv
-        assert mv is not None
-        start = offset + _NOTE_HEAD.size
-        for _ in range(3):
-            seq, n = _NOTE_HEAD.unpack_from(mv, offset)
-            if seq == 0:
-                return None
-            if seq & 1:
-                time.sleep(0)  # its writer is at it: let it finish
-                continue
-            note = bytes(mv[start : start + min(n, NOTE_BYTES)])
-            if _NOTE_SEQ.unpack_from(mv, offset)[0] == seq:
-                return note
-        return None
+        assert self._mv is not None
+        return self._mv
 
     def _handle(self) -> _native.Handle:
         if self._mm is None:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from overlord.shm import Ring, _pyring, segment_name
+from overlord.shm import Ring, _note, segment_name
 
 
 def test_a_new_ring_has_no_note_and_a_note_reads_back_through_another_mapping(job):
@@ -20,8 +20,8 @@ def test_a_new_ring_has_no_note_and_a_note_reads_back_through_another_mapping(jo
         assert producer.consumer_note() is None
         consumer.set_consumer_note(b'{"batches":3}')
         assert producer.consumer_note() == b'{"batches":3}'
-        consumer.set_consumer_note(b"x" * _pyring.NOTE_BYTES)  # the most it holds
-        assert producer.consumer_note() == b"x" * _pyring.NOTE_BYTES
+        consumer.set_consumer_note(b"x" * _note.NOTE_BYTES)  # the most it holds
+        assert producer.consumer_note() == b"x" * _note.NOTE_BYTES
         consumer.set_consumer_note(b"short")  # replaces the longer one whole
         assert producer.consumer_note() == b"short"
         # the producer's note, for the consumer, is another
@@ -29,7 +29,7 @@ def test_a_new_ring_has_no_note_and_a_note_reads_back_through_another_mapping(jo
         producer.set_producer_note(b"from the producer")
         assert consumer.producer_note() == b"from the producer" and producer.consumer_note() == b"short"
         with pytest.raises(ValueError, match="at most"):
-            consumer.set_consumer_note(b"x" * (_pyring.NOTE_BYTES + 1))
+            consumer.set_consumer_note(b"x" * (_note.NOTE_BYTES + 1))
         assert producer.consumer_note() == b"short"
         # the note lives in the header's reserved bytes: records leave it alone
         view = producer.reserve(4000, timeout=1)
@@ -44,16 +44,16 @@ def test_a_note_caught_while_being_written_is_not_returned(job):
     with Ring.create(name, 4096) as producer:
         producer.set_consumer_note(b"whole")
         with open(f"/dev/shm{name}", "r+b") as fh, mmap.mmap(fh.fileno(), 4096) as raw:
-            seq = int.from_bytes(raw[_pyring.CONSUMER_NOTE : _pyring.CONSUMER_NOTE + 4], "little")
+            seq = int.from_bytes(raw[_note.CONSUMER_NOTE : _note.CONSUMER_NOTE + 4], "little")
             assert seq % 2 == 0 and seq > 0
             # a writer stopped halfway (odd sequence word), new bytes over the old
-            raw[_pyring.CONSUMER_NOTE : _pyring.CONSUMER_NOTE + 4] = (seq + 1).to_bytes(4, "little")
-            raw[_pyring.CONSUMER_NOTE + 8 : _pyring.CONSUMER_NOTE + 13] = b"WHO.."
+            raw[_note.CONSUMER_NOTE : _note.CONSUMER_NOTE + 4] = (seq + 1).to_bytes(4, "little")
+            raw[_note.CONSUMER_NOTE + 8 : _note.CONSUMER_NOTE + 13] = b"WHO.."
             assert producer.consumer_note() is None
             # the next whole note (after a crash mid-write too) reads again
             producer.set_consumer_note(b"again")
             assert producer.consumer_note() == b"again"
-            assert int.from_bytes(raw[_pyring.CONSUMER_NOTE : _pyring.CONSUMER_NOTE + 4], "little") % 2 == 0
+            assert int.from_bytes(raw[_note.CONSUMER_NOTE : _note.CONSUMER_NOTE + 4], "little") % 2 == 0
         producer.unlink()
 
 
