@@ -10,22 +10,26 @@ import sys
 
 HEAVY = ("redis", "pyarrow", "PIL", "tokenizers", "overlord.loader", "overlord.planner", "overlord.store.client")
 
+# one interpreter for both checks (each import of torch costs seconds of the quick tier)
+CODE = f"""
+import json, sys
+import overlord.torch
+loaded = [m for m in {HEAVY!r} if m in sys.modules]
+from overlord import store
+assert callable(store.connect) and store.redact("redis://u:pw@h:1/0") == "redis://***@h:1/0"
+from overlord.store import EmbeddedRedis, redis_server_binary, outage_within
+try:
+    store.nothing
+except AttributeError as exc:
+    assert "nothing" in str(exc)
+else:
+    raise SystemExit("an unknown name resolved")
+print(json.dumps({{"loaded": loaded, "redis_on_use": "redis" in sys.modules}}))
+"""
 
-def test_importing_the_trainer_side_loads_none_of_the_sidecars_dependencies():
-    code = f"import json, sys\nimport overlord.torch\nprint(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+def test_the_trainer_side_loads_none_of_the_sidecars_dependencies_and_the_stores_names_load_on_use():
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
-
-
-def test_the_stores_names_still_resolve_on_use():
-    code = (
-        "import sys\nfrom overlord import store\nassert 'redis' not in sys.modules\n"
-        "assert callable(store.connect) and store.redact('redis://u:pw@h:1/0') == 'redis://***@h:1/0'\n"
-        "assert 'redis' in sys.modules\n"
-        "from overlord.store import EmbeddedRedis, redis_server_binary, outage_within\n"
-        "try:\n    store.nothing\nexcept AttributeError as exc:\n    assert 'nothing' in str(exc)\n"
-        "else:\n    raise SystemExit('an unknown name resolved')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"loaded": [], "redis_on_use": True}
