@@ -27,8 +27,8 @@ mark (it wakes the thread: `overlord.shm.wait_marks`), and every `LOOK_EVERY_S`.
 The same thread publishes the trainers' running totals of a job on one node: a trainer
 leaves them in its ring's consumer note (overlord.torch.stats) and, once every
 `NOTES_EVERY_S` (and at once for a trainer's first), the notes that changed go to the
-`stats` hash in one HSET for all the groups of the process: one write a second per node instead of a connection and a write
-a second per rank. A trainer that died leaves its note as it was, so its record stands
+`stats` hash in one HSET for all the groups of the process: one write a second per node
+instead of a connection and a write a second per rank. A trainer that died leaves its note as it was, so its record stands
 still, which is how the other ranks' watchdogs tell it (overlord.torch.watchdog).
 
 Fencing. Every mark of a group (c<dp>, t<dp>) and its replay request (r<dp>) is written
@@ -229,7 +229,9 @@ class MarkWatch:
             if note is None or note == self.noted.get(rank):
                 continue
             record = note_record(note, self.node)
-            if record is not None:
+            if record is None:
+                self.noted[rank] = note  # not a record: passed over until it changes
+            else:
                 fresh[rank] = (note, record)
         return fresh
 

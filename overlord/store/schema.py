@@ -410,11 +410,17 @@ def decode_record(raw: bytes | str) -> dict[str, Any]:
     return record
 
 
+def trainer_record(pid: int, totals: Mapping[str, Any]) -> dict[str, Any]:
+    """A trainer's `stats` record (rank<r>) but for its node: its pid, the time, its
+    running totals."""
+    return {"pid": pid, "time": round(time.time(), 3), **totals}
+
+
 def encode_trainer_note(pid: int, totals: Mapping[str, Any]) -> bytes:
-    """A trainer's running totals as it leaves them in its ring's consumer note (a job
-    on one node): compact JSON (at most a few hundred bytes), without the node its Data
-    Constructor host adds when it publishes them (`note_record`)."""
-    return json.dumps({"pid": pid, "time": round(time.time(), 3), **totals}, separators=(",", ":")).encode()
+    """A trainer's record as it leaves it in its ring's consumer note (a job on one
+    node): compact JSON, under 200 bytes whatever its counts, without the node its Data
+    Constructor host adds when it publishes it (`note_record`)."""
+    return json.dumps(trainer_record(pid, totals), separators=(",", ":")).encode()
 
 
 def note_record(note: bytes, node: str) -> str | None:

@@ -23,17 +23,18 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from overlord import store
 from overlord.errors import RingError
 from overlord.runtime.layout import client_ring
 from overlord.shm import Ring
 from overlord.store import Keys
-from overlord.store.schema import contact_of, encode_record, encode_trainer_note, trainer_stats_field
+from overlord.store.schema import contact_of, encode_record, encode_trainer_note, trainer_record, trainer_stats_field
 from overlord.store.server import redis_url_of
 
 PUBLISH_S = 1.0
-_ATTACH_S = 0.2  # how long the thread waits for the rank's ring to be mapped again
+_ATTACH_S = 0.2  # the thread's look interval until the rank's ring is mapped, and its wait to map it
 MISSED_S = 2.5 * PUBLISH_S  # a host's last contact with Redis older than this: it missed a write
 
 
@@ -55,33 +56,29 @@ class StatsPublisher:
         self.missed: float | None = None  # monotonic: the last write Redis did not take
         self._theirs: Ring | None = None  # the reader's ring the thread's own mapping follows
         self._mine: Ring | None = None
+        self._redis: Any = None  # the thread's connection, where it writes to Redis itself
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"overlord-stats-{rank}")
         self._thread.start()
 
     def _run(self) -> None:
-        key, field = Keys(self.job.name).stats, trainer_stats_field(self.rank)
-        r = None
         stopping = False
         try:
             while True:  # at once, then every PUBLISH_S: `reached` dates the trainer's last contact
                 totals = self.totals()
                 if totals is None:
                     return  # its DataLoader is gone
+                # figures for operators never fail training, nor end the thread (a silent
+                # thread would have the other ranks name this rank dead): next turn
                 if self.ring is not None:
-                    self._note(totals)
+                    try:
+                        self._note(totals)
+                    except Exception:  # noqa: BLE001 - see above
+                        self._theirs = None  # map the ring again
                 else:
                     try:
-                        r = r or store.connect(redis_url_of(self.job), timeout_s=2, ride_through_s=0)
-                        record = {
-                            "node": self.job.node_of_rank(self.rank) if self.job.multi_node else self.job.node,
-                            "pid": os.getpid(),
-                            "time": time.time(),
-                            **totals,
-                        }
-                        r.hset(key, field, encode_record(record))
-                        self.reached = time.monotonic()
-                    except Exception:  # noqa: BLE001 - figures for operators must never fail training
-                        r = None
+                        self._write(totals)
+                    except Exception:  # noqa: BLE001 - see above
+                        self._redis = None
                         self.missed = time.monotonic()
                 if stopping:
                     return
@@ -92,6 +89,14 @@ class StatsPublisher:
         finally:
             if self._mine is not None:
                 self._mine.close()
+
+    def _write(self, totals: dict) -> None:
+        """Write `totals` to the job's Redis with the thread's own connection."""
+        self._redis = self._redis or store.connect(redis_url_of(self.job), timeout_s=2, ride_through_s=0)
+        node = self.job.node_of_rank(self.rank) if self.job.multi_node else self.job.node
+        record = {"node": node, **trainer_record(os.getpid(), totals)}
+        self._redis.hset(Keys(self.job.name).stats, trainer_stats_field(self.rank), encode_record(record))
+        self.reached = time.monotonic()
 
     def _note(self, totals: dict) -> None:
         """Leave `totals` in the rank's ring's consumer note, mapping the ring again when

@@ -321,3 +321,21 @@ def test_the_scan_catches_what_it_is_for():
         "'c'",
         "'t'",
     ], hits
+
+
+def test_a_trainers_note_fits_a_ring_note_whatever_its_counts():
+    from overlord.shm._note import NOTE_BYTES
+
+    most = {
+        "batches": 2**63,
+        "wait_s": 1.2345678e300,
+        "dropped": 2**63,
+        "copies": 2**63,
+        "step": -(2**63),
+        "done": False,
+    }
+    note = schema.encode_trainer_note(2**22, most)
+    assert len(note) <= NOTE_BYTES, len(note)
+    record = schema.decode_record(schema.note_record(note, "node0"))
+    assert record["node"] == "node0" and record["pid"] == 2**22 and record["batches"] == 2**63
+    assert schema.note_record(b"not json", "node0") is None and schema.note_record(b"[1]", "node0") is None
