@@ -19,6 +19,7 @@ BATCHES = 2 * (TURN + 6)  # two micro-batches a step
 
 # 9.4-11.7 s on 2 cores at load average 4-5, of which ~5 s is the stop waiting out the loaders'
 # idle block; the longest wait between two batches 0.03-0.09 s (without the wake: 5.1 s, three runs)
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_a_shortage_is_served_long_before_the_idle_block_ends(cluster, monkeypatch, corpus_keys):
     # At step TURN the mixing turns from text to images: the images stream's buffer (it
     # held what the steps before drew, a sample or two) is short by far. The Planner asks

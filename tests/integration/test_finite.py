@@ -100,6 +100,7 @@ def test_a_resume_after_the_last_batch_ends_at_once(cluster, tmp_path):
     assert c.stop() == 0
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_a_resume_where_one_rank_is_at_the_end_and_one_a_step_before(cluster, tmp_path):
     c = cluster(
         epochs=1,

@@ -85,6 +85,7 @@ def good_source(corpus) -> tuple[Source, set[str]]:
     return Source(name="web", paths=tuple(files), transform=TEXT_TRANSFORM, shuffle_window=48), keys
 
 
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_skip_delivers_every_readable_row_once_and_counts_per_file(cluster, corpus, tmp_path):
     damaged, readable, expected = damaged_source(corpus, tmp_path / "damaged", on_error="skip")
     web, web_keys = good_source(corpus)
