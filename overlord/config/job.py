@@ -54,7 +54,9 @@ class Job:
         sample_ring_bytes: capacity of each ring from a loader process to a Data Constructor; /dev/shm holds up to about three times its peak fill.
         plan_ahead: how many steps the Planner may plan past what the slowest trainer consumed
             (and past the slowest Data Constructor): a metric reported at step t shapes the plan
-            of step t + plan_ahead + 1 at the latest, whatever the ring sizes.
+            of step t + plan_ahead + 1 at the latest, whatever the ring sizes. It plans in turns:
+            once the trainers leave room for max(1, plan_ahead // 2) steps, it plans them and
+            publishes them together (one script, one durability wait).
         timeout_s: longest wait anywhere before an error is raised.
         redis_outage_s: how long roles and trainers wait for an unreachable Redis (gone,
             frozen, failing over) before they fail with an error naming it; the trainers

@@ -60,6 +60,10 @@ class Checkpoints:
     def __init__(self, keys: Keys, *, every: int = SNAPSHOT_EVERY, keep: int = KEEP_STEPS) -> None:
         self.keys, self.every, self.keep = keys, every, max(keep, every)
 
+    def snapshot_at(self, step: int) -> bool:
+        """Whether the checkpoint of `step` (after a delta) is a full snapshot too."""
+        return step % self.every == 0
+
     def write(
         self, pipe: redis.client.Pipeline, step: int, delta: dict[str, Any] | None, full: Callable[[], dict[str, Any]]
     ) -> None:
@@ -74,9 +78,9 @@ class Checkpoints:
         """
         if delta is not None:
             pipe.hset(self.keys.ckpt_delta, step, encode_checkpoint(delta))
-        if delta is None or step % self.every == 0:
+        if delta is None or self.snapshot_at(step):
             pipe.hset(self.keys.ckpt, step, encode_checkpoint(full()))
-            if step % self.every == 0:
+            if self.snapshot_at(step):
                 old = step - self.keep - self.every
                 if old >= 0:  # the snapshot and the deltas leading up to the next one
                     pipe.hdel(self.keys.ckpt, *range(old - self.every + 1, old + 1))

@@ -11,9 +11,12 @@ controllers, each in a file of its own, and turns them in order once per loop:
     scaling     each plan feeds the autoscaler; workers follow demand
     intake      the loaders' metadata in; a stall told from back-pressure
 
-Per step that is O(1) Redis operations: one XREAD over every loader's metadata
-stream, the XREADs of `progressed` it blocks on while ahead (whose entries carry the
-marks: no read of the `progress` hash per step), and one fenced MULTI for the plan.
+It plans in turns: while ahead it blocks on `progressed` until the trainers (and the
+constructors) leave room for `turn_steps(plan_ahead)` steps, then plans those steps and
+publishes them together. Per turn that is O(1) Redis operations: one XREAD over every
+loader's metadata stream where a step lacks samples, the XREADs of `progressed` it
+blocks on while ahead (whose entries carry the marks: no read of the `progress` hash
+per step), and one fenced script for the turn's plans and checkpoints.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ from overlord.runtime.placement import homes
 
 log = logging.getLogger("overlord.planner")
 
+TURN_MAX = 16  # steps planned and published together at most (the first fill of a long look-ahead)
+SETTLE_S = 0.002  # after a wake that left the Planner short of a turn, before it reads `progressed`
+# again: a step's marks rise in a burst (every group's trainers, then constructors), and one
+# read after the burst costs less than a wake per entry
 AHEAD_WAIT_MS = int(PROMOTE_CHECK_S * 1000)  # longest block on `progressed` while ahead (the loop's
 # other checks run between: the lease, shadows' promotion, placement)
 
@@ -114,6 +121,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     online = job.autoscale is not None and job.autoscale.online
     scaling = Scaling(r, keys, job, layout) if online else None
     placer = Placer(r, keys, lease, homes(job, layout), job.node_ids) if job.multi_node else None
+    least, waited = turn_steps(job.plan_ahead), False
     while not ctx.stop.is_set():
         ctx.beat()
         leadership.check()
@@ -123,31 +131,43 @@ def _lead(ctx, lease: Lease, token: int) -> None:
             if scaling is not None and budget is not None:
                 scaling.set_budget(budget)
         bound = publisher.bound()
-        if bound.ahead(core.step, job.plan_ahead):
+        room = bound.room(core.step, job.plan_ahead)
+        if room < least:
             intake.progressed()  # waiting on trainers is not a stall
+            if waited:  # the last wake did not make room for a turn: let the rest of its burst land
+                ctx.stop.wait(SETTLE_S)
             publisher.wait(AHEAD_WAIT_MS)
+            waited = True
             continue
-        feed(r, keys, core.schedule, core.step)
+        waited = False
         handoffs.look(core.step, first)
-        plan = core.plan_step()
-        if plan is None:  # the plan needs samples not yet reported
+        turn = []
+        for _ in range(min(room, TURN_MAX)):
+            feed(r, keys, core.schedule, core.step)
+            plan = core.plan_step()
+            if plan is None:  # the plan needs samples not yet reported
+                break
+            turn.append((handoffs.stamp(plan), core.delta()))
+            intake.planned(core.took)
+            if scaling is not None and plan.step > first + job.plan_ahead:
+                # the steps that fill the look-ahead are planned as soon as loaders report
+                # samples, not at the pace the job consumes them: timed, they read as a
+                # burst, and the scaler took it for demand (several times the real one)
+                scaling.observe(plan, core.schedule)
+                move = scaling.handoff(plan.step, handoffs.serving, handoffs.allowed)
+                if move is not None:
+                    handoffs.move(core.step, *move)
+            if plan.last or ckpts.snapshot_at(core.step):  # a snapshot holds the core's state: a turn's last
+                break
+        if not turn:
             for stream, chunk in intake.read(core.wanted):
                 core.add(stream, chunk)
             intake.check_stalled(core.step, core.streams, handoffs.serving)
             continue
-        plan = handoffs.stamp(plan)
-        publisher.publish(plan, core.delta(), core.state, bound)
+        publisher.publish_turn(turn, core.state, bound)
         handoffs.published()
-        intake.planned(core.took)
-        if scaling is not None and plan.step > first + job.plan_ahead:
-            # the steps that fill the look-ahead are planned as soon as loaders report
-            # samples, not at the pace the job consumes them: timed, they read as a
-            # burst, and the scaler took it for demand (several times the real one)
-            scaling.observe(plan, core.schedule)
-            move = scaling.handoff(plan.step, handoffs.serving, handoffs.allowed)
-            if move is not None:
-                handoffs.move(core.step, *move)
         intake.progressed()
+        plan = turn[-1][0]
         if plan.last:
             log.info(
                 "planned the last step %d; planner done%s",
@@ -158,3 +178,11 @@ def _lead(ctx, lease: Lease, token: int) -> None:
                 else "",
             )
             return
+
+
+def turn_steps(plan_ahead: int) -> int:
+    """The fewest steps a turn plans once the job runs: the Planner waits until the
+    trainers leave room for half its look-ahead, then plans and publishes those steps
+    together (one script, one durability wait), so the plans in front of the trainers
+    never fall below plan_ahead - turn + 1 steps."""
+    return max(1, plan_ahead // 2)

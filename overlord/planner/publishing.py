@@ -1,14 +1,15 @@
 """Publishing: each plan, with the checkpoint after it, written once under the lease.
 
 One fenced script (step_write.py: the lease checked, then every write, atomically)
-writes the plan (`plan:<step>`, expiring), notifies (`plans` stream, entry id
+writes the plans of a turn (consecutive steps planned together, see process.py): per
+step the plan (`plan:<step>`, expiring), its notice (`plans` stream, entry id
 `<step+1>-0` so a reader waiting for step t asks for ids after `t-0` and cannot miss
-it) and saves the differential checkpoint of the state before the next step (see
-checkpoint.py) — so the state in Redis never refers to a plan that was not written.
-The durability marker and the wait for the replicas (and, about once a second, the
-primary's fsync) go in the same round trip. A script sent again (a lost reply, a wait
-that fell short) writes the step only if the `planner` hash does not have it yet: a
-step is published once.
+it) and the differential checkpoint of the state before the next step (see
+checkpoint.py) — so the state in Redis never refers to a plan that was not written,
+and a resume may start at any step of a turn. The durability marker and the wait for
+the replicas (and, about once a second, the primary's fsync) go in the same round
+trip. A script sent again (a lost reply, a wait that fell short) writes the turn only
+if the `planner` hash does not have its last step yet: a step is published once.
 
 It plans step s only while s <= (the trainers' consumed step) + plan_ahead and
 s <= (the slowest Data Constructor's last step) + plan_ahead (`Bound`): the trainers'
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -80,7 +81,11 @@ class Bound:
 
     def ahead(self, step: int, plan_ahead: int) -> bool:
         """Whether planning `step` now would run more than `plan_ahead` steps ahead."""
-        return step - self.slowest > plan_ahead or step - self.consumed > plan_ahead
+        return self.room(step, plan_ahead) < 1
+
+    def room(self, step: int, plan_ahead: int) -> int:
+        """How many steps from `step` on may be planned now (0 while ahead)."""
+        return max(0, min(self.slowest, self.consumed) + plan_ahead - step + 1)
 
 
 class Publisher:
@@ -159,39 +164,51 @@ class Publisher:
         self.marks_read = time.monotonic()
 
     def publish(self, plan: Plan, delta: dict, state: Callable[[], dict], bound: Bound) -> None:
-        """Write `plan` and the checkpoint of the step after it, once: one fenced script
-        (see step_write.py) with the durability wait behind it on the same connection.
+        """Write one step: `publish_turn` of `[(plan, delta)]`."""
+        self.publish_turn([(plan, delta)], state, bound)
+
+    def publish_turn(self, turn: Sequence[tuple[Plan, dict]], state: Callable[[], dict], bound: Bound) -> None:
+        """Write the plans of a turn (consecutive steps) and the checkpoint after each,
+        once: one fenced script (see step_write.py) with the durability wait behind it on
+        the same connection, for the whole turn.
 
         Args:
-            plan: the step's plan.
-            delta: the core's change since the last checkpoint (the state before plan.step + 1).
-            state: gives the core's full state (written on snapshot steps).
+            turn: each step's plan with the core's change since the last checkpoint
+                (the state before plan.step + 1), in step order.
+            state: gives the core's full state as it stands (after the turn's last step):
+                only the last step's checkpoint may be a snapshot (`Checkpoints.snapshot_at`).
             bound: the marks read before planning (plans far behind the slowest go).
 
         Raises:
+            ValueError: the turn is empty, or a step other than the last needs a snapshot.
             Superseded: another Planner leads (nothing was written), or the server kept
                 losing the script.
         """
-        keys = self.keys
+        if not turn:
+            raise ValueError("a turn publishes at least one step")
+        if any(self.ckpts.snapshot_at(plan.step + 1) for plan, _ in turn[:-1]):
+            raise ValueError("only a turn's last step may be followed by a snapshot: the core's state is its")
+        keys, plan = self.keys, turn[-1][0]
         old = range(self.pruned, min(self.pruned + PRUNE_MAX, bound.slowest - PLAN_KEEP_STEPS + 1))
         write = StepWrite()
         if old:  # Redis holds a bounded window of plans, not every step of the job
             write.delete(*[keys.plan(s) for s in old])
-        write.set(keys.plan(plan.step), plan.encode(), ex=PLAN_TTL_S)
-        write.xadd(
-            keys.plans,
-            plans_entry(plan.step, plan.last),
-            id=plans_entry_id(plan.step),
-            maxlen=1000,
-            approximate=True,
-        )
+        for step_plan, delta in turn:
+            write.set(keys.plan(step_plan.step), step_plan.encode(), ex=PLAN_TTL_S)
+            write.xadd(
+                keys.plans,
+                plans_entry(step_plan.step, step_plan.last),
+                id=plans_entry_id(step_plan.step),
+                maxlen=1000,
+                approximate=True,
+            )
+            self.ckpts.write(write, step_plan.step + 1, delta, state)  # where a resume at the next step starts
         write.hset(
             keys.planner,
             mapping={PLANNER_STEP: plan.step, PLANNER_UPDATED: time.time(), **({PLANNER_DONE: 1} if plan.last else {})},
         )
-        if plan.dropped:
+        if plan.dropped:  # only a finite job's last step drops samples
             write.hset(keys.counters, COUNTER_DROPPED_LAST, plan.dropped)
-        self.ckpts.write(write, plan.step + 1, delta, state)  # where a resume at the next step starts
 
         def fenced(reply: Any) -> None:
             if reply == -1:

@@ -9,8 +9,8 @@ landed. `StepWrite` records the step's commands (redis-py's own command methods,
 1. writes nothing and answers -1 unless the lease still holds this Planner's value: a
    deposed Planner writes nothing (and, with no WATCH, this Planner's own renewal of the
    lease cannot cut the write short);
-2. makes the step's writes unless the `planner` hash already names this step or a later
-   one as published (a retry after a reply lost with the connection, or after a
+2. makes the step's writes (a turn's: every step of it, named by its last) unless the
+   `planner` hash already names this step or a later one as published (a retry after a reply lost with the connection, or after a
    failover that kept the write, writes the step once; a failover that lost it finds
    an older step there and writes it again): answers 1 when it wrote them, 0 if not;
 3. always makes the marker HSET on the `planner` hash, so a WAIT / WAITAOF queued

@@ -11,6 +11,7 @@ from planner_helpers import chunk, small_core
 
 from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.step_plan import Plan
+from overlord.planner.process import turn_steps
 from overlord.planner.publishing import (
     FSYNC_EVERY_S,
     MARKS_REFRESH_S,
@@ -92,6 +93,52 @@ def test_a_server_that_lost_the_script_is_given_it_again(r):
     plan = core.plan_step()
     publisher.publish(plan, core.delta(), core.state, publisher.bound())
     assert r.get(KEYS.plan(0)) == plan.encode() and plans_stream(r) == [0]
+
+
+def test_a_turn_publishes_its_steps_and_their_checkpoints_in_one_script_once(r):
+    ckpts, core = Checkpoints(KEYS), fed_core()
+    publisher = Publisher(r, KEYS, leading(r), ckpts, first=0, dp=2)
+    pipe = r.pipeline()
+    ckpts.write(pipe, 0, None, core.state)
+    pipe.execute()
+    states, turn = [], []
+    for _ in range(3):
+        turn.append((core.plan_step(), core.delta()))
+        states.append(core.state())
+    calls = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    publisher.publish_turn(turn, core.state, publisher.bound())
+    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == calls + 1  # one round trip for the turn
+    assert plans_stream(r) == [0, 1, 2]
+    assert [r.get(KEYS.plan(s)) for s in range(3)] == [p.encode() for p, _ in turn]
+    assert int(r.hget(KEYS.planner, "step")) == 2
+    # a resume may start inside the turn: every step's checkpoint is there
+    assert [ckpts.load(r, s + 1) for s in range(3)] == states
+    # sent again (its reply lost): nothing is written twice
+    publisher.publish_turn(turn, core.state, publisher.bound())
+    assert plans_stream(r) == [0, 1, 2] and ckpts.load(r, 3) == states[-1]
+
+
+def test_a_snapshot_can_only_end_a_turn(r):
+    """A snapshot is the core's state when the turn is published: taken inside a turn,
+    it would hold the steps planned after it."""
+    ckpts, core = Checkpoints(KEYS, every=2), fed_core()
+    publisher = Publisher(r, KEYS, leading(r), ckpts, first=0, dp=2)
+    turn = [(core.plan_step(), core.delta()) for _ in range(3)]  # the state before step 2 is a snapshot
+    with pytest.raises(ValueError, match="snapshot"):
+        publisher.publish_turn(turn, core.state, publisher.bound())
+    assert r.get(KEYS.plan(0)) is None and not plans_stream(r)
+    with pytest.raises(ValueError, match="at least one"):
+        publisher.publish_turn([], core.state, publisher.bound())
+
+
+def test_a_turn_waits_for_room_for_half_the_look_ahead():
+    assert [turn_steps(a) for a in (1, 2, 3, 4, 8)] == [1, 1, 1, 2, 4]
+    bound = Bound(slowest=9, consumed=5)  # trainers bind: steps up to 5 + 4 may be planned
+    assert [bound.room(s, 4) for s in (6, 8, 9, 10, 12)] == [4, 2, 1, 0, 0]
+    assert Bound(slowest=3, consumed=5).room(6, 4) == 2  # the slowest constructor binds
+    # waiting for room for a turn keeps at least plan_ahead - turn + 1 plans in front of the trainers
+    for plan_ahead in range(1, 9):
+        assert plan_ahead - turn_steps(plan_ahead) + 1 >= (plan_ahead + 1) // 2
 
 
 def rise(r, built: dict[int, int] | None = None, consumed: dict[int, int] | None = None) -> None:
