@@ -113,6 +113,8 @@ class Publisher:
         self.durable_ms = 0.0  # the last wait for a durable write
         self.fsynced_at = 0.0  # monotonic: when the last step was confirmed in the fsynced append-only file
         self.r, self.keys, self.lease, self.ckpts, self.dp = r, keys, lease, ckpts, dp
+        self._built = [built_field(d) for d in range(dp)]  # the marks' fields, named once (read each wake)
+        self._consumed = [consumed_field(d) for d in range(dp)]
         self.first = first
         # the job's first step: where trainers that consumed nothing yet stand
         self.start = resume_step(r, keys) or 0
@@ -127,8 +129,8 @@ class Publisher:
         if self.marks is None or time.monotonic() - self.marks_read > MARKS_REFRESH_S:
             self._read_marks()
         marks, first, start = self.marks or {}, self.first, self.start
-        slowest = min((marks.get(built_field(d), first - 1) for d in range(self.dp)), default=first - 1)
-        consumed = max(start, min((marks.get(consumed_field(d), start + 1) - 1 for d in range(self.dp)), default=start))
+        slowest = min((marks.get(f, first - 1) for f in self._built), default=first - 1)
+        consumed = max(start, min((marks.get(f, start + 1) - 1 for f in self._consumed), default=start))
         return Bound(slowest=slowest, consumed=consumed)
 
     def _read_marks(self) -> None:
