@@ -79,10 +79,6 @@ class Bound:
     slowest: int
     consumed: int
 
-    def ahead(self, step: int, plan_ahead: int) -> bool:
-        """Whether planning `step` now would run more than `plan_ahead` steps ahead."""
-        return self.room(step, plan_ahead) < 1
-
     def room(self, step: int, plan_ahead: int) -> int:
         """How many steps from `step` on may be planned now (0 while ahead)."""
         return max(0, min(self.slowest, self.consumed) + plan_ahead - step + 1)
@@ -165,10 +161,6 @@ class Publisher:
             self.marks[field] = value
         self.marks_read = time.monotonic()
 
-    def publish(self, plan: Plan, delta: dict, state: Callable[[], dict], bound: Bound) -> None:
-        """Write one step: `publish_turn` of `[(plan, delta)]`."""
-        self.publish_turn([(plan, delta)], state, bound)
-
     def publish_turn(self, turn: Sequence[tuple[Plan, dict]], state: Callable[[], dict], bound: Bound) -> None:
         """Write the plans of a turn (consecutive steps) and the checkpoint after each,
         once: one fenced script (see step_write.py) with the durability wait behind it on
@@ -189,7 +181,11 @@ class Publisher:
         if not turn:
             raise ValueError("a turn publishes at least one step")
         if any(self.ckpts.snapshot_at(plan.step + 1) for plan, _ in turn[:-1]):
-            raise ValueError("only a turn's last step may be followed by a snapshot: the core's state is its")
+            raise ValueError(
+                f"the turn of steps {turn[0][0].step}..{turn[-1][0].step} has a snapshot checkpoint "
+                "before its last step; end the turn at the step the snapshot follows (Checkpoints.snapshot_at): "
+                "the snapshot is the core's state when the turn is published"
+            )
         keys, plan = self.keys, turn[-1][0]
         old = range(self.pruned, min(self.pruned + PRUNE_MAX, bound.slowest - PLAN_KEEP_STEPS + 1))
         write = StepWrite()

@@ -36,7 +36,7 @@ def test_the_second_planner_takes_over_from_the_newest_checkpoint(r):
     publisher = Publisher(r, KEYS, lease_a, ckpts, first=0, dp=2)
     for _ in range(3):
         plan = core_a.plan_step()
-        publisher.publish(plan, core_a.delta(), core_a.state, publisher.bound())
+        publisher.publish_turn([(plan, core_a.delta())], core_a.state, publisher.bound())
     a.check()  # still leads
 
     time.sleep(0.4)  # a paused past its lease (nobody renews it)
@@ -49,7 +49,7 @@ def test_the_second_planner_takes_over_from_the_newest_checkpoint(r):
 
     plan = core_a.plan_step()
     with pytest.raises(Superseded):  # the old leader cannot publish step 3 any more
-        publisher.publish(plan, core_a.delta(), core_a.state, publisher.bound())
+        publisher.publish_turn([(plan, core_a.delta())], core_a.state, publisher.bound())
     with pytest.raises(Superseded):
         a.check()
     assert int(r.hget(KEYS.planner, "step")) == 2

@@ -54,14 +54,14 @@ def test_each_step_is_published_once_with_its_checkpoint(r):
     for _ in range(3):
         plan = core.plan_step()
         plans.append(plan)
-        publisher.publish(plan, core.delta(), core.state, publisher.bound())
+        publisher.publish_turn([(plan, core.delta())], core.state, publisher.bound())
     assert plans_stream(r) == [0, 1, 2]
     assert [r.get(KEYS.plan(s)) for s in range(3)] == [p.encode() for p in plans]
     assert int(r.hget(KEYS.planner, "step")) == 2
     assert ckpts.newest(r) == 3 and ckpts.load(r, 3) == core.state()  # the state before step 3
     # sent again (its reply was lost with the connection): the script finds it there
     # and writes it no second time (a second XADD of its id would be refused)
-    publisher.publish(plans[2], {"step": 99}, core.state, publisher.bound())
+    publisher.publish_turn([(plans[2], {"step": 99})], core.state, publisher.bound())
     assert plans_stream(r) == [0, 1, 2] and ckpts.load(r, 3) == core.state()
     # lost in a failover (the promoted replica never had it): written again
     r.hset(KEYS.planner, "step", 1)
@@ -69,7 +69,7 @@ def test_each_step_is_published_once_with_its_checkpoint(r):
     r.delete(KEYS.plans)  # the replica had the entries of steps 0 and 1 only
     for step in (0, 1):
         r.xadd(KEYS.plans, {"step": step, "last": 0}, id=f"{step + 1}-0")
-    publisher.publish(plans[2], core.delta(), core.state, publisher.bound())
+    publisher.publish_turn([(plans[2], core.delta())], core.state, publisher.bound())
     assert r.get(KEYS.plan(2)) == plans[2].encode() and int(r.hget(KEYS.planner, "step")) == 2
 
 
@@ -80,7 +80,7 @@ def test_a_deposed_planner_writes_nothing(r):
     r.set(KEYS.leader, b"another")  # the lease changed hands while this Planner planned
     before = {k: r.type(k) for k in r.keys("*")}
     with pytest.raises(Superseded, match="no longer this process's"):
-        publisher.publish(core.plan_step(), core.delta(), core.state, publisher.bound())
+        publisher.publish_turn([(core.plan_step(), core.delta())], core.state, publisher.bound())
     assert lease.lost.is_set()
     assert r.get(KEYS.plan(0)) is None and not plans_stream(r) and ckpts.newest(r) is None
     assert {k: r.type(k) for k in r.keys("*")} == before
@@ -91,7 +91,7 @@ def test_a_server_that_lost_the_script_is_given_it_again(r):
     publisher = Publisher(r, KEYS, leading(r), Checkpoints(KEYS), first=0, dp=2)
     r.script_flush()  # as a restarted server, or a promoted replica, has no script
     plan = core.plan_step()
-    publisher.publish(plan, core.delta(), core.state, publisher.bound())
+    publisher.publish_turn([(plan, core.delta())], core.state, publisher.bound())
     assert r.get(KEYS.plan(0)) == plan.encode() and plans_stream(r) == [0]
 
 
@@ -160,17 +160,17 @@ def test_the_bound_follows_the_trainers_and_the_slowest_constructor(r):
     # nothing consumed or built yet: the constructors stand before the first step (-1)
     bound = publisher.bound()
     assert bound == Bound(slowest=-1, consumed=0)
-    assert [s for s in range(6) if not bound.ahead(s, plan_ahead)] == [0, 1]
+    assert [s for s in range(6) if bound.room(s, plan_ahead) > 0] == [0, 1]
     # constructors built up to step 5; trainers of group 0 consumed step 3, group 1 step 1
     rise(r, built={0: 5, 1: 5}, consumed={0: 4, 1: 2})
     publisher.wait(1)
     bound = publisher.bound()
     assert bound == Bound(slowest=5, consumed=1)
-    assert [s for s in range(8) if not bound.ahead(s, plan_ahead)] == [0, 1, 2, 3]
+    assert [s for s in range(8) if bound.room(s, plan_ahead) > 0] == [0, 1, 2, 3]
     # a slow constructor holds the Planner back as well
     rise(r, built={1: 2}, consumed={1: 9})
     publisher.wait(1)
-    assert [s for s in range(10) if not publisher.bound().ahead(s, plan_ahead)] == [0, 1, 2, 3, 4]
+    assert [s for s in range(10) if publisher.bound().room(s, plan_ahead) > 0] == [0, 1, 2, 3, 4]
 
 
 def test_the_marks_come_from_the_entries_not_a_read_of_the_hash_per_step(r):
@@ -201,7 +201,7 @@ def test_a_resumed_job_starts_its_bound_at_the_resume_step(r):
     publisher = Publisher(r, KEYS, leading(r), Checkpoints(KEYS), first=40, dp=2)
     bound = publisher.bound()
     assert bound == Bound(slowest=39, consumed=40)  # no group consumed or built since the resume
-    assert [s for s in range(38, 46) if not bound.ahead(s, 2)] == [38, 39, 40, 41]
+    assert [s for s in range(38, 46) if bound.room(s, 2) > 0] == [38, 39, 40, 41]
 
 
 def test_plans_far_behind_the_slowest_constructor_are_deleted(r):
@@ -212,7 +212,7 @@ def test_plans_far_behind_the_slowest_constructor_are_deleted(r):
     core.step = 3
     plan = core.plan_step()
     slowest = PLAN_KEEP_STEPS + 1  # steps 0 and 1 are more than PLAN_KEEP_STEPS behind it
-    publisher.publish(plan, core.delta(), core.state, Bound(slowest=slowest, consumed=slowest))
+    publisher.publish_turn([(plan, core.delta())], core.state, Bound(slowest=slowest, consumed=slowest))
     assert r.get(KEYS.plan(0)) is None and r.get(KEYS.plan(1)) is None and r.get(KEYS.plan(2)) == b"old"
     assert Plan.decode(r.get(KEYS.plan(3))).step == 3 and publisher.pruned == 2 < PRUNE_MAX
 
@@ -224,12 +224,12 @@ def test_a_published_step_is_marked_durable_once_the_server_fsynced_it(r):
     core = fed_core()
     publisher = Publisher(r, KEYS, leading(r), Checkpoints(KEYS), first=0, dp=2)
     assert publisher.durable.want.local == 1 and publisher.durable.want.replicas == 0
-    publisher.publish(core.plan_step(), core.delta(), core.state, publisher.bound())
+    publisher.publish_turn([(core.plan_step(), core.delta())], core.state, publisher.bound())
     assert int(r.hget(KEYS.planner, "durable")) == 0  # the first step waits
-    publisher.publish(core.plan_step(), core.delta(), core.state, publisher.bound())
+    publisher.publish_turn([(core.plan_step(), core.delta())], core.state, publisher.bound())
     assert int(r.hget(KEYS.planner, "durable")) == 0  # within the second: no fsync waited for
     publisher.fsynced_at -= FSYNC_EVERY_S  # a second later
-    publisher.publish(core.plan_step(), core.delta(), core.state, publisher.bound())
+    publisher.publish_turn([(core.plan_step(), core.delta())], core.state, publisher.bound())
     assert int(r.hget(KEYS.planner, "durable")) == 2
     assert float(r.hget(KEYS.planner, "durable_ms")) > 0
 
@@ -240,11 +240,11 @@ def test_a_superseded_planner_marks_nothing_durable(r):
     core = fed_core()
     lease = leading(r)
     publisher = Publisher(r, KEYS, lease, Checkpoints(KEYS), first=0, dp=2)
-    publisher.publish(core.plan_step(), core.delta(), core.state, publisher.bound())
+    publisher.publish_turn([(core.plan_step(), core.delta())], core.state, publisher.bound())
     assert int(r.hget(KEYS.planner, "durable")) == 0
     r.set(KEYS.leader, b"another")  # the lease changed hands after the plan went out
     publisher.fsynced_at -= FSYNC_EVERY_S  # the next step would wait for an fsync and mark it
     with pytest.raises(Superseded):
-        publisher.publish(core.plan_step(), core.delta(), core.state, publisher.bound())
+        publisher.publish_turn([(core.plan_step(), core.delta())], core.state, publisher.bound())
     assert int(r.hget(KEYS.planner, "durable")) == 0
     assert r.get(KEYS.plan(1)) is None
