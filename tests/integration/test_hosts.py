@@ -67,6 +67,7 @@ def _run_clean(h: HostedJob) -> dict[int, dict]:
     return out
 
 
+@pytest.mark.slow  # 20 s of two namespaced hosts; the slow tier, which CI runs too
 def test_two_hosts_deliver_every_sample_once_over_their_own_addresses(hosted, corpus_keys):
     h = hosted()
     out = _run_clean(h)
