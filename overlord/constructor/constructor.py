@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import redis
@@ -95,8 +95,10 @@ class DataConstructor:
         restarted: bool = False,
         bridges: Mapping[int, Bridge] | None = None,
         plans: SharedPlans | None = None,
+        on_superseded: Callable[[], None] | None = None,
     ) -> None:
         self.job, self.layout, self.dp, self.restarted = job, layout, dp, restarted
+        self.on_superseded = on_superseded  # another process owns the group now (its watch saw it)
         self.plans = plans  # the host's plans, read once for its DP groups
         self.r, self.keys, self.stop, self.beat = r, keys, stop, beat
         self.owner = Owner(r, keys, dp)
@@ -171,7 +173,9 @@ class DataConstructor:
 
     def run(self) -> None:
         step = self._start()
-        marks = MarkWatch(self.job, self.dp, self.r, self.keys, self.outputs, self.written, self.owner).start()
+        marks = MarkWatch(
+            self.job, self.dp, self.r, self.keys, self.outputs, self.written, self.owner, self.on_superseded
+        ).start()
         try:
             while not self.stop.is_set():
                 plan = wait_plan(

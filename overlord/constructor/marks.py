@@ -37,6 +37,10 @@ superseded while out of Redis's reach (its node cut off, its unit restarted on a
 node) and comes back writes nothing more. Unfenced, its c<dp> once landed after its
 successor had set the mark back, and the successor's replay request then asked the
 loaders for the steps after it, not the ones it was building: they never came.
+Such a process learns it at its next write, or at its watch's next read of o<dp>
+(every `OWNER_CHECK_S`), and its whole host stops (`on_superseded`): it exits with
+`SUPERSEDED` (overlord.sidecar.role), so the sidecar of a node its unit is placed on
+again starts a new one, which takes the group over, instead of keeping the stale one.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import redis
 
@@ -68,6 +72,7 @@ POLL_S = 0.002  # between two looks at the marks where the kernel cannot sleep o
 LOOK_EVERY_S = 0.02  # a look in Python at least this often, marks moved or not (a ring read
 # to the end, retries, trainers that left)
 RETRY_S = 0.1  # after a failed write, before the group's next look
+OWNER_CHECK_S = 1.0  # how often a watch reads who owns its group's marks (a stale process learns it)
 NOTES_EVERY_S = 1.0  # how often the trainers' notes that changed are published
 STREAM_MAXLEN = 1000  # `progressed` entries kept (only the newest matter)
 
@@ -121,6 +126,11 @@ class Owner:
             return
         check(self._write(keys=[self.keys.progress, self.keys.progressed], args=args), self.dp)
 
+    def holds(self) -> bool:
+        """Whether `progress` still names this process as the group's owner."""
+        raw = self.r.hget(self.keys.progress, self.field)
+        return raw is not None and raw.decode() == self.me
+
 
 def check(done, dp: int) -> None:
     """Raise Superseded if a fenced write (its script's reply) was refused."""
@@ -140,13 +150,25 @@ class MarkWatch:
             (its trainer left) no longer counts. Read, never changed, here.
         written: rank -> the last step the constructor wrote to that rank's ring.
         owner: the constructor's claim (its writes are fenced by it).
+        on_superseded: called (from the poller's thread) once another process owns
+            the group: a write was refused, or the owner, read every OWNER_CHECK_S,
+            names another. A process cut off from Redis learns it there once it is back,
+            even while its trainers read nothing of it (their marks do not move).
     """
 
     def __init__(
-        self, job, dp: int, r, keys, outputs: Mapping[int, Ring], written: Mapping[int, int], owner: Owner
+        self,
+        job,
+        dp: int,
+        r,
+        keys,
+        outputs: Mapping[int, Ring],
+        written: Mapping[int, int],
+        owner: Owner,
+        on_superseded: Callable[[], None] | None = None,
     ) -> None:
         self.dp, self.r, self.keys, self.outputs, self.written = dp, r, keys, outputs, written
-        self.owner = owner
+        self.owner, self.on_superseded = owner, on_superseded
         self.rings = {rank: Ring.attach(client_ring(job, rank), timeout=job.timeout_s) for rank in outputs}
         self.node = job.node
         self.noted: dict[int, bytes] = {}  # rank -> the consumer note last published
@@ -155,6 +177,7 @@ class MarkWatch:
         self.ended = threading.Event()  # stopped, superseded, or its rings are gone
         self._lock = threading.Lock()  # held by the poller while it looks at this group
         self._retry_at = 0.0  # after a failed write: the next look is not before this
+        self._owner_at = time.monotonic() + OWNER_CHECK_S  # the next read of the group's owner
 
     def start(self) -> MarkWatch:
         _Poller.of_this_process().add(self)
@@ -200,9 +223,15 @@ class MarkWatch:
             if mark > self.published:
                 self.owner.write(consumed_field(self.dp), mark, entry=consumed_entry(self.dp, mark))
                 self.published = mark
+            if now >= self._owner_at:
+                self._owner_at = now + OWNER_CHECK_S
+                if not self.owner.holds():
+                    check(False, self.dp)
         except Superseded as exc:
             log.warning("%s; its trainers' mark is no longer published from here", exc)
             self.ended.set()
+            if self.on_superseded is not None:
+                self.on_superseded()
         except redis.RedisError as exc:  # the control path rides through outages; try again
             log.warning("DataConstructor dp=%d: publishing the trainers' mark failed (%s); retrying", self.dp, exc)
             self._retry_at = now + RETRY_S

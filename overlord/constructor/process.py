@@ -39,6 +39,13 @@ def run_constructors(ctx) -> None:
 
     plans = SharedPlans(len(hosted))  # every group builds every step: its plan read once for all
 
+    def superseded() -> None:
+        # the placement moves a host's groups together: one taken over, all of them were
+        # (while this node was out of Redis's reach); the sidecar starts a new host if
+        # the unit is placed here again
+        ctx.superseded = True
+        ctx.stop.set()
+
     def one(dp: int) -> None:
         try:
             # a Redis client of its own: blocking reads of one must not delay another
@@ -54,11 +61,13 @@ def run_constructors(ctx) -> None:
                 restarted=ctx.attempt > 0,
                 bridges=bridges[dp],
                 plans=plans,
+                on_superseded=superseded,
             ).run()
         except Stopped:
             pass
-        except Superseded as exc:  # its unit runs elsewhere now: the sidecar stops this process
-            log.warning("%s; it stops here", exc)
+        except Superseded as exc:
+            log.warning("%s; this host stops", exc)
+            superseded()
         except BaseException as exc:  # noqa: BLE001 - reported below with its DP group
             failures.append((dp, exc))
             ctx.stop.set()

@@ -404,6 +404,7 @@ class LoaderProcess:
         )
         self.active = False  # nothing more from here: no journal, no counters, no heartbeat as the loader
         self.ctx.silent = True  # its heartbeat goes: the successor beats as the loader
+        self.ctx.superseded = True  # exits SUPERSEDED: placed here again, the sidecar starts a new one
 
     def _promote(self, progress: dict) -> None:
         """Shadow -> active: claim the rings, report the read buffers, replay unfinished steps."""

@@ -37,6 +37,7 @@ from overlord.runtime.lease import release_dead
 from overlord.runtime.placement import homes
 from overlord.shm import Ring, pid_alive, unlink_segment
 from overlord.sidecar import rewind
+from overlord.sidecar.role import SUPERSEDED
 from overlord.store import Keys
 from overlord.store.schema import REWIND_PUBLISHED, encode_record, planner_step, rewind_published
 
@@ -99,6 +100,7 @@ class Membership:
         self.job, self.keys, self.roles = job, keys, roles
         self.layout: Layout | None = None  # the job's, once booted
         self.leaving: dict[str, float] = {}  # units placed elsewhere now, stopping here -> when told to
+        self.superseded: set[str] = set()  # units whose process here exited SUPERSEDED, not started since
         self._dumped: set[str] = set()  # of those, the ones past STOP_GRACE_S (stacks asked for)
         self.fostered: dict[str, list[Ring]] = {}  # constructor<h> of another node run here -> its client rings
         self.made: list[Ring] = []  # every ring it created, for the sidecar to close on its way out
@@ -225,11 +227,14 @@ class Membership:
                 proc.terminate()
                 self.leaving[name] = time.monotonic()
             elif proc.returncode == 0:
-                self.roles.forget(name)  # it stopped by itself (a superseded loader): it may be placed here again
+                self.roles.forget(name)  # it stopped by itself: it may be placed here again
         for unit in sorted(mine):
             if unit.startswith("loader") and int(unit[6:]) in self.roles.awaiting:
                 continue  # killed here: its shadow on another node is being promoted
             if unit not in self.roles.children and self._may_start(r, unit):
+                if unit in self.superseded and rewind.under_way(r, self.keys):
+                    continue  # the job goes back: every node's sidecar starts its roles anew
+                self.superseded.discard(unit)
                 self._start_unit(r, unit)
 
     def _may_start(self, r, unit: str) -> bool:
@@ -267,6 +272,17 @@ class Membership:
     def fostered_rings(self) -> list[Ring]:
         """The client rings of other nodes' Data Constructors run here."""
         return [ring for rings in self.fostered.values() for ring in rings]
+
+    def forget_superseded(self, codes: dict[str, int | None]) -> None:
+        """Units that exited SUPERSEDED (another process took them over while this node
+        was out of Redis's reach) are no failure: forgotten, and dropped from `codes`,
+        so one placed here again starts anew (`follow`) instead of standing stopped."""
+        for name, code in list(codes.items()):
+            if code == SUPERSEDED and name not in self.leaving:
+                log.warning("%s stopped: another process runs its unit now; it starts again while placed here", name)
+                self.roles.forget(name)
+                self.superseded.add(name)
+                del codes[name]
 
     def retire(self, codes: dict[str, int | None]) -> None:
         """Forget units that stopped because they were placed elsewhere; one that has

@@ -5,13 +5,13 @@
 The job comes from DIR/job.json (JSON, never a pickle) and the Redis URL from the
 OVERLORD_REDIS_URL environment variable (so a password never shows in `ps`). A role
 that fails pushes one JSON error record (role, index, node, pid, message) to
-`overlord:{job}:errors` before exiting non-zero; the sidecar forwards it to the
-trainers. Each role keeps a heartbeat key with a TTL; a Source Loader's is fenced by
-the `active` hash (written only while `active` names this process, or nobody), so a
-loader superseded while out of Redis's reach cannot pass for its successor when it
-comes back. `--attempt` counts the sidecar's
-restarts of this role: a restarted role recovers its position from Redis instead of
-starting the job.
+`overlord:{job}:errors` before exiting 1; the sidecar forwards it to the trainers. One
+that another process superseded exits `SUPERSEDED` (3). Each role keeps a heartbeat
+key with a TTL; a Source Loader's is fenced by the `active` hash (written only while
+`active` names this process, or nobody), so a loader superseded while out of Redis's
+reach cannot pass for its successor when it comes back. `--attempt` counts the
+sidecar's restarts of this role: a restarted role recovers its position from Redis
+instead of starting the job.
 """
 
 from __future__ import annotations
@@ -44,6 +44,10 @@ from overlord.store.schema import encode_active
 log = logging.getLogger("overlord")
 
 HEARTBEAT_TTL_S = 5
+# the exit status of a role that stopped because another process runs its unit now (a
+# Data Constructor host superseded while its node was out of Redis's reach): not a
+# failure; the sidecar forgets it, and starts the unit again if it is placed here
+SUPERSEDED = 3
 
 # KEYS: the heartbeat, `active`; ARGV: the beat, its TTL (s), the loader index, this process in `active`
 _FENCED_BEAT = """
@@ -79,6 +83,7 @@ class RoleContext:
     stop: threading.Event = field(default_factory=threading.Event)
     beat: Beat = field(default_factory=Beat)
     silent: bool = False  # a standby Planner beats only once it leads
+    superseded: bool = False  # another process runs this unit now: exit with SUPERSEDED
 
     def __post_init__(self) -> None:
         self.r = connect(self.redis_url, ride_through_s=self.job.redis_outage_s, name=f"{self.role}{self.index}")
@@ -193,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ctx.stop.set()
     ctx.drop_heartbeat()
-    return 0
+    return SUPERSEDED if ctx.superseded else 0
 
 
 if __name__ == "__main__":

@@ -412,6 +412,7 @@ class Sidecar:
             lost = self._lost_state(failing=any(c not in (None, 0) for c in codes.values()))
             if lost is not None:
                 return self._fail(lost)
+            self.membership.forget_superseded(codes)
             try:
                 if self._rewind_asked():
                     try:

@@ -144,6 +144,27 @@ def test_a_superseded_constructor_writes_no_mark_and_its_watch_publishes_none(se
         watch.stop()
 
 
+def test_a_watch_whose_trainers_read_nothing_still_learns_it_was_superseded(setup):
+    """A host cut off while its group moved elsewhere comes back to trainers that read
+    from the group's new home: its rings' marks never move, so it writes nothing to be
+    refused; its watch reads the group's owner (every OWNER_CHECK_S) and says so, and
+    a watch still owning its group says nothing."""
+    job, r, keys, rings = setup
+    told, kept = threading.Event(), threading.Event()
+    stale = MarkWatch(job, 0, r, keys, dict(rings), {}, owner(r, keys), on_superseded=told.set).start()
+    try:
+        owner(r, keys)  # the group's restart on another node claims it
+        assert told.wait(5.0), "a superseded watch never told its host"
+        assert stale.ended.is_set() and r.hget(keys.progress, "t0") is None
+    finally:
+        stale.stop()
+    mine = MarkWatch(job, 0, r, keys, dict(rings), {}, owner(r, keys), on_superseded=kept.set).start()
+    try:
+        assert not kept.wait(2.5) and not mine.ended.is_set()  # two reads of its owner: still its own
+    finally:
+        mine.stop()
+
+
 def test_a_queued_mark_costs_no_script_exists_and_a_lost_script_is_told(setup):
     """The built mark rides the constructor's pipeline each step as a bare EVALSHA (a
     script object there made redis-py ask SCRIPT EXISTS before every execute); a server

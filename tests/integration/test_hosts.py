@@ -156,6 +156,51 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
 
 
 @pytest.mark.slow
+def test_a_host_placed_home_before_its_node_saw_it_leave_is_started_anew(hosted, corpus_keys):
+    """n1's link down: n0 fosters its Data Constructor host. The link comes back while
+    n1's sidecar is frozen, and the Planner places the host home (n1's heartbeat, as its
+    sidecar writes it, makes n1 live) before that sidecar looks at the placement again:
+    it never sees its host leave. The old host, fenced out of its group, must stop and
+    the sidecar start a new one; it used to stand, and the group waited for ever (one
+    run of the 10 s cut in ten)."""
+    h = hosted(redis_outage_s=60.0)
+    for node in NODES:
+        h.start_sidecar(node)
+    h.start_trainers(sleep="0.2")
+    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
+    until(lambda: min(int(r.hget(keys.progress, f"c{d}") or -1) for d in range(2)) >= 4, h, what="step 4")
+    node_beat = keys.heartbeat("sidecar", "n1")
+    beat = r.get(node_beat)
+    assert beat is not None, h.log()
+
+    def fostered() -> bool:
+        raw = r.get(keys.heartbeat("constructor", "1"))
+        return raw is not None and json.loads(raw).get("node") == "n0"
+
+    # frozen before the cut: no read of the placement is in flight across it (one sent
+    # during the cut was answered after the mend, with the placement of then)
+    sidecar = h.sidecars["n1"]
+    sidecar.send_signal(signal.SIGSTOP)
+    try:
+        h.hosts["n1"].cut()
+        until(fostered, h, what="n1's Data Constructor run on n0", timeout=60)
+        h.hosts["n1"].mend()
+        r.set(node_beat, beat, ex=60)  # what the frozen sidecar would write
+        until(lambda: r.hget(keys.placement, "constructor1") == b"n1", h, what="the host placed home", timeout=30)
+        until(lambda: not fostered(), h, what="n0 to stop its foster", timeout=30)
+    finally:
+        sidecar.send_signal(signal.SIGCONT)
+        # the nsenter that waits for it stopped itself when it saw its child stop
+        os.kill(sidecar.popen.pid, signal.SIGCONT)
+    out = h.results(timeout=180)
+    for rank, rec in out.items():
+        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
+    assert_delivered(out, corpus_keys, log=h.log)
+    assert "another process runs its unit now" in (h.workdir / "sidecar-n1.log").read_text(), h.log()
+    assert h.stop() == {n: 0 for n in NODES}, h.log()
+
+
+@pytest.mark.slow
 def test_a_foster_unit_that_does_not_stop_is_killed_and_every_sample_arrives_once(hosted, corpus_keys):
     """n1's link down: n0 fosters its Data Constructor. That process is frozen (SIGSTOP:
     alive, reading nothing, deaf to SIGTERM) before the link is back, as one that would
