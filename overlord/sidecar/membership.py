@@ -37,7 +37,7 @@ from overlord.runtime.lease import release_dead
 from overlord.runtime.placement import homes
 from overlord.shm import Ring, pid_alive, unlink_segment
 from overlord.sidecar import rewind
-from overlord.sidecar.role import SUPERSEDED
+from overlord.sidecar.role import was_superseded
 from overlord.store import Keys
 from overlord.store.schema import REWIND_PUBLISHED, encode_record, planner_step, rewind_published
 
@@ -278,7 +278,8 @@ class Membership:
         was out of Redis's reach) are no failure: forgotten, and dropped from `codes`,
         so one placed here again starts anew (`follow`) instead of standing stopped."""
         for name, code in list(codes.items()):
-            if code == SUPERSEDED and name not in self.leaving:
+            proc = self.roles.children[name]
+            if name not in self.leaving and was_superseded(self.roles.run_dir, name, proc.pid, code):
                 log.warning("%s stopped: another process runs its unit now; it starts again while placed here", name)
                 self.roles.forget(name)
                 self.superseded.add(name)

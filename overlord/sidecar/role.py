@@ -45,9 +45,31 @@ log = logging.getLogger("overlord")
 
 HEARTBEAT_TTL_S = 5
 # the exit status of a role that stopped because another process runs its unit now (a
-# Data Constructor host superseded while its node was out of Redis's reach): not a
-# failure; the sidecar forgets it, and starts the unit again if it is placed here
+# Data Constructor host or Source Loader superseded while its node was out of Redis's
+# reach): not a failure; the sidecar forgets it, and starts the unit again if it is
+# placed here. A transform may exit with any status too, so the role also leaves a
+# note (`superseded_note`) naming its pid, and the sidecar believes the two together.
 SUPERSEDED = 3
+
+
+def superseded_note(run_dir: Path, name: str) -> Path:
+    """Where role `name` (role<index>) notes that it stopped superseded."""
+    return run_dir / f"{name}.superseded"
+
+
+def was_superseded(run_dir: Path, name: str, pid: int, code: int | None) -> bool:
+    """Whether role `name`, pid `pid`, which exited `code`, stopped superseded (its note
+    is consumed)."""
+    if code != SUPERSEDED:
+        return False
+    note = superseded_note(run_dir, name)
+    try:
+        noted = note.read_text().strip()
+    except OSError:
+        return False
+    note.unlink(missing_ok=True)
+    return noted == str(pid)
+
 
 # KEYS: the heartbeat, `active`; ARGV: the beat, its TTL (s), the loader index, this process in `active`
 _FENCED_BEAT = """
@@ -198,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ctx.stop.set()
     ctx.drop_heartbeat()
-    return SUPERSEDED if ctx.superseded else 0
+    if ctx.superseded:
+        superseded_note(run_dir, f"{args.role}{args.index}").write_text(str(os.getpid()))
+        return SUPERSEDED
+    return 0
 
 
 if __name__ == "__main__":

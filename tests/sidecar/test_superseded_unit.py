@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
 from overlord import BatchSpec, Job, Mesh, Source
 from overlord.sidecar.membership import Membership
-from overlord.sidecar.role import SUPERSEDED
+from overlord.sidecar.role import SUPERSEDED, superseded_note
 from overlord.sidecar.spawn import RoleProcess
 from overlord.sidecar.supervision import Roles
 from overlord.store import EmbeddedRedis, Keys, connect
@@ -46,9 +47,13 @@ def _job(tmp_path, name: str) -> Job:
     )
 
 
-def _exited(code: int) -> RoleProcess:
+def _exited(code: int, note: Path | None = None) -> RoleProcess:
+    """A forked child that exits `code` (having written its pid to `note`, as a role
+    that stopped superseded does)."""
     pid = os.fork()
     if pid == 0:
+        if note is not None:
+            note.write_text(str(os.getpid()))
         os._exit(code)
     proc = RoleProcess("constructor0", pid)
     deadline = time.monotonic() + 10
@@ -67,10 +72,11 @@ def test_a_superseded_unit_placed_here_starts_again_once_its_other_process_is_go
     roles.spawn = lambda role, index, attempt=0: started.append((role, index, attempt))
     r.hset(keys.planner, PLANNER_STEP, 41)  # the job runs: a new process recovers from Redis
 
-    roles.children["constructor0"] = _exited(SUPERSEDED)
+    roles.children["constructor0"] = _exited(SUPERSEDED, superseded_note(tmp_path, "constructor0"))
     codes = roles.codes()
     m.forget_superseded(codes)
     assert codes == {} and roles.children == {}, "a superseded exit is no failure and not watched"
+    assert not superseded_note(tmp_path, "constructor0").exists()
 
     # the process that took it over (on n1) still beats: nothing starts here yet
     foster = {"pid": os.getpid(), "node": "n1", "time": time.time()}
@@ -87,10 +93,12 @@ def test_a_superseded_unit_placed_here_starts_again_once_its_other_process_is_go
 
 
 def test_a_unit_that_stopped_of_itself_or_failed_is_not_forgotten_as_superseded(tmp_path):
+    """Exit 0, 1, or 3 without the note: a transform may call os._exit(3) in a loader
+    process, and the sidecar must name that death, not take it for a takeover."""
     job = _job(tmp_path, "sup2")
     roles = Roles(job, Keys(job.name), tmp_path)
     m = Membership(job, Keys(job.name), roles)
-    for code in (0, 1):
+    for code in (0, 1, SUPERSEDED):
         roles.children["constructor0"] = _exited(code)
         codes = roles.codes()
         m.forget_superseded(codes)
