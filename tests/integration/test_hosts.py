@@ -126,6 +126,14 @@ def test_a_nodes_roles_killed_while_its_trainer_lives_reads_over_flight_and_back
     assert {n: h.segments(n) for n in NODES} == {"n0": [], "n1": []}, "segments left on a host"
 
 
+def _every_sample_once(h: HostedJob, corpus_keys: set[str]) -> None:
+    """Every rank ran to its end, and every sample reached the trainers once."""
+    out = h.results(timeout=180)
+    for rank, rec in out.items():
+        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
+    assert_delivered(out, corpus_keys, log=h.log)
+
+
 def _cut_n1_at_step_4(hosted, redis_outage_s: float):
     """A job on both nodes, trainers pacing 0.2 s a step, n1's link cut once both
     groups built step 4; (job, Redis client, keys)."""
@@ -149,10 +157,7 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
     h, _, _ = _cut_n1_at_step_4(hosted, redis_outage_s=max(60.0, 2.0 * seconds))
     time.sleep(seconds)
     h.hosts["n1"].mend()
-    out = h.results(timeout=180)
-    for rank, rec in out.items():
-        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
-    assert_delivered(out, corpus_keys, log=h.log)
+    _every_sample_once(h, corpus_keys)
 
 
 @pytest.mark.slow
@@ -192,10 +197,7 @@ def test_a_host_placed_home_before_its_node_saw_it_leave_is_started_anew(hosted,
         sidecar.send_signal(signal.SIGCONT)
         # the nsenter that waits for it stopped itself when it saw its child stop
         os.kill(sidecar.popen.pid, signal.SIGCONT)
-    out = h.results(timeout=180)
-    for rank, rec in out.items():
-        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
-    assert_delivered(out, corpus_keys, log=h.log)
+    _every_sample_once(h, corpus_keys)
     assert "another process runs its unit now" in (h.workdir / "sidecar-n1.log").read_text(), h.log()
     assert h.stop() == {n: 0 for n in NODES}, h.log()
 
@@ -221,10 +223,7 @@ def test_a_foster_unit_that_does_not_stop_is_killed_and_every_sample_arrives_onc
     assert foster is not None, h.log()
     os.kill(foster, signal.SIGSTOP)
     h.hosts["n1"].mend()
-    out = h.results(timeout=180)
-    for rank, rec in out.items():
-        assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
-    assert_delivered(out, corpus_keys, log=h.log)
+    _every_sample_once(h, corpus_keys)
     assert "did not stop within" in (h.workdir / "sidecar-n0.log").read_text(), h.log()
     assert h.stop() == {n: 0 for n in NODES}, h.log()
     assert {n: h.segments(n) for n in NODES} == {"n0": [], "n1": []}, "segments left on a host"
