@@ -36,6 +36,7 @@ import redis
 from overlord.config import Job
 from overlord.loader.inflight import inflight_path, last_samples
 from overlord.runtime.lease import release_dead
+from overlord.sidecar.role import superseded_note
 from overlord.sidecar.spawn import RoleProcess, fork_role
 from overlord.store import Keys
 from overlord.store.schema import decode_active, encode_active
@@ -74,6 +75,9 @@ class Roles:
     def spawn(self, role: str, index: int, attempt: int = 0) -> RoleProcess:
         """Fork `role<index>` (`attempt`: its restarts so far; a restarted role recovers
         from Redis)."""
+        # a note an earlier process of it left unread (it stopped superseded while told to
+        # leave, or in a rewind) must not vouch for this one's exit 3
+        superseded_note(self.run_dir, f"{role}{index}").unlink(missing_ok=True)
         proc = fork_role(role, index, self.run_dir, self.url, attempt)
         proc.role, proc.index = role, index
         self.children[f"{role}{index}"] = proc
