@@ -30,7 +30,7 @@ import redis
 from overlord.errors import ConfigError
 from overlord.store import Keys
 from overlord.store.client import SOCKET_TIMEOUT_S
-from overlord.store.schema import plans_after
+from overlord.store.schema import plans_after, plans_entry_step
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,7 @@ class PlanWatch:
                 for _, entries in self.r.xread({self.keys.plans: last}, block=WATCH_BLOCK_MS, count=64) or []:
                     for entry_id, _ in entries:
                         last = entry_id
-                        text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                        self.latest = max(self.latest, int(text.split("-")[0]) - 1)
+                        self.latest = max(self.latest, plans_entry_step(entry_id))
         except redis.RedisError as exc:  # the main loop meets the outage too, and fails by it
             log.warning("plan watch stopped (%s): refill turns no longer give way to a published plan", exc)
 

@@ -17,7 +17,7 @@ from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.step_plan import Plan
 from overlord.runtime.flow import Beat, Stopped, alive_within
 from overlord.store import Keys
-from overlord.store.schema import plans_after, resume_step
+from overlord.store.schema import plans_after, plans_entry_step, resume_step
 
 
 def fetch_plan(r: redis.Redis, keys: Keys, step: int) -> Plan | None:
@@ -76,9 +76,14 @@ class SharedPlans:
         finally:
             self._lock.release()
 
-    def woke(self) -> None:
-        """A read of the plans stream returned entries: what was found unpublished may be now."""
-        self._absent_from = None
+    def woke(self, published: int) -> None:
+        """A read of the plans stream found the plan of step `published` announced (and so
+        every earlier one: plans are published in step order). A step found unpublished
+        before it may be there now; one found unpublished after it is still awaited, even
+        when this read returns late: clearing that too sent every waking group to Redis
+        for a plan no one had published yet (a GET miss per group and step)."""
+        if self._absent_from is not None and self._absent_from <= published:
+            self._absent_from = None
 
 
 def wait_plan(
@@ -111,8 +116,9 @@ def wait_plan(
                 f"for as long: it is hung or dead (see `overlord status` and the planner log), or raise Job.timeout_s"
             )
         # the entry of `step` has id <step+1>-0: read what comes after <step>-0, so nothing is missed
-        if r.xread({keys.plans: plans_after(step)}, block=block_ms, count=1) and shared is not None:
-            shared.woke()
+        read = r.xread({keys.plans: plans_after(step)}, block=block_ms, count=1)
+        if read and shared is not None:
+            shared.woke(plans_entry_step(read[0][1][0][0]))
 
 
 def resume_point(r: redis.Redis, keys: Keys) -> tuple[int, dict[str, Any]] | None:

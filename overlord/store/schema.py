@@ -110,6 +110,12 @@ def plans_entry_id(step: int) -> str:
     return f"{step + 1}-0"
 
 
+def plans_entry_step(entry_id: bytes | str) -> int:
+    """The step a `plans` entry announces, from its id (`plans_entry_id`)."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-")[0]) - 1
+
+
 def plans_after(step: int) -> str:
     """The id an XREAD waiting for the plan of `step` reads after: `<step>-0`."""
     return f"{step}-0"
