@@ -52,7 +52,9 @@ class NeedMetadata(Exception):
 
     `wanted` maps a stream to how many unplanned samples it must hold for this step, so
     the Planner can ask a loader whose read buffer is full to hold more (a step may take
-    more samples from one stream than its read buffer holds).
+    more samples from one stream than its read buffer holds). The step is tried again
+    once a stream it names reports a sample or its end, not before: a strategy names
+    every stream whose reports could let the step be planned.
     """
 
     def __init__(self, wanted: dict[int, int]) -> None:

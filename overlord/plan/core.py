@@ -106,6 +106,7 @@ class PlannerCore:
         self.rr = [0] * n_sources  # next stream (round robin) of each source
         self.deferred = np.empty(0, dtype=ITEM)
         self.wanted: dict[int, int] = {}  # stream -> samples it must hold, while a step waits
+        self._short: dict[int, tuple[int, bool]] = {}  # those streams' (count, final) when the step stopped
         self._epoch: int | None = None  # epoch(), until a cursor moves
         self.took: dict[int, int] = {}  # stream -> samples the last planned step took from it
         self.step = 0
@@ -165,6 +166,7 @@ class PlannerCore:
         for stream in self.streams:
             stream.cursor = stream.known = tuple(state["cursors"][stream.name])
         self._epoch = None
+        self.wanted, self._short = {}, {}
         self.step, self.rr, self.done = int(state["step"]), list(state["round_robin"]), bool(state.get("done"))
         self._dirty.clear()
         self._rr_written = list(self.rr)
@@ -216,14 +218,15 @@ class PlannerCore:
 
     def plan_step(self) -> Plan | None:
         """The plan of `self.step`, or None if metadata is missing; advances on success."""
-        if self.done:
+        if self.done or self._still_short():
             return None
         try:
             planned = self.strategy(self.step_data(), self.tree)
         except NeedMetadata as need:
             self.wanted = need.wanted
+            self._short = {i: (self.streams[i].count, self.streams[i].final) for i in need.wanted}
             return None
-        self.wanted = {}
+        self.wanted, self._short = {}, {}
         self._check(planned)
         self.buffer.commit(planned.take)
         self._epoch = None
@@ -233,6 +236,18 @@ class PlannerCore:
         # the last step's leftovers are dropped (counted in the plan), not carried
         self.deferred = planned.deferred[:0] if self.done else planned.deferred
         return planned.plan
+
+    def _still_short(self) -> bool:
+        """Whether this step's last try stopped for metadata and none of the streams it
+        named has reported a sample or its end since: the strategy would stop there again.
+        Until a step is planned nothing it reads moves but those streams (its draw is
+        seeded by the step; the other streams only gain samples, which cannot undo a
+        shortage). The Planner tries after every metadata read, and most reads bring
+        other streams' samples: a whole try each, about one a step at the demo's rate."""
+        streams = self.streams
+        return bool(self._short) and all(
+            (streams[i].count, streams[i].final) == seen for i, seen in self._short.items()
+        )
 
     def _check(self, planned: Planned) -> None:
         """Exactly once: the plan holds each selected sample once, or defers it."""

@@ -423,3 +423,86 @@ def test_a_waiting_step_says_how_many_samples_each_stream_must_hold():
     core.add(0, chunk(0, range(3, 10)))
     core.add(1, chunk(0, range(3, 10)))
     assert core.plan_step() is not None and core.wanted == {}
+
+
+def _counting(calls):
+    from overlord.plan.strategies import vanilla
+
+    def strategy(data, tree):
+        calls.append(data.step)
+        return vanilla(data, tree)
+
+    return strategy
+
+
+def test_a_step_that_stopped_for_metadata_is_tried_again_only_once_a_stream_it_named_reports():
+    calls = []
+    core = make(weights=(1.0, 1.0), partitions=(2, 1), global_batch=16, strategy=_counting(calls))
+    core.add(0, chunk(0, range(1)))
+    core.add(1, chunk(0, range(1)))
+    core.add(2, chunk(0, range(40)))
+    assert core.plan_step() is None and len(calls) == 1
+    named = set(core.wanted)
+    assert named and 2 not in named, core.wanted  # source 0 is short, source 1 holds plenty
+    core.add(2, chunk(0, range(40, 80)))  # another stream's report cannot undo the shortage
+    assert core.plan_step() is None and len(calls) == 1, "tried again though no stream it named reported"
+    assert core.wanted and set(core.wanted) == named  # the loaders are still asked for the same
+    core.add(0, chunk(0, range(1, 2)))  # a named stream reports: tried again (and still short)
+    assert core.plan_step() is None and len(calls) == 2
+    for i in (0, 1):
+        core.add(i, chunk(0, range(2 if i == 0 else 1, 40)))
+    assert core.plan_step() is not None and len(calls) == 3 and core.wanted == {}
+
+
+def test_a_named_stream_that_reports_its_end_ends_the_wait():
+    """A finite job: the short stream reports its end without a sample; the step is tried
+    again and takes what the source has (the end of the job)."""
+    calls = []
+    core = make(weights=(1.0,), partitions=(1,), global_batch=8, finite=True, strategy=_counting(calls))
+    core.add(0, chunk(0, range(5)))
+    assert core.plan_step() is None and len(calls) == 1
+    assert core.plan_step() is None and len(calls) == 1
+    core.add(0, chunk(0, [], final=True, ended=[(0, 5)]))
+    plan = core.plan_step()
+    assert plan is not None and plan.last and len(calls) == 2
+
+
+@pytest.mark.parametrize("finite", [False, True], ids=["endless", "finite"])
+def test_skipping_a_try_that_would_stop_again_changes_no_plan(monkeypatch, finite):
+    """The same reports, in small random chunks to random streams, give the same plans
+    whether or not a try is skipped while no named stream reported: the skip only saves
+    tries (and the loop that feeds stops by itself)."""
+    rng = np.random.default_rng(7)
+    sizes = [int(s) for s in rng.integers(30, 90, 5)]
+    reports = []
+    for _ in range(400):
+        i = int(rng.integers(0, 5))
+        reports.append((i, int(rng.integers(1, 6))))
+
+    def run(skip):
+        calls = []
+        core = make(
+            weights=(1.0, 0.5, 2.0), partitions=(2, 2, 1), global_batch=12, finite=finite, strategy=_counting(calls)
+        )
+        if not skip:
+            monkeypatch.setattr(core, "_still_short", lambda: False)
+        fed, plans, queue, last = [0] * 5, [], list(reports), False
+        while not last and len(plans) < 60:
+            plan = core.plan_step()
+            if plan is not None:
+                plans.append(plan.to_json())
+                last = plan.last
+                continue
+            if not queue:
+                break
+            i, n = queue.pop(0)
+            top = min(fed[i] + n, sizes[i])
+            final = finite and top == sizes[i]
+            core.add(i, chunk(0, range(fed[i], top), final=final, ended=[(0, sizes[i])] if final else []))
+            fed[i] = top
+        return plans, len(calls)
+
+    plans, tries = run(skip=True)
+    plans_without, tries_without = run(skip=False)
+    assert len(plans) >= 8 and plans == plans_without
+    assert tries < tries_without, (tries, tries_without)
