@@ -63,8 +63,10 @@ def test_a_hung_transform_is_named_within_its_deadline(cluster, corpus):
         "raise Source.transform_timeout_s",
     ):
         assert words in end, (words, end)
-    # the trainer starts (imports torch) and reaches the row within seconds; 2 s deadline + a few
-    assert took < 2.0 + 15, took
+    # the trainer starts (imports torch) and reaches the row within seconds, 6-7 s here in
+    # all; a busy 2-core machine takes twice that. The Job.timeout_s path this deadline
+    # replaces is caught by its words above ("hung or dead"), not by the clock
+    assert took < 2.0 + 30, took
     assert c.stop() == 1
 
 

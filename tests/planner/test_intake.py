@@ -105,14 +105,16 @@ def test_a_deposed_planner_asks_nothing(r):
 
 
 def test_no_reports_from_hung_loaders_is_a_stall_but_back_pressure_is_not(r):
-    intake = Intake(r, KEYS, LAYOUT, leading(r), generation=1, timeout_s=0.2, run_dir="/run")
+    # the time without reports is set back rather than slept: a timeout short enough to
+    # sleep through could pass before the first check on a busy machine
+    intake = Intake(r, KEYS, LAYOUT, leading(r), generation=1, timeout_s=30, run_dir="/run")
     streams = small_core().streams  # nothing buffered in either
     intake.check_stalled(0, streams)  # not yet
-    time.sleep(0.25)
+    intake.waiting_since -= 31
     for k in (0, 1):  # both loaders turn their loops: they are held back, not hung
         r.set(KEYS.heartbeat("loader", str(k)), json.dumps({"pid": 1, "loop_age": 0.1, "time": time.time()}))
     intake.check_stalled(0, streams)
-    time.sleep(0.25)
+    intake.waiting_since -= 31
     r.delete(KEYS.heartbeat("loader", "1"))
     with pytest.raises(PlanError, match=r"loader process\(es\) \[0, 1\].*'s0.0', 's1.0'.*/run"):
         intake.check_stalled(0, streams)

@@ -15,10 +15,14 @@ from overlord.store import Keys
 
 def test_a_paused_leader_whose_lease_lapsed_cannot_write(r):
     keys, stop = Keys("j"), threading.Event()
-    old = Lease(r, keys, node="a", ttl_s=0.2)
+    old = Lease(r, keys, node="a", ttl_s=30)
     first = old.acquire(stop)
     old.fenced(lambda pipe: pipe.set("overlord:{j}:x", "old"))
-    time.sleep(0.3)  # paused past its lease (a long GC pause, a stopped VM)
+    r.pexpire(keys.leader, 1)  # paused past its lease (a long GC pause, a stopped VM): it runs out
+    deadline = time.monotonic() + 5  # (a lease of 0.2 s could run out before the first write on a busy machine)
+    while r.exists(keys.leader):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
     new = Lease(r, keys, node="b", ttl_s=5)
     second = new.acquire(stop)
     assert second > first

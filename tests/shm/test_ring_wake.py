@@ -26,15 +26,35 @@ def one_slice(monkeypatch):
     monkeypatch.setattr(_pyring, "PEER_CHECK_S", 30.0)
 
 
+def _asleep_in(thread: threading.Thread, name: str) -> bool:
+    """Whether `thread` sleeps in a futex wait on a word of the segment `name` (not on
+    the GIL or anything else of this process): its current system call, by /proc."""
+    with open(f"/proc/self/task/{thread.native_id}/syscall") as f:
+        call = f.read().split()
+    if not call or call[0] != "202":  # futex, on x86-64
+        return False
+    word = int(call[1], 16)
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(f"/dev/shm/{name.lstrip('/')}"):
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                if lo <= word < hi:
+                    return True
+    return False
+
+
 class Reader:
     """A thread that reads one record of `ring` (a consumer's Ring object) and notes when."""
 
-    def __init__(self, ring: Ring) -> None:
+    def __init__(self, ring: Ring, name: str) -> None:
         self.got: list[bytes] = []
         self.at = 0.0
         self.thread = threading.Thread(target=self._read, args=(ring,), daemon=True)
         self.thread.start()
-        time.sleep(0.3)  # asleep on the empty ring by now
+        deadline = time.monotonic() + 10  # not a fixed sleep: a busy machine may start it late
+        while not _asleep_in(self.thread, name):
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the reader never slept on the ring"
+            time.sleep(0.01)
 
     def _read(self, ring: Ring) -> None:
         self.got.append(bytes(ring.read(timeout=20)))
@@ -45,7 +65,7 @@ class Reader:
 def test_a_quiet_commit_lands_unannounced_until_wake(job, one_slice):
     name = segment_name(job, "n0", "quiet")
     with Ring.create(name, 4096) as producer, Ring.attach(name, 1) as consumer:
-        reader = Reader(consumer)
+        reader = Reader(consumer, name)
         view = producer.reserve(3, timeout=1)
         view[:] = b"abc"
         producer.commit(wake=False)
@@ -64,7 +84,7 @@ def test_a_wait_for_space_wakes_every_unwoken_ring_first(job, one_slice):
     consumer for: the wait wakes A's consumer before it sleeps."""
     a_name, b_name = segment_name(job, "n0", "a"), segment_name(job, "n0", "b")
     with Ring.create(a_name, 4096) as a, Ring.attach(a_name, 1) as a_consumer, Ring.create(b_name, 4096) as b:
-        reader = Reader(a_consumer)
+        reader = Reader(a_consumer, a_name)
         write_batch(a, {"ids": np.arange(5, dtype=np.int32)}, {"k": 1}, timeout=1, wake=False)
         b.write(b"x" * 3000, timeout=1)  # nobody reads B: the next write waits for space
         with pytest.raises(RingTimeout):
@@ -82,7 +102,7 @@ def test_a_wait_for_space_wakes_every_unwoken_ring_first(job, one_slice):
 def test_commit_wakes_by_default(job, one_slice):
     name = segment_name(job, "n0", "loud")
     with Ring.create(name, 4096) as producer, Ring.attach(name, 1) as consumer:
-        reader = Reader(consumer)
+        reader = Reader(consumer, name)
         producer.write(b"now", timeout=1)
         reader.thread.join(5)
         assert reader.got == [b"now"]

@@ -100,7 +100,7 @@ def test_oversized_record_raises_immediately(ring):
     t0 = time.monotonic()
     with pytest.raises(RingFullError) as e:
         ring.write(b"x" * 4089, timeout=10)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 5
     msg = str(e.value)
     assert "4089 B" in msg and "capacity 4096 B" in msg and "raise BatchSpec.ring_bytes" in msg
     with pytest.raises(RingFullError):
@@ -111,7 +111,7 @@ def test_read_times_out_on_empty_ring(ring):
     t0 = time.monotonic()
     with pytest.raises(RingTimeout, match=ring.name):
         ring.read(timeout=0.3)
-    assert 0.3 <= time.monotonic() - t0 < 1.8  # generous upper bound: CI machines are busy
+    assert 0.3 <= time.monotonic() - t0 < 5  # generous upper bound: CI machines are busy
 
 
 def test_write_times_out_on_full_ring(ring):
@@ -119,14 +119,14 @@ def test_write_times_out_on_full_ring(ring):
     t0 = time.monotonic()
     with pytest.raises(RingTimeout, match="no space"):
         ring.write(b"y" * 2000, timeout=0.3)
-    assert 0.3 <= time.monotonic() - t0 < 1.8  # generous upper bound: CI machines are busy
+    assert 0.3 <= time.monotonic() - t0 < 5  # generous upper bound: CI machines are busy
 
 
 def test_blocked_read_wakes_on_write_from_another_thread(ring):
     threading.Timer(0.1, lambda: ring.write(b"late", timeout=1)).start()
     t0 = time.monotonic()
     assert bytes(ring.read(timeout=5)) == b"late"
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 4  # woken, not timed out (5 s)
 
 
 def test_close_writer_drains_then_closed(ring):
@@ -188,7 +188,7 @@ def test_attach_times_out_naming_segment(job):
     t0 = time.monotonic()
     with pytest.raises(RingTimeout, match=name):
         Ring.attach(name, timeout=0.2)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 5
 
 
 def test_attach_rejects_foreign_segment(job):

@@ -203,7 +203,7 @@ def test_consumer_sees_peer_died_when_producer_is_killed(job, spawn, reaped):
         threading.Timer(0.2, kill).start()
         with pytest.raises(PeerDied) as e:
             r.read(timeout=30)
-        assert time.monotonic() - killed_at[0] < 2
+        assert time.monotonic() - killed_at[0] < 5
         assert str(child.pid) in str(e.value) and name in str(e.value)
 
 
@@ -220,7 +220,7 @@ def test_producer_sees_peer_died_when_consumer_is_killed(job, spawn):
         t0 = time.monotonic()
         with pytest.raises(PeerDied, match=f"consumer pid {child.pid}"):
             r.write(b"y" * 100, timeout=30)
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 5
 
 
 @pytest.mark.timeout(60)
@@ -242,7 +242,7 @@ r.set_error("constructor dp0 on node n0 (pid %d): packing failed" % r.producer_p
         t0 = time.monotonic()
         with pytest.raises(RingError, match="packing failed") as e:
             r.read(timeout=20)
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 5
         assert str(child.pid) in str(e.value)
         child.finish()
 

@@ -107,15 +107,17 @@ def test_a_write_waits_for_the_replica_and_a_stopped_replica_is_an_error(servers
     while wanted(primary).replicas < 1 or replica.info("replication").get("master_link_status") != "up":
         assert time.monotonic() < deadline, "the replica never connected"
         time.sleep(0.05)
-    durable = Durability(primary, timeout_s=2)
+    durable = Durability(primary, timeout_s=10)  # the first wait: whatever the disk's fsync takes
     assert (durable.want.local, durable.want.replicas) == (1, 1)
     durable.acknowledge(_mark("k", 1))
+    durable.timeout_s = 2
     deadline = time.monotonic() + 5
     while replica.hget("k", "durable") != b"1":  # WAIT said the replica received it; it applies it at once
         assert time.monotonic() < deadline
         time.sleep(0.01)
     os.kill(replica.pid, signal.SIGSTOP)  # connected as far as the primary knows, but acknowledging nothing
     start = time.monotonic()
-    with pytest.raises(StoreError, match=r"1 replica\(s\), got 1 and 0"):
+    # got 1 (fsynced) and 0 (replicas); 0 and 0 when the last wait for the fsync fell short too (a slow disk)
+    with pytest.raises(StoreError, match=r"1 replica\(s\), got [01] and 0"):
         durable.acknowledge(_mark("k", 2))
     assert 2 <= time.monotonic() - start < 10

@@ -48,7 +48,9 @@ def test_a_redis_frozen_past_the_budget_fails_at_the_budget(server):
     started = time.monotonic()
     with pytest.raises(redis.TimeoutError):
         r.get("k")
-    assert 2 <= time.monotonic() - started < 2 + 1.5
+    # the budget, then one read's timeout and a backoff at most past it (3.5 s); the rest
+    # is slack for a busy machine: the regression is a wait of many timeouts, or none
+    assert 2 <= time.monotonic() - started < 2 + 3
     assert outage_within(r, 60)
 
 
@@ -58,4 +60,4 @@ def test_a_client_without_ride_through_fails_at_once(server):
     started = time.monotonic()
     with pytest.raises(redis.TimeoutError):
         r.get("k")
-    assert time.monotonic() - started < 1.5
+    assert time.monotonic() - started < 2  # one timeout of 0.5 s, not the 2 s of a ride-through
