@@ -57,7 +57,7 @@ def test_a_loader_never_seen_beating_gets_a_grace_before_its_shadow_takes_over(r
 def test_no_shadow_no_promotion(r):
     p = promoter(r, shadowed=[0], grace_s=0)
     assert p.check() == {}  # neither beats: nothing to promote to
-    assert not promoter(r, shadowed=[]).watching
+    assert not Promoter(r, KEYS, p.lease, [], check_s=0).watching  # (a lease of its own waited 5 s for this one's)
     assert r.hgetall(KEYS.active) == {} and promotions(r) == []
 
 
