@@ -38,7 +38,7 @@ from overlord.planner.leadership import Leadership, wait_done
 from overlord.planner.placing import Placer
 from overlord.planner.promotion import CHECK_S as PROMOTE_CHECK_S
 from overlord.planner.promotion import Promoter
-from overlord.planner.publishing import Publisher
+from overlord.planner.publishing import Pace, Publisher
 from overlord.planner.scaling import Scaling
 from overlord.runtime.lease import Lease, Superseded
 from overlord.runtime.placement import homes
@@ -46,9 +46,6 @@ from overlord.runtime.placement import homes
 log = logging.getLogger("overlord.planner")
 
 TURN_MAX = 16  # steps planned and published together at most (the first fill of a long look-ahead)
-SETTLE_S = 0.002  # after a wake that left the Planner short of a turn, before it reads `progressed`
-# again: a step's marks rise in a burst (every group's trainers, then constructors), and one
-# read after the burst costs less than a wake per entry
 AHEAD_WAIT_MS = int(PROMOTE_CHECK_S * 1000)  # longest block on `progressed` while ahead (the loop's
 # other checks run between: the lease, shadows' promotion, placement)
 
@@ -121,7 +118,7 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     online = job.autoscale is not None and job.autoscale.online
     scaling = Scaling(r, keys, job, layout) if online else None
     placer = Placer(r, keys, lease, homes(job, layout), job.node_ids) if job.multi_node else None
-    least, waited = turn_steps(job.plan_ahead), False
+    least, waited, pace = turn_steps(job.plan_ahead), False, Pace()
     while not ctx.stop.is_set():
         ctx.beat()
         leadership.check()
@@ -131,11 +128,12 @@ def _lead(ctx, lease: Lease, token: int) -> None:
             if scaling is not None and budget is not None:
                 scaling.set_budget(budget)
         bound = publisher.bound()
+        pace.saw(bound)
         room = bound.room(core.step, job.plan_ahead)
         if room < least:
             intake.progressed()  # waiting on trainers is not a stall
-            if waited:  # the last wake did not make room for a turn: let the rest of its burst land
-                ctx.stop.wait(SETTLE_S)
+            if waited:  # the last wake did not make room for a turn: let the rest of the step's marks land
+                ctx.stop.wait(pace.settle_s())
             publisher.wait(AHEAD_WAIT_MS)
             waited = True
             continue

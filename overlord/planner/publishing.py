@@ -84,6 +84,39 @@ class Bound:
         return max(0, min(self.slowest, self.consumed) + plan_ahead - step + 1)
 
 
+class Pace:
+    """How fast the job's bound moves (an average of its recent steps), from the bounds
+    the Planner reads: a wake that leaves the Planner short of a turn lets the rest of a
+    step's marks land for a share of a step before it reads `progressed` again. A
+    step's marks (every group's trainers, then its constructors) come in a burst at the
+    demo's pace and spread over the step at a training step's: a fixed 2 ms wait took
+    2.3 wakes a step at 30 steps/s."""
+
+    LEAST_S = 0.002
+    MOST_S = 0.025  # the plans in front of the trainers cover steps, not this
+    SHARE = 0.25  # of a step
+    WEIGHT = 0.2  # of the newest step in the average
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.step_s: float | None = None
+        self._seen: tuple[float, int] | None = None  # (when, bound) as last seen moving
+
+    def saw(self, bound: Bound) -> None:
+        now, at = self.clock(), min(bound.slowest, bound.consumed)
+        if self._seen is not None and at > self._seen[1]:
+            step_s = (now - self._seen[0]) / (at - self._seen[1])
+            self.step_s = step_s if self.step_s is None else (1 - self.WEIGHT) * self.step_s + self.WEIGHT * step_s
+        if self._seen is None or at != self._seen[1]:  # a bound that went back (a rewind) starts over from there
+            self._seen = (now, at)
+
+    def settle_s(self) -> float:
+        """How long to let marks land after a wake short of a turn."""
+        if self.step_s is None:
+            return self.LEAST_S
+        return min(self.MOST_S, max(self.LEAST_S, self.SHARE * self.step_s))
+
+
 class Publisher:
     """Writes plans and checkpoints under the lease, within the job's bound."""
 

@@ -19,6 +19,7 @@ from overlord.planner.publishing import (
     PLAN_KEEP_STEPS,
     PRUNE_MAX,
     Bound,
+    Pace,
     Publisher,
 )
 from overlord.runtime.lease import Lease, Superseded
@@ -258,3 +259,33 @@ def test_a_superseded_planner_marks_nothing_durable(r):
         publisher.publish_turn([(core.plan_step(), core.delta())], core.state, publisher.bound())
     assert int(r.hget(KEYS.planner, "durable")) == 0
     assert r.get(KEYS.plan(1)) is None
+
+
+def test_the_settle_after_a_short_wake_follows_the_pace_of_the_bound():
+    now = [100.0]
+    pace = Pace(clock=lambda: now[0])
+    assert pace.settle_s() == Pace.LEAST_S  # nothing seen move yet
+    consumed = 4
+    pace.saw(Bound(slowest=9, consumed=consumed))
+    for _ in range(20):  # the bound moves a step every 40 ms: a quarter of it
+        now[0] += 0.02
+        pace.saw(Bound(slowest=99, consumed=consumed))  # seen again without moving: no step
+        now[0] += 0.02
+        consumed += 1
+        pace.saw(Bound(slowest=99, consumed=consumed))
+    assert abs(pace.settle_s() - 0.01) < 1e-9
+    for _ in range(30):  # a training step's pace (2 s): the most, not half a second
+        now[0] += 2.0
+        pace.saw(Bound(slowest=99, consumed=pace._seen[1] + 1))
+    assert pace.settle_s() == Pace.MOST_S
+    for _ in range(60):  # two steps at once every 0.2 ms: the least
+        now[0] += 0.0002
+        pace.saw(Bound(slowest=999, consumed=pace._seen[1] + 2))
+    assert pace.settle_s() == Pace.LEAST_S
+    step_s = pace.step_s
+    now[0] += 50.0  # a rewind: the bound goes back, and the time before it is no step
+    pace.saw(Bound(slowest=999, consumed=3))
+    assert pace.step_s == step_s
+    now[0] += 0.0001
+    pace.saw(Bound(slowest=3, consumed=10))  # the slower of the two marks is the bound
+    assert pace.step_s == step_s
