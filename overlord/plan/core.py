@@ -223,6 +223,13 @@ class PlannerCore:
         try:
             planned = self.strategy(self.step_data(), self.tree)
         except NeedMetadata as need:
+            unknown = sorted(i for i in need.wanted if not 0 <= i < len(self.streams))
+            if unknown:
+                raise PlanError(
+                    f"step {self.step}: the strategy stopped for metadata of stream(s) {unknown}, and the job "
+                    f"has streams 0..{len(self.streams) - 1}; NeedMetadata names streams by their index in "
+                    "StepData.buffer.streams: fix the strategy"
+                ) from None
             self.wanted = need.wanted
             self._short = {i: (self.streams[i].count, self.streams[i].final) for i in need.wanted}
             return None

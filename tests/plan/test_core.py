@@ -506,3 +506,15 @@ def test_skipping_a_try_that_would_stop_again_changes_no_plan(monkeypatch, finit
     plans_without, tries_without = run(skip=False)
     assert len(plans) >= 8 and plans == plans_without
     assert tries < tries_without, (tries, tries_without)
+
+
+def test_a_strategy_that_stops_for_a_stream_the_job_lacks_is_named():
+    from overlord.errors import PlanError
+    from overlord.plan.buffer import NeedMetadata
+
+    def strategy(data, tree):
+        raise NeedMetadata({7: 4})
+
+    core = make(strategy=strategy)
+    with pytest.raises(PlanError, match=r"stream\(s\) \[7\].*streams 0\.\.1.*fix the strategy"):
+        core.plan_step()
