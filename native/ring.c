@@ -17,6 +17,10 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>
+#define OVL_STREAM_STORES 1
+#endif
 
 static inline uint64_t align8(uint64_t n) {
     return (n + (OVL_RING_ALIGN - 1)) & ~(uint64_t)(OVL_RING_ALIGN - 1);
@@ -53,6 +57,31 @@ static void notify(_Atomic uint32_t *seq, _Atomic uint32_t *waiters) {
     if (atomic_load_explicit(waiters, memory_order_seq_cst) != 0) {
         futex_wake_all(seq);
     }
+}
+
+void ovl_stream_copy(void *dst, const void *src, size_t n) {
+#ifdef OVL_STREAM_STORES
+    unsigned char *d = dst;
+    const unsigned char *s = src;
+    size_t head = (size_t)(-(uintptr_t)d & 15u); /* streaming stores want 16-byte aligned targets */
+    if (head > n) {
+        head = n;
+    }
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; n >= 64; d += 64, s += 64, n -= 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n);
+    _mm_sfence(); /* streaming stores are weakly ordered: visible before the commit's release */
+#else
+    memcpy(dst, src, n);
+#endif
 }
 
 uint64_t ovl_ring_segment_size(uint64_t capacity) { return OVL_RING_HEADER_SIZE + capacity; }

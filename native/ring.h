@@ -182,6 +182,13 @@ typedef struct ovl_ring {
     uint64_t pad_len;  /* and its span (0: none yet) */
 } ovl_ring;
 
+/* Copy n bytes into a ring record with stores that bypass the cache (SSE2 streaming
+ * stores on x86-64; memcpy elsewhere), fenced before it returns, so a commit that
+ * follows publishes them. For records larger than a core's cache: the record's lines
+ * are not read in first (a plain store reads each line it writes), and the producer
+ * does not evict what it works on for bytes another process reads. */
+void ovl_stream_copy(void *dst, const void *src, size_t n);
+
 /* Segment size for a (rounded) capacity. */
 uint64_t ovl_ring_segment_size(uint64_t capacity);
 /* Round a requested capacity up to a power of two >= OVL_RING_MIN_CAPACITY; 0 if too large. */

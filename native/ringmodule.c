@@ -545,7 +545,33 @@ done:
     return out;
 }
 
+/* stream_copy(dst, src): ovl_stream_copy of a contiguous buffer into a writable one of
+ * the same length, without the GIL when large. */
+static PyObject *mod_stream_copy(PyObject *Py_UNUSED(m), PyObject *args) {
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:stream_copy", &dst, &src)) {
+        return NULL;
+    }
+    PyObject *out = NULL;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "stream_copy: %zd bytes into %zd", src.len, dst.len);
+    } else {
+        if (src.len >= GIL_RELEASE_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            ovl_stream_copy(dst.buf, src.buf, (size_t)src.len);
+            Py_END_ALLOW_THREADS
+        } else {
+            ovl_stream_copy(dst.buf, src.buf, (size_t)src.len);
+        }
+        out = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
+    {"stream_copy", mod_stream_copy, METH_VARARGS, "Copy into a record bypassing the cache (same lengths)."},
     {"init_segment", mod_init_segment, METH_VARARGS, "Initialise a zeroed mapping: status."},
     {"check", mod_check, METH_O, "Check a mapping's header: status."},
     {"round_capacity", mod_round_capacity, METH_O, "Capacity rounded to a power of two (0: too big)."},

@@ -32,6 +32,9 @@ def segment_size(capacity: int, /) -> int: ...
 def wait_marks(handles: tuple[Handle, ...], seen: tuple[int, ...], timeout: float, poll: float, /) -> tuple[int, ...]:
     """Each handle's consumer mark, once one differs from `seen` or at `timeout` (GIL released)."""
 
+def stream_copy(dst: Buffer, src: Buffer, /) -> None:
+    """Copy `src` into `dst` (the same length) with stores that bypass the cache, fenced (GIL released when large)."""
+
 class Handle:
     """Process-local handle on a mapped ring; holds a buffer export until close()."""
 

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from overlord.errors import BatchFormatError
 from overlord.shm import Ring, SampleMeta, batch_nbytes, decode_batch, encode_batch_into, segment_name, write_batch
+from overlord.shm._batch import STREAM_BYTES
+from overlord.shm._ring import stream_copy
 
 DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
           "float16", "float32", "float64"]  # fmt: skip
@@ -84,6 +86,51 @@ def test_write_batch_through_ring(job):
             got, meta = decode_batch(r.read(timeout=1))
             assert meta == {"step": step}
             assert_same(got, tensors)
+
+
+def test_large_arrays_stream_into_the_ring_byte_for_byte(job):
+    """Arrays of STREAM_BYTES and more go in with streaming stores: every byte lands,
+    whatever the array's length past a multiple of 64 (the tail) or its alignment in
+    the source (a view one byte in); the smaller, strided and big-endian ones beside
+    them take numpy's copy, and a ring record reused by later batches holds each
+    batch's own bytes."""
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, STREAM_BYTES + 200, dtype=np.uint8)
+    tensors = {
+        "f32": rng.standard_normal(STREAM_BYTES // 4 + 13).astype(np.float32),
+        "unaligned": raw[1 : STREAM_BYTES + 100],  # starts one byte into its buffer
+        "flags": rng.integers(0, 2, STREAM_BYTES + 7).astype(bool),
+        "i64_2d": rng.integers(-(2**62), 2**62, (STREAM_BYTES // 512, 65)),
+        "strided": rng.integers(0, 9, (2 * STREAM_BYTES // 8,)).astype(np.int64)[::2],
+        "big_endian": np.arange(STREAM_BYTES // 8 + 3, dtype=">f8"),
+        "small": np.arange(7, dtype=np.int16),
+    }
+    with Ring.create(segment_name(job, "n0", "big"), 16 << 20) as r:
+        r.unlink()
+        for step in range(6):
+            tensors["f32"][step] = step  # each batch differs
+            write_batch(r, tensors, {"step": step}, timeout=5)
+            got, meta = decode_batch(r.read(timeout=5))
+            assert meta == {"step": step}
+            assert_same(got, tensors)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 15, 16, 63])
+@pytest.mark.parametrize("size", [0, 1, 15, 16, 17, 63, 64, 65, 1000, 65536 + 129])
+def test_stream_copy_writes_exactly_the_range(offset, size):
+    rng = np.random.default_rng(size + offset)
+    src = rng.integers(0, 256, size + 64, dtype=np.uint8)[offset : offset + size]
+    dst = np.full(size + 160, 0xAB, dtype=np.uint8)
+    stream_copy(memoryview(dst)[offset + 32 : offset + 32 + size], src)
+    np.testing.assert_array_equal(dst[offset + 32 : offset + 32 + size], src)
+    assert (dst[: offset + 32] == 0xAB).all() and (dst[offset + 32 + size :] == 0xAB).all()  # nothing around it
+
+
+def test_stream_copy_refuses_ranges_of_other_lengths_and_read_only_targets():
+    with pytest.raises(ValueError, match="100 bytes into 99"):
+        stream_copy(bytearray(99), bytes(100))
+    with pytest.raises(TypeError):
+        stream_copy(bytes(8), bytes(8))
 
 
 def test_encode_rejects_what_the_format_cannot_carry():
