@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from overlord.errors import PeerDied, RingClosed, RingError
 from overlord.shm import Ring, decode_batch, segment_name
+from overlord.shm._batch import STREAM_BYTES
 
 PRELUDE = """
 import json, os, sys, time
@@ -177,6 +178,40 @@ r.close_writer()
             assert meta == {"step": step}
             np.testing.assert_array_equal(tensors["x"], np.arange(step * 1000, dtype=np.float32).reshape(-1, 10))
             np.testing.assert_array_equal(tensors["ids"], [step] * 3)
+        with pytest.raises(RingClosed):
+            r.read(timeout=20)
+        child.finish()
+
+
+@pytest.mark.timeout(60)
+def test_large_batches_streamed_in_by_another_process_arrive_whole(job, spawn):
+    """Arrays past STREAM_BYTES go into the ring with streaming stores (weakly ordered:
+    the producer fences them before its commit). Each batch is a fresh random pattern
+    and the ring holds two a lap, so bytes of an earlier lap, or a record read before
+    its bytes landed, would not match."""
+    name = segment_name(job, "n0", "big")
+    script = (
+        PRELUDE
+        + """
+from overlord.shm._batch import STREAM_BYTES
+r = Ring.attach(sys.argv[1], timeout=10)
+r.claim_producer()
+print("ready", flush=True)
+for step in range(24):
+    x = np.frombuffer(pattern(7, step, 3 * STREAM_BYTES // 2 + 40), np.uint8)
+    write_batch(r, {"x": x}, {"step": step}, timeout=20)
+r.close_writer()
+"""
+    )
+    with Ring.create(name, 4 << 20) as r:  # two records a lap: every record reuses a lap's bytes
+        child = spawn(script, name)
+        child.ready()
+        r.unlink()
+        for step in range(24):
+            tensors, meta = decode_batch(r.read(timeout=20))
+            assert meta == {"step": step}
+            want = np.random.default_rng([7, step]).integers(0, 256, 3 * STREAM_BYTES // 2 + 40, dtype=np.uint8)
+            assert np.array_equal(tensors["x"], want), f"batch {step} arrived with other bytes"
         with pytest.raises(RingClosed):
             r.read(timeout=20)
         child.finish()
