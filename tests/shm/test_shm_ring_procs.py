@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import textwrap
 import threading
 import time
 
@@ -154,33 +155,41 @@ def test_producer_blocks_until_consumer_frees_space(job, spawn):
         assert child.finish().split() == ["ok", str(len(sizes))]
 
 
-@pytest.mark.timeout(60)
-def test_batches_cross_processes(job, spawn):
-    name = segment_name(job, "n0", "batch")
-    script = (
-        PRELUDE
-        + """
+BATCHES = """
 r = Ring.attach(sys.argv[1], timeout=10)
 r.claim_producer()
 print("ready", flush=True)
-for step in range(20):
-    x = np.arange(step * 1000, dtype=np.float32).reshape(-1, 10)
-    write_batch(r, {"x": x, "ids": np.full(3, step, np.int64)}, {"step": step}, timeout=20)
+for step in range(int(sys.argv[2])):
+    write_batch(r, batch(step), {"step": step}, timeout=20)
 r.close_writer()
 """
-    )
-    with Ring.create(name, 1 << 20) as r:
-        child = spawn(script, name)
+
+
+def batches_from_a_child(spawn, name: str, capacity: int, batch: str, steps: int):
+    """Each (step, tensors) a child process writes with write_batch into a new ring of
+    `capacity`, `batch` defining its `batch(step)`; then the end of the stream."""
+    with Ring.create(name, capacity) as r:
+        child = spawn(PRELUDE + textwrap.dedent(batch) + BATCHES, name, steps)
         child.ready()
         r.unlink()  # the child has it mapped; the name is no longer needed
-        for step in range(20):
+        for step in range(steps):
             tensors, meta = decode_batch(r.read(timeout=20))
             assert meta == {"step": step}
-            np.testing.assert_array_equal(tensors["x"], np.arange(step * 1000, dtype=np.float32).reshape(-1, 10))
-            np.testing.assert_array_equal(tensors["ids"], [step] * 3)
+            yield step, tensors
         with pytest.raises(RingClosed):
             r.read(timeout=20)
         child.finish()
+
+
+@pytest.mark.timeout(60)
+def test_batches_cross_processes(job, spawn):
+    batch = """
+    def batch(step):
+        return {"x": np.arange(step * 1000, dtype=np.float32).reshape(-1, 10), "ids": np.full(3, step, np.int64)}
+    """
+    for step, tensors in batches_from_a_child(spawn, segment_name(job, "n0", "batch"), 1 << 20, batch, 20):
+        np.testing.assert_array_equal(tensors["x"], np.arange(step * 1000, dtype=np.float32).reshape(-1, 10))
+        np.testing.assert_array_equal(tensors["ids"], [step] * 3)
 
 
 @pytest.mark.timeout(60)
@@ -189,32 +198,14 @@ def test_large_batches_streamed_in_by_another_process_arrive_whole(job, spawn):
     the producer fences them before its commit). Each batch is a fresh random pattern
     and the ring holds two a lap, so bytes of an earlier lap, or a record read before
     its bytes landed, would not match."""
-    name = segment_name(job, "n0", "big")
-    script = (
-        PRELUDE
-        + """
-from overlord.shm._batch import STREAM_BYTES
-r = Ring.attach(sys.argv[1], timeout=10)
-r.claim_producer()
-print("ready", flush=True)
-for step in range(24):
-    x = np.frombuffer(pattern(7, step, 3 * STREAM_BYTES // 2 + 40), np.uint8)
-    write_batch(r, {"x": x}, {"step": step}, timeout=20)
-r.close_writer()
-"""
-    )
-    with Ring.create(name, 4 << 20) as r:  # two records a lap: every record reuses a lap's bytes
-        child = spawn(script, name)
-        child.ready()
-        r.unlink()
-        for step in range(24):
-            tensors, meta = decode_batch(r.read(timeout=20))
-            assert meta == {"step": step}
-            want = np.random.default_rng([7, step]).integers(0, 256, 3 * STREAM_BYTES // 2 + 40, dtype=np.uint8)
-            assert np.array_equal(tensors["x"], want), f"batch {step} arrived with other bytes"
-        with pytest.raises(RingClosed):
-            r.read(timeout=20)
-        child.finish()
+    n = 3 * STREAM_BYTES // 2 + 40
+    batch = f"""
+    def batch(step):
+        return {{"x": np.frombuffer(pattern(7, step, {n}), np.uint8)}}
+    """
+    for step, tensors in batches_from_a_child(spawn, segment_name(job, "n0", "big"), 4 << 20, batch, 24):
+        want = np.random.default_rng([7, step]).integers(0, 256, n, dtype=np.uint8)
+        assert np.array_equal(tensors["x"], want), f"batch {step} arrived with other bytes"
 
 
 @pytest.mark.timeout(60)
