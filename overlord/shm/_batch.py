@@ -52,13 +52,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from overlord.errors import BatchFormatError
+from overlord.errors import BatchFormatError, ConfigError
 from overlord.shm._ring import stream_copy
 
 MAGIC = b"OVLB"
@@ -120,9 +121,29 @@ _CODES: dict[str, int] = {
 # line it writes, and a record this large is out of the writer's cache by the time
 # another process reads it. bench/ring.py on a 2-core VM (16 MiB ring, 8-16 MiB of
 # L3 in effect): 1-4 MiB batches 1.2-1.5x the rate with a copy out, 1.2-2.3x read
-# leased; 256-512 KiB ones lost up to 2.6x of the reader's copy out (the record was
-# still in cache), hence the floor.
-STREAM_BYTES = 1 << 20
+# leased; 256-512 KiB ones lost up to 2.8x of the reader's copy out (the record was
+# still in cache), hence the floor. A host whose cache holds its rings may do better
+# with plain stores: $OVERLORD_STREAM_BYTES sets the floor (0: never stream).
+STREAM_ENV = "OVERLORD_STREAM_BYTES"
+
+
+def _stream_bytes() -> int:
+    raw = os.environ.get(STREAM_ENV)
+    if raw is None:
+        return 1 << 20
+    try:
+        floor = int(raw)
+    except ValueError:
+        floor = -1
+    if floor < 0:
+        raise ConfigError(
+            f"${STREAM_ENV}={raw!r} is not a number of bytes >= 0; give the smallest array copied into a ring "
+            "with streaming stores (0: none), or unset it for 1 MiB"
+        )
+    return floor if floor > 0 else 1 << 62
+
+
+STREAM_BYTES = _stream_bytes()
 _DTYPES: dict[int, np.dtype] = {code: np.dtype(s) for s, code in _CODES.items()}
 
 

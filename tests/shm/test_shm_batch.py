@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,9 +15,10 @@ from hypothesis import strategies as st
 
 from overlord.errors import BatchFormatError
 from overlord.shm import Ring, SampleMeta, batch_nbytes, decode_batch, encode_batch_into, segment_name, write_batch
-from overlord.shm._batch import STREAM_BYTES
+from overlord.shm._batch import STREAM_BYTES, STREAM_ENV
 from overlord.shm._ring import stream_copy
 
+REPO = Path(__file__).resolve().parents[2]
 DTYPES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
           "float16", "float32", "float64"]  # fmt: skip
 SHAPES = [(), (0,), (1,), (7,), (3, 0, 2), (2, 3), (2, 3, 4), (1,) * 8]
@@ -131,6 +136,24 @@ def test_stream_copy_refuses_ranges_of_other_lengths_and_read_only_targets():
         stream_copy(bytearray(99), bytes(100))
     with pytest.raises(TypeError):
         stream_copy(bytes(8), bytes(8))
+
+
+@pytest.mark.parametrize(
+    ("value", "floor"), [(None, 1 << 20), ("4096", 4096), ("0", 1 << 62), ("-1", None), ("1MiB", None)]
+)
+def test_the_streaming_floor_follows_the_environment_and_a_bad_one_is_named(value, floor):
+    env = {k: v for k, v in os.environ.items() if k != STREAM_ENV}
+    if value is not None:
+        env[STREAM_ENV] = value
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    probe = "from overlord.shm._batch import STREAM_BYTES; print(STREAM_BYTES)"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    if floor is None:
+        assert done.returncode != 0
+        assert f"${STREAM_ENV}={value!r} is not a number of bytes >= 0" in done.stderr
+    else:
+        assert done.returncode == 0, done.stderr
+        assert int(done.stdout) == floor
 
 
 def test_encode_rejects_what_the_format_cannot_carry():
