@@ -69,6 +69,14 @@ class OutageRetry(Retry):  # type: ignore[misc]  # redis-py is read untyped (pyp
         self.unreachable_since: float | None = None  # monotonic, while the server is gone
         self.last_outage_end: float | None = None  # monotonic, when it last came back
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> OutageRetry:
+        """This object, not a copy: redis-py gives each connection it opens after
+        `set_retry` a deep copy of the client's retry, and the outage a command on that
+        connection rode through then went into the copy. `outage_within` reads the
+        client's: a thread whose command ran on a second connection (another thread held
+        the first) saw a role's heartbeat, stale from the outage, as a dead role."""
+        return self
+
     def call_with_retry(
         self,
         do: Callable[[], T],

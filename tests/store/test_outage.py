@@ -41,6 +41,27 @@ def test_a_frozen_redis_within_the_budget_is_waited_for(server):
     assert outage_within(r, 60) and not outage_within(r, 0)
 
 
+def test_an_outage_ridden_through_on_a_second_connection_is_the_clients(server):
+    """redis-py gives a connection it opens later a copy of the client's retry: an
+    outage ridden through there must still be the client's, which `outage_within`
+    reads (a constructor thread whose plan read ran beside another's took the
+    Planner's heartbeat, stale from the outage, for a dead Planner)."""
+    r = connect(server.url, timeout_s=0.5, ride_through_s=10)
+    r.set("k", b"1")
+    held = r.connection_pool.get_connection()  # another thread's command holds the first connection
+    try:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        thaw = threading.Timer(1.5, os.kill, (server.proc.pid, signal.SIGCONT))
+        thaw.start()
+        try:
+            assert r.get("k") == b"1"  # on a connection opened now
+        finally:
+            thaw.join(timeout=10)
+        assert outage_within(r, 60)
+    finally:
+        r.connection_pool.release(held)
+
+
 def test_a_redis_frozen_past_the_budget_fails_at_the_budget(server):
     r = connect(server.url, timeout_s=0.5, ride_through_s=2)
     r.set("k", b"1")
