@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from overlord.errors import BatchFormatError
 from overlord.shm import Ring, SampleMeta, batch_nbytes, decode_batch, encode_batch_into, segment_name, write_batch
+from overlord.shm import _batch as batch_module
 from overlord.shm._batch import STREAM_BYTES, STREAM_ENV
 from overlord.shm._ring import stream_copy
 
@@ -93,7 +94,7 @@ def test_write_batch_through_ring(job):
             assert_same(got, tensors)
 
 
-def test_large_arrays_stream_into_the_ring_byte_for_byte(job):
+def test_large_arrays_stream_into_the_ring_byte_for_byte(job, monkeypatch):
     """Arrays of STREAM_BYTES and more go in with streaming stores: every byte lands,
     whatever the array's length past a multiple of 64 (the tail) or its alignment in
     the source (a view one byte in); the smaller, strided and big-endian ones beside
@@ -110,6 +111,13 @@ def test_large_arrays_stream_into_the_ring_byte_for_byte(job):
         "big_endian": np.arange(STREAM_BYTES // 8 + 3, dtype=">f8"),
         "small": np.arange(7, dtype=np.int16),
     }
+    streamed: list[int] = []  # bytes of each array that took the streaming copy
+
+    def counted(dst, src):
+        streamed.append(len(src))
+        stream_copy(dst, src)
+
+    monkeypatch.setattr(batch_module, "stream_copy", counted)
     with Ring.create(segment_name(job, "n0", "big"), 16 << 20) as r:
         r.unlink()
         for step in range(6):
@@ -118,6 +126,9 @@ def test_large_arrays_stream_into_the_ring_byte_for_byte(job):
             got, meta = decode_batch(r.read(timeout=5))
             assert meta == {"step": step}
             assert_same(got, tensors)
+    # the four large contiguous little-endian arrays streamed, every batch; the rest not
+    one_batch = sorted(tensors[k].nbytes for k in ("f32", "unaligned", "flags", "i64_2d"))
+    assert sorted(streamed) == sorted(one_batch * 6)
 
 
 @pytest.mark.parametrize("offset", [0, 1, 15, 16, 63])
