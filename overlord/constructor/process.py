@@ -49,7 +49,9 @@ def run_constructors(ctx) -> None:
     def one(dp: int) -> None:
         try:
             # a Redis client of its own: blocking reads of one must not delay another
-            r = connect(ctx.redis_url, ride_through_s=ctx.job.redis_outage_s, name=f"constructor{ctx.index}.dp{dp}")
+            r = connect(
+                ctx.redis_url, ride_through_s=ctx.job.redis_outage_s, name=f"constructor{ctx.index}.dp{dp}", known=True
+            )
             DataConstructor(
                 ctx.job,
                 ctx.layout,

@@ -108,7 +108,9 @@ class RoleContext:
     superseded: bool = False  # another process runs this unit now: exit with SUPERSEDED
 
     def __post_init__(self) -> None:
-        self.r = connect(self.redis_url, ride_through_s=self.job.redis_outage_s, name=f"{self.role}{self.index}")
+        self.r = connect(
+            self.redis_url, ride_through_s=self.job.redis_outage_s, name=f"{self.role}{self.index}", known=True
+        )
         self.keys = Keys(self.job.name)
         raw = self.r.get(self.keys.layout)
         self.layout = Layout.from_json(raw) if raw else Layout.plan(self.job)

@@ -224,9 +224,17 @@ class Sidecar:
         if removed:
             log.info("removed %d shared-memory segment(s) left by dead owners: %s", len(removed), removed)
         url = self._start_store()
-        # short: the watch loop goes on without Redis (restarting an embedded one that died);
-        # its roles and trainers are the ones that wait up to Job.redis_outage_s
-        self.r = connect(url, ride_through_s=1.0, setting="the sidecar's retry before its loop goes on", name="sidecar")
+        # short: the watch loop goes on without Redis; its roles and trainers are the ones
+        # that wait up to Job.redis_outage_s. An embedded server that died is started again
+        # by whichever command finds it gone (`_revive_redis`), while the roles start too
+        self.r = connect(
+            url,
+            ride_through_s=1.0,
+            setting="the sidecar's retry before its loop goes on",
+            name="sidecar",
+            known=True,
+            revive=self._revive_redis,
+        )
         self.url = url
         self.roles.use(self.r, url)
         begun = self._begin()
@@ -387,23 +395,27 @@ class Sidecar:
 
     # -- recovery ------------------------------------------------------------------------
 
-    def _restart_redis(self) -> None:
-        if self.redis is None:
-            return  # an external Redis: nothing of ours to start
+    def _revive_redis(self) -> bool:
+        """Start the embedded redis-server again if it died; True if it had. Called by the
+        watch loop and by the sidecar's client on a failed command (`connect(revive=)`), so
+        a server killed while the sidecar starts its roles is back before the client's
+        retry runs out, not only once the loop watches."""
+        if self.redis is None or self.redis.proc is None or self.redis.proc.poll() is None:
+            return False  # external, being started again, or alive
         log.warning(
             "the embedded redis-server (pid %s) died; starting it again from its append-only file",
-            self.redis.proc.pid if self.redis.proc else "?",
+            self.redis.proc.pid,
         )
         self.redis.proc = None
         self.redis.start()
+        return True
 
     def watch(self) -> int:
         """Supervise until the job ends, a role fails, or a stop is requested; 0 on success."""
         started = time.monotonic()
         finished: float | None = None
         while not self.stop.wait(POLL_S):
-            if self.redis is not None and self.redis.proc is not None and self.redis.proc.poll() is not None:
-                self._restart_redis()
+            self._revive_redis()
             now = time.monotonic()
             for service in self.services:
                 service.keep_up(now)

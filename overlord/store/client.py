@@ -63,9 +63,18 @@ class OutageRetry(Retry):  # type: ignore[misc]  # redis-py is read untyped (pyp
     server has been gone for less than `budget_s` (a frozen server costs a socket timeout
     per try, so a count says nothing about how long it waited)."""
 
-    def __init__(self, url: str, budget_s: float, setting: str = "Job.redis_outage_s") -> None:
+    def __init__(
+        self,
+        url: str,
+        budget_s: float,
+        setting: str = "Job.redis_outage_s",
+        revive: Callable[[], bool] | None = None,
+    ) -> None:
         super().__init__(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.005), -1, supported_errors=RETRIED)
         self.url, self.budget_s, self.setting = redact(url), budget_s, setting
+        # the server's owner (the sidecar, of its embedded server): starts it again if it
+        # died, True if it did; the budget then runs from its restart
+        self.revive = revive
         self.unreachable_since: float | None = None  # monotonic, while the server is gone
         self.last_outage_end: float | None = None  # monotonic, when it last came back
 
@@ -100,6 +109,8 @@ class OutageRetry(Retry):  # type: ignore[misc]  # redis-py is read untyped (pyp
                     self.budget_s,
                     self.setting,
                 )
+            if self.revive is not None and self.revive():
+                self.unreachable_since = now = time.monotonic()
             if now - self.unreachable_since >= self.budget_s:
                 if getattr(error, "outage_named", False):  # from a reconnect nested in this command
                     raise error
@@ -138,6 +149,8 @@ def connect(
     ride_through_s: float = RIDE_THROUGH_S,
     setting: str = "Job.redis_outage_s",
     name: str | None = None,
+    known: bool = False,
+    revive: Callable[[], bool] | None = None,
 ) -> redis.Redis:
     """Open a Redis client for `url` (redis://, rediss://, unix://, redis+sentinel://; ACL
     user and password in the URL: `rediss://user:password@host:port/0`).
@@ -155,6 +168,12 @@ def connect(
         setting: what sets `ride_through_s`, named in the log line and the error.
         name: the connections' CLIENT SETNAME (a role's name: `CLIENT LIST` then tells
             whose commands are whose, as bench/control.py counts them).
+        known: the server is known to serve the job (a role's: its sidecar reached it),
+            so the first PING rides through an outage like any command; otherwise it
+            fails at once, as a wrong URL should. A role started again while the
+            embedded server restarts (both killed at once) waited for nothing and failed.
+        revive: called on each failed try (`OutageRetry.revive`): the sidecar starts its
+            embedded server again there if it died, whatever command found it gone.
 
     Raises:
         StoreError: the server does not answer a PING (unreachable, TLS or login refused).
@@ -178,14 +197,15 @@ def connect(
         client = sentinel_client(url, options, timeout_s)
     else:
         client = redis.Redis.from_url(url, **options)
+    riding = ride_through_s > 0
+    retry = OutageRetry(url, ride_through_s, setting, revive) if riding else None
+    if retry is not None and known:
+        client.set_retry(retry)
     try:
         client.ping()  # a server that is not there at all is a configuration error: say so now
     except redis.RedisError as exc:
         raise StoreError(f"Redis at {redact(url)} is unreachable: {exc}; check Job.redis_url") from None
-    if ride_through_s > 0:
-        client.set_retry(OutageRetry(url, ride_through_s, setting))
-    else:
-        client.set_retry(Retry(ExponentialBackoff(), 0, supported_errors=RETRIED))
+    client.set_retry(retry if retry is not None else Retry(ExponentialBackoff(), 0, supported_errors=RETRIED))
     return client
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import logging
 import os
 import platform
 import shutil
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from overlord.config import Job
 
 SOCKET_NAME = "redis.sock"
+log = logging.getLogger(__name__)
+KILLED_AT_START_MOST = 3  # restarts of an embedded server killed (by a signal) before it answered
 
 
 def redis_url_of(job: Job) -> str:
@@ -108,22 +111,29 @@ class EmbeddedRedis:
             )
             + "\n"
         )
-        self.proc = subprocess.Popen(
-            [redis_server_binary(), str(conf)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,
-            env=heap.redis_env(),  # keeps its libc heap from creeping (overlord/heap.py)
-        )
         # deferred: trainers import this module (redis_url_of) without loading redis-py
         import redis
 
         deadline = time.monotonic() + self.timeout_s
+        killed = 0
+        self.proc = self._spawn(conf)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                log = (self.run_dir / "redis.log").read_text()[-2000:] if (self.run_dir / "redis.log").exists() else ""
-                raise StoreError(f"embedded redis-server exited with {self.proc.returncode}; log tail:\n{log}")
+                if self.proc.returncode < 0 and killed < KILLED_AT_START_MOST:
+                    # killed by a signal before it answered, not a server that cannot start
+                    # (those exit with a status): start it again, from its append-only file
+                    killed += 1
+                    log.warning(
+                        "the embedded redis-server (pid %d) was killed (signal %d) before it answered; starting it again",
+                        self.proc.pid,
+                        -self.proc.returncode,
+                    )
+                    self.socket.unlink(missing_ok=True)
+                    self.proc = self._spawn(conf)
+                    continue
+                logged = self.run_dir / "redis.log"
+                tail = logged.read_text()[-2000:] if logged.exists() else ""
+                raise StoreError(f"embedded redis-server exited with {self.proc.returncode}; log tail:\n{tail}")
             if self.socket.exists():
                 try:
                     redis.Redis(unix_socket_path=str(self.socket), socket_timeout=1).ping()
@@ -133,6 +143,16 @@ class EmbeddedRedis:
             time.sleep(0.02)
         self.stop()
         raise StoreError(f"embedded redis-server did not answer on {self.socket} within {self.timeout_s}s")
+
+    def _spawn(self, conf: Path) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [redis_server_binary(), str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+            env=heap.redis_env(),  # keeps its libc heap from creeping (overlord/heap.py)
+        )
 
     def stop(self) -> None:
         """Stop the server (it flushes its append-only file on SIGTERM)."""

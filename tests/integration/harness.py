@@ -84,7 +84,8 @@ class Cluster:
         self.sidecar: subprocess.Popen | None = None
         self.trainers: dict[int, subprocess.Popen] = {}
 
-    def start_sidecar(self, resume: bool = False) -> subprocess.Popen:
+    def start_sidecar(self, resume: bool = False, wait: bool = True) -> subprocess.Popen:
+        """Start the sidecar; with `wait`, return once it runs the job."""
         self.sidecar = subprocess.Popen(
             [
                 sys.executable,
@@ -99,7 +100,7 @@ class Cluster:
             stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 30
-        while not sidecar_running(self.job):
+        while wait and not sidecar_running(self.job):
             assert self.sidecar.poll() is None, self.log()
             assert time.monotonic() < deadline, "sidecar did not start"
             time.sleep(0.05)

@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 
 from overlord import BatchSpec, Mesh
+from overlord.errors import StoreError
 from overlord.sidecar.sidecar import sidecar_running
 from overlord.status import redis_url_of
 from overlord.store import Keys, connect
@@ -160,6 +161,35 @@ def test_redis_server_killed_and_restarted_loses_nothing(cluster, reference, cor
     _check(c, reference, corpus_keys)
     assert _redis_pids(c.job.run_path) != [pid], "the sidecar restarts its redis-server"
     assert c.stop() == 0, c.log()
+
+
+def test_redis_server_killed_while_the_sidecar_starts_its_roles_loses_nothing(cluster, reference, corpus_keys):
+    """Killed once the job is published, the embedded server dies while the sidecar
+    creates the rings and starts its roles, before its loop watches: the command that finds it
+    gone starts it again (the sidecar's client rode through 1 s, then the sidecar died
+    with a traceback and the trainers found no sidecar)."""
+    from overlord.store.server import server_pids as _redis_pids
+
+    c = cluster(**JOB)
+    c.start_sidecar(wait=False)
+
+    def published() -> bool:  # the sidecar reached its server: it publishes, then starts the roles
+        try:
+            return bool(connect(redis_url_of(c.job), timeout_s=1, ride_through_s=0).exists(Keys(c.job.name).job_config))
+        except StoreError:
+            return False
+
+    _until(published, c)
+    (pid,) = _redis_pids(c.job.run_path)
+    os.kill(pid, signal.SIGKILL)
+    _until(lambda: sidecar_running(c.job) or c.sidecar.poll() is not None, c)
+    c.start_trainers(sleep=SLEEP)
+    _check(c, reference, corpus_keys)
+    assert _redis_pids(c.job.run_path) != [pid]
+    log = c.log()
+    restarted = log.find("died; starting it again")
+    assert 0 <= restarted < log.find("loader process(es)"), f"not restarted while the sidecar started\n{log}"
+    assert c.stop() == 0, log
 
 
 def test_whole_sidecar_killed_trainers_restart_it_and_resume(cluster, reference, corpus_keys):

@@ -12,6 +12,7 @@ import time
 import pytest
 import redis
 
+from overlord.errors import StoreError
 from overlord.store import EmbeddedRedis, connect, outage_within
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.timeout(60)
 def server(tmp_path):
     s = EmbeddedRedis(tmp_path / "r").start()
     yield s
-    os.kill(s.proc.pid, signal.SIGCONT)
+    if s.proc is not None:  # a test may have stopped it
+        os.kill(s.proc.pid, signal.SIGCONT)
     s.stop()
 
 
@@ -82,3 +84,47 @@ def test_a_client_without_ride_through_fails_at_once(server):
     with pytest.raises(redis.TimeoutError):
         r.get("k")
     assert time.monotonic() - started < 2  # one timeout of 0.5 s, not the 2 s of a ride-through
+
+
+def test_a_known_server_gone_at_connect_is_waited_for_and_an_unknown_one_is_an_error_at_once(server):
+    """A role connects to the server its sidecar reached (`known`): a role started again
+    while that server restarts (both were killed at once) waits for it, as any command
+    does; a client given a URL to check still hears at once that nothing answers there."""
+    server.stop()  # gone: its socket path answers nothing
+    started = time.monotonic()
+    with pytest.raises(StoreError, match="unreachable"):
+        connect(server.url, timeout_s=0.5, ride_through_s=10)
+    assert time.monotonic() - started < 2
+    back = threading.Timer(1.5, server.start)
+    back.start()
+    started = time.monotonic()
+    try:
+        r = connect(server.url, timeout_s=0.5, ride_through_s=10, known=True)
+    finally:
+        back.join(timeout=30)
+    assert 1.0 < time.monotonic() - started < 8
+    assert r.ping() and outage_within(r, 60)
+
+
+def test_revive_starts_a_dead_server_again_from_the_command_that_found_it_gone(server):
+    """The sidecar's client revives its embedded server from inside a failed command: a
+    server killed before the watch loop runs (while the roles start) is back before the
+    client's short budget runs out, and its data with it (the append-only file)."""
+    revived = []
+
+    def revive() -> bool:
+        if server.proc is None or server.proc.poll() is None:
+            return False
+        server.proc = None
+        server.start()
+        revived.append(time.monotonic())
+        return True
+
+    r = connect(server.url, timeout_s=0.5, ride_through_s=1.0, known=True, revive=revive)
+    r.set("k", b"1")
+    r.execute_command("WAITAOF", 1, 0, 2000)  # on disk before the kill
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=10)
+    assert r.get("k") == b"1"
+    assert len(revived) == 1
+    assert r.get("k") == b"1" and len(revived) == 1  # alive: nothing more to revive

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from overlord.errors import StoreError
@@ -43,6 +46,41 @@ def test_embedded_server_is_private_persistent_and_stops(tmp_path):
         assert connect(again.url).get("overlord:{x}:k") == b"v"
     finally:
         again.stop()
+
+
+def test_an_embedded_server_killed_before_it_answers_is_started_again_and_one_that_cannot_start_is_named(tmp_path):
+    """Killed by a signal while it starts (a fault, not its configuration), the server is
+    started again: a sidecar restarting a server killed twice in a row kept going; one
+    that exits with a status of its own (here: its append-only directory is a file) is
+    an error naming it, at once."""
+    server = EmbeddedRedis(tmp_path / "run")
+    started, killed = threading.Event(), []
+
+    def kill_the_first() -> None:
+        while not started.is_set():
+            proc = server.proc
+            if proc is not None:
+                proc.kill()
+                killed.append(proc.pid)
+                return
+            time.sleep(0.0001)
+
+    killer = threading.Thread(target=kill_the_first)
+    killer.start()
+    try:
+        server.start()
+    finally:
+        started.set()
+        killer.join(timeout=10)
+    try:
+        assert killed and server.proc.pid != killed[0]
+        assert connect(server.url).ping()
+    finally:
+        server.stop()
+    (tmp_path / "bad").mkdir(mode=0o700)
+    (tmp_path / "bad" / "appendonlydir").write_text("")  # where its append-only files go: a file
+    with pytest.raises(StoreError, match=r"exited with [1-9]"):
+        EmbeddedRedis(tmp_path / "bad").start()
 
 
 def test_unreachable_redis_names_the_url_without_password(tmp_path):
