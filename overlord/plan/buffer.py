@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from numpy.typing import NDArray
 
 from overlord.plan.meta import MetaChunk
 
@@ -28,6 +29,9 @@ ITEM = np.dtype(
         ("nbytes", "<i8"),
     ]
 )
+
+
+_EPOCH, _SEQ = ((ITEM.names or ()).index(name) for name in ("epoch", "seq"))  # in a row's .item() tuple
 
 
 def join_items(parts: list[np.ndarray]) -> np.ndarray:
@@ -128,13 +132,16 @@ class Stream:
     def consume(self, n: int) -> None:
         if n == 0:
             return
-        last = self._at(n - 1)
+        first = self.chunks[0]
+        at = self.offset + n - 1
+        # the last item as a tuple of Python ints in ITEM's field order (one C call)
+        last = first[at].item() if at < len(first) else self._at(n - 1).item()
         self.count -= n
         n += self.offset
         while n and n >= len(self.chunks[0]):
             n -= len(self.chunks.pop(0))
         self.offset = n
-        self.cursor = (int(last["epoch"]), int(last["seq"]))
+        self.cursor = (last[_EPOCH], last[_SEQ])
         self.known = max(self.known, self.cursor)
 
 
@@ -145,9 +152,14 @@ class Buffer:
         self.streams = [Stream(n, s) for n, s in zip(streams, stream_source)]
         self.by_source = [[i for i, s in enumerate(stream_source) if s == src] for src in range(n_sources)]
         self.finite = finite
+        self.source_of = np.asarray(stream_source, dtype=np.intp)  # each stream's source
+        self.n_sources = n_sources
+        # the last select: its take and a copy of its items (what `heads` gives back for it)
+        self._selected: tuple[dict[int, int], np.ndarray] | None = None
 
     def add(self, stream: int, chunk: MetaChunk) -> None:
         self.streams[stream].add(stream, chunk)
+        self._selected = None
 
     def wanted(self, src: int, count: int) -> dict[int, int]:
         """Samples each stream of a source must hold for `count` to be taken from it.
@@ -173,6 +185,18 @@ class Buffer:
         ids = self.by_source[src]
         return sum(self.streams[i].count for i in ids), all(self.streams[i].final for i in ids)
 
+    def remaining_all(self) -> tuple[NDArray[np.int64], NDArray[np.bool_]]:
+        """`remaining` of every source at once, as arrays indexed by source: one pass over
+        the streams, where a step that draws from hundreds of sources asked each alone."""
+        n = len(self.streams)
+        counts = np.fromiter((s.count for s in self.streams), dtype=np.int64, count=n)
+        open_ = np.fromiter((not s.final for s in self.streams), dtype=np.int64, count=n)
+        have = np.zeros(self.n_sources, dtype=np.int64)
+        np.add.at(have, self.source_of, counts)
+        still = np.zeros(self.n_sources, dtype=np.int64)
+        np.add.at(still, self.source_of, open_)
+        return have, still == 0
+
     def select(self, counts: np.ndarray, rr: list[int]) -> tuple[np.ndarray, dict[int, int], list[int]]:
         """Take `counts[src]` samples of each source, round robin over its streams.
 
@@ -184,9 +208,14 @@ class Buffer:
         """
         rr = list(rr)
         take: dict[int, int] = {}
-        for src in np.flatnonzero(counts):
+        streams = self.streams
+        for src in np.flatnonzero(counts).tolist():
             ids = self.by_source[src]
             count, n = int(counts[src]), len(ids)
+            if n == 1 and streams[ids[0]].count >= count:  # one stream (no partitions) that holds the draw
+                take[ids[0]] = count
+                rr[src] += count
+                continue
             # fast path: every stream has its round-robin share
             shares = [count // n + ((k - rr[src]) % n < count % n) for k in range(n)]
             if all(self.streams[i].count >= share for i, share in zip(ids, shares)):
@@ -214,11 +243,31 @@ class Buffer:
                     raise AssertionError("planner: a source's remainder was miscounted")
                 left[i] -= 1
                 take[i] = take.get(i, 0) + 1
-        parts = [self.streams[i].peek(n) for i, n in sorted(take.items())]
-        items = join_items(parts)
+        items = self._heads(take)
+        self._selected = (dict(take), items.copy())
         return items, take, rr
 
+    def heads(self, take: dict[int, int]) -> np.ndarray:
+        """The next `take[i]` items of each stream i, in stream order (not consumed): what
+        `select` gave for that take, kept from it when it was the last select's."""
+        if self._selected is not None and self._selected[0] == take:
+            return self._selected[1].copy()
+        return self._heads(take)
+
+    def _heads(self, take: dict[int, int]) -> np.ndarray:
+        raw = []
+        for i, n in sorted(take.items()):
+            stream = self.streams[i]
+            first, offset = (stream.chunks[0], stream.offset) if stream.chunks else (None, 0)
+            if first is not None and offset + n <= len(first):
+                part = first[offset : offset + n]  # a slice of one chunk (contiguous)
+            else:
+                part = stream.peek(n)
+            raw.append(part.view(np.uint8))
+        return np.concatenate(raw).view(ITEM) if raw else np.empty(0, dtype=ITEM)
+
     def commit(self, take: dict[int, int]) -> None:
+        self._selected = None
         for i, n in take.items():
             self.streams[i].consume(n)
 

@@ -139,7 +139,7 @@ class PlannerCore:
         """What changed in `state()` since the last call: a differential checkpoint
         (see checkpoint.py), O(streams touched) rather than O(streams)."""
         cursors = {self.streams[i].name: list(self.streams[i].cursor) for i in sorted(self._dirty)}
-        rr = {str(i): v for i, (v, old) in enumerate(zip(self.rr, self._rr_written)) if v != old}
+        rr = {str(i): self.rr[i] for i in np.flatnonzero(np.not_equal(self.rr, self._rr_written)).tolist()}
         self._dirty.clear()
         self._rr_written = list(self.rr)
         return {
@@ -204,17 +204,19 @@ class PlannerCore:
         return self._epoch
 
     def _lowest_epoch(self) -> int:
-        streams, lowest = self.buffer.streams, None
-        for ids in self.buffer.by_source:
-            planned, top = False, -1  # sources never planned do not hold it back
-            for i in ids:
-                epoch, seq = streams[i].cursor
-                planned = planned or seq >= 0
-                if epoch > top:
-                    top = epoch
-            if planned and (lowest is None or top < lowest):
-                lowest = top
-        return 0 if lowest is None else lowest
+        """Each source's epoch is the highest cursor epoch of its streams; the job's is
+        the lowest of those over the sources that have been planned (a stream's seq past
+        -1), 0 before any was. One pass over the streams' cursors, as arrays."""
+        streams = self.buffer.streams
+        n = len(streams)
+        epochs = np.fromiter((s.cursor[0] for s in streams), dtype=np.int64, count=n)
+        planned = np.fromiter((s.cursor[1] >= 0 for s in streams), dtype=bool, count=n)
+        sources = self.buffer.source_of
+        top = np.full(self.buffer.n_sources, -1, dtype=np.int64)
+        np.maximum.at(top, sources, epochs)
+        seen = np.zeros(self.buffer.n_sources, dtype=bool)
+        seen[sources[planned]] = True
+        return int(top[seen].min()) if seen.any() else 0
 
     def plan_step(self) -> Plan | None:
         """The plan of `self.step`, or None if metadata is missing; advances on success."""
@@ -258,7 +260,7 @@ class PlannerCore:
 
     def _check(self, planned: Planned) -> None:
         """Exactly once: the plan holds each selected sample once, or defers it."""
-        wanted = triples(join_items([self.deferred, *(self.streams[i].peek(n) for i, n in planned.take.items())]))
+        wanted = triples(join_items([self.deferred, self.buffer.heads(planned.take)]))
         planned_items = np.asarray(planned.plan.items, dtype=np.int64).reshape(-1, 3)
         given = np.concatenate([planned_items, triples(planned.deferred)])
         given_keys, wanted_keys = _sorted_keys(given, wanted)

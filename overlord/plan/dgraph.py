@@ -169,11 +169,11 @@ class DGraph:
         else:
             weights = np.asarray(schedule.weights(d.epoch if d.mixing_unit == "epoch" else nxt), dtype=np.float64)
         left, open_sources = 0, []
-        for src in np.flatnonzero(weights > 0):
-            have, complete = d.buffer.remaining(int(src))
-            left += have - int(counts[src])
-            if not complete:
-                open_sources.append(int(src))
+        have, complete = d.buffer.remaining_all()
+        for src in np.flatnonzero(weights > 0).tolist():
+            left += int(have[src]) - int(counts[src])
+            if not complete[src]:
+                open_sources.append(src)
         if left >= d.global_batch:
             return None
         if open_sources:
@@ -190,19 +190,23 @@ class DGraph:
         buf = self.data.buffer
         counts = np.zeros(len(weights), dtype=np.int64) if base is None else base.copy()
         live = weights > 0
+        held, complete = buf.remaining_all()  # the buffer does not change while a step is drawn
         while need > 0 and live.any():
             draw = rng.multinomial(need, weights * live / weights[live].sum())
             need = 0
-            for src in np.flatnonzero(draw):
-                have, complete = buf.remaining(int(src))
-                have -= int(counts[src])
-                if draw[src] <= have:
-                    counts[src] += draw[src]
-                elif not (buf.finite and complete):
-                    raise NeedMetadata(buf.wanted(int(src), int(counts[src] + draw[src])))
+            short = draw > held - counts
+            if not short.any():  # every source holds its draw: the common case, in one pass
+                counts += draw
+                continue
+            for src in np.flatnonzero(draw).tolist():
+                have, drawn = int(held[src]) - int(counts[src]), int(draw[src])
+                if drawn <= have:
+                    counts[src] += drawn
+                elif not (buf.finite and complete[src]):
+                    raise NeedMetadata(buf.wanted(src, int(counts[src]) + drawn))
                 else:  # the source runs out: take the rest, redraw elsewhere
                     counts[src] += have
-                    need += int(draw[src]) - have
+                    need += drawn - have
                     live[src] = False
         return counts
 

@@ -79,3 +79,51 @@ def test_assign_is_the_golden_bins():
             digest.update(bucket.tobytes())
             digest.update(mbin.tobytes())
     assert digest.hexdigest()[:16] == "dc282e5fd1a3ff83"
+
+
+def test_partitioned_finite_sources_plan_the_golden_bytes_to_their_end():
+    """Sources split into 1-3 streams, uneven weights, small chunks fed as a step asks,
+    a finite job planned to its end (sources running out and redrawn elsewhere, the
+    last step's leftovers): the selection, round robin and end paths at the Planner's
+    size of hundreds of streams. Digest taken before the vectorized buffer paths."""
+    parts = [1, 2, 3, 1, 2, 1, 3, 1] * 6
+    streams, stream_source = [], []
+    for src, k in enumerate(parts):
+        streams += [f"s{src}.{p}" for p in range(k)]
+        stream_source += [src] * k
+    rng = np.random.default_rng(11)
+    core = PlannerCore(
+        streams=streams,
+        stream_source=stream_source,
+        tree=ClientPlaceTree(Mesh(dp=8)),
+        weights=[1.0 / (1 + i % 7) for i in range(len(parts))],
+        seed=5,
+        global_batch=256,
+        micro_batches=2,
+        finite=True,
+        strategy=strategies.balanced,
+    )
+    sizes = rng.integers(40, 400, len(streams))  # samples each stream has in all
+    fed = np.zeros(len(streams), dtype=np.int64)
+
+    def feed(i: int, n: int) -> None:
+        n = int(min(n, sizes[i] - fed[i]))
+        tokens, patches = _metadata(rng, n)
+        core.add(
+            i, MetaChunk(0, np.arange(fed[i], fed[i] + n), tokens, patches, tokens * 4, final=fed[i] + n >= sizes[i])
+        )
+        fed[i] += n
+
+    for i in range(len(streams)):
+        feed(i, 16)
+    digest, steps = hashlib.sha256(), 0
+    while not core.done:
+        plan = core.plan_step()
+        if plan is None:
+            for i, want in sorted(core.wanted.items()):
+                feed(i, max(16, want - core.streams[i].count))
+            continue
+        digest.update(plan.encode())
+        digest.update(repr(core.delta()).encode())
+        steps += 1
+    assert (steps, digest.hexdigest()[:16]) == (76, "199f39d5d87f2ae1")
