@@ -118,7 +118,7 @@ class DataConstructor:
             ring = Ring.attach(client_ring(job, rank), timeout=job.timeout_s)
             ring.claim_producer()
             self.outputs[rank] = ring
-        self.written: dict[int, int] = {}  # rank -> the last step written to its ring
+        self.written: dict[int, int] = {}  # rank -> the last step written to its ring (or skipped: it had it)
         self.truncated = 0
         self.copied = 0  # samples copied out of the loader rings (inputs.py), published
         self.skip: dict[int, int] = {}
@@ -295,7 +295,12 @@ class DataConstructor:
         if ring is None:
             return
         if self.skip.get(rank):
-            self.skip[rank] -= 1  # this rank consumed it before the resume
+            # this rank consumed it before the resume: written and read, as far as the
+            # rank's mark goes (MarkWatch). Unmarked, a rank that skipped every step the
+            # Planner had planned ahead held the job's bound, and the Planner the step
+            # it waited for
+            self.skip[rank] -= 1
+            self.written[rank] = meta["step"]
             return
         try:
             push(ring, arrays, meta, self.stop, self.beat)

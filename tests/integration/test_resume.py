@@ -54,6 +54,43 @@ def test_resume_after_a_restart_gives_identical_bytes(cluster, tmp_path, how):
 
 
 @pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
+def test_ranks_that_resume_as_far_apart_as_the_look_ahead_lets_them_get_every_batch(cluster, tmp_path):
+    """With plan_ahead 2 a rank may run 3 steps ahead of the slowest: rank 1 stops
+    through step 3, rank 0 in step 1. On the resume (at step 1) the Data Constructor
+    skips what rank 1 consumed, every micro-batch of steps 1-3, and those count as
+    consumed there too. They did not: rank 1's mark stood at the resume step, the
+    Planner kept steps 1-3 planned and waited for it, and both ranks waited for step 4
+    (no batch, "slow, not hung", for ever)."""
+    job = dict(JOB, plan_ahead=2)
+    reference = cluster(**job)
+    reference.start_sidecar()
+    reference.start_trainers(batches=30)
+    expected = reference.results()
+    assert reference.stop() == 0
+
+    c = cluster(**job)
+    c.start_sidecar()
+    states = {r: tmp_path / f"state{r}.json" for r in range(2)}
+    done = {0: 3, 1: 8}  # rank 1: all of steps 0-3, the most rank 0 at step 1 lets it have
+    c.trainers.clear()
+    for r in range(2):
+        c.start_trainers(ranks=[r], batches=done[r], **{"save-state": states[r]})
+    first = c.results()
+    assert [first[r]["end"] for r in range(2)] == ["limit", "limit"], c.log()
+    assert c.stop() == 0
+
+    c.start_sidecar(resume=True)
+    c.trainers.clear()
+    for r in range(2):
+        c.start_trainers(ranks=[r], batches=30 - done[r], **{"load-state": states[r]})
+    second = c.results(timeout=90)
+    for r in range(2):
+        assert second[r]["end"] == "limit", second[r]["end"]
+        assert first[r]["digests"] + second[r]["digests"] == expected[r]["digests"]
+    assert c.stop() == 0
+
+
+@pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 def test_resume_on_a_different_dp_size_continues_exactly_once(cluster, corpus_keys, tmp_path):
     from dataclasses import replace
 
