@@ -18,15 +18,20 @@ JOB = dict(
 )
 
 
+def _uninterrupted(cluster, job: dict, batches: int = 30) -> dict:
+    """Every rank's ledger of `batches` batches of `job` with no restart."""
+    reference = cluster(**job)
+    reference.start_sidecar()
+    reference.start_trainers(batches=batches)
+    expected = reference.results()
+    assert reference.stop() == 0
+    return expected
+
+
 @pytest.mark.slow  # make test-slow (CI runs it): keeps make test under 6 minutes on 2 cores
 @pytest.mark.parametrize("how", ["stop", "kill -9"])
 def test_resume_after_a_restart_gives_identical_bytes(cluster, tmp_path, how):
-    reference = cluster(**JOB)
-    reference.start_sidecar()
-    reference.start_trainers(batches=30)
-    expected = reference.results()
-    assert reference.stop() == 0
-
+    expected = _uninterrupted(cluster, JOB)
     c = cluster(**JOB)
     sidecar = c.start_sidecar()
     states = {r: tmp_path / f"state{r}-{how}.json" for r in range(2)}
@@ -62,12 +67,7 @@ def test_ranks_that_resume_as_far_apart_as_the_look_ahead_lets_them_get_every_ba
     Planner kept steps 1-3 planned and waited for it, and both ranks waited for step 4
     (no batch, "slow, not hung", for ever)."""
     job = dict(JOB, plan_ahead=2)
-    reference = cluster(**job)
-    reference.start_sidecar()
-    reference.start_trainers(batches=30)
-    expected = reference.results()
-    assert reference.stop() == 0
-
+    expected = _uninterrupted(cluster, job)
     c = cluster(**job)
     c.start_sidecar()
     states = {r: tmp_path / f"state{r}.json" for r in range(2)}
