@@ -197,8 +197,7 @@ def connect(
         client = sentinel_client(url, options, timeout_s)
     else:
         client = redis.Redis.from_url(url, **options)
-    riding = ride_through_s > 0
-    retry = OutageRetry(url, ride_through_s, setting, revive) if riding else None
+    retry = OutageRetry(url, ride_through_s, setting, revive) if ride_through_s > 0 else None
     if retry is not None and known:
         client.set_retry(retry)
     try:
