@@ -180,14 +180,10 @@ class Buffer:
         each = max(even, -(-(count - from_final) // len(open_)))
         return {i: each if i in open_ else even for i in ids}
 
-    def remaining(self, src: int) -> tuple[int, bool]:
-        """(reported unplanned samples of a source, whether that is all it will ever have)."""
-        ids = self.by_source[src]
-        return sum(self.streams[i].count for i in ids), all(self.streams[i].final for i in ids)
-
     def remaining_all(self) -> tuple[NDArray[np.int64], NDArray[np.bool_]]:
-        """`remaining` of every source at once, as arrays indexed by source: one pass over
-        the streams, where a step that draws from hundreds of sources asked each alone."""
+        """Per source (arrays indexed by source): its reported unplanned samples, and
+        whether that is all it will ever have. One pass over the streams, where a step
+        that draws from hundreds of sources asked each alone."""
         n = len(self.streams)
         counts = np.fromiter((s.count for s in self.streams), dtype=np.int64, count=n)
         open_ = np.fromiter((not s.final for s in self.streams), dtype=np.int64, count=n)
