@@ -104,9 +104,23 @@ class SentinelGroup:
         where = ",".join(f"127.0.0.1:{self.ports[s]}" for s in ("s0", "s1", "s2"))
         return f"redis+sentinel://{where}/{SERVICE}/0"
 
-    def primary_port(self) -> int:
-        s = redis.Redis(host="127.0.0.1", port=self.ports["s0"], socket_timeout=1)
-        return int(s.sentinel_get_master_addr_by_name(SERVICE)[1])
+    def primary_port(self, agree_s: float = 15.0) -> int:
+        """The primary's port once all three Sentinels name the same one. The Sentinel
+        that led a failover learns of it first; the others hear of it from its hello
+        messages (every 2 s), so asking one of them alone can name the old primary."""
+        deadline = time.monotonic() + agree_s
+        while True:
+            seen = set()
+            for name in ("s0", "s1", "s2"):
+                s = redis.Redis(host="127.0.0.1", port=self.ports[name], socket_timeout=1)
+                try:
+                    seen.add(int(s.sentinel_get_master_addr_by_name(SERVICE)[1]))
+                except redis.RedisError:
+                    seen.add(-1)
+            if len(seen) == 1 and -1 not in seen:
+                return seen.pop()
+            assert time.monotonic() < deadline, f"the Sentinels name different primaries: {seen}\n{self.logs()}"
+            time.sleep(0.2)
 
     def kill(self, name: str) -> None:
         self.procs[name].kill()
