@@ -195,6 +195,11 @@ class BatchServer(flight.FlightServerBase):
         records: list[bytes] = []
         sent = time.monotonic()
         top = -1  # the highest step among the records of the batch being filled
+        if marking and after is not None:
+            # the reader has every batch up to `after` (read elsewhere: this node's ring
+            # before, or another node's); the records it skips below mark nothing, and a
+            # mark left behind would hold the Planner, and so the rank, back for ever
+            _mark(ring, after[0])
         try:
             while not context.is_cancelled():
                 try:

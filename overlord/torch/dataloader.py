@@ -221,6 +221,14 @@ class DataLoader:
             if position > self._last:
                 break
             self.dropped += 1  # a restarted Data Constructor sent it again
+            ring = self._reader.ring
+            if ring is not None:
+                # The rank may have had it from elsewhere (another node's stream, while
+                # this node's constructor host ran there): the mark of the ring it reads
+                # now must say how far it is, or the Planner, bound by that mark, plans
+                # nothing more while the rank waits for the next step (a deadlock).
+                ring.set_consumer_mark(max(ring.consumer_mark, self._last[0] + 1))
+            del view, arrays  # the dropped record's lease ends now, not at the next batch
         if self.job.multi_node and position > states.Position(*self._last).next(self.job.batch.micro_batches):
             raise RemoteRoleError(
                 f"rank {self.rank} of job {self.job.name!r}: after step {self._last[0]} micro-batch {self._last[1]} "
