@@ -5,7 +5,7 @@ overlord.torch.stats), so redis-py loads in such a rank only when it resumes, re
 metrics or finds its pipeline stalled.
 
 Two clients: the control client (positions for a resuming sidecar, metrics for the
-mixing, the placement on several nodes) rides through short outages like every role's;
+mixing, the placement on several nodes) rides through outages like every role's;
 the probe answers within a second, so a stalled rank says itself how long Redis has
 been away (overlord.torch.watchdog).
 """
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from overlord import store
 from overlord.config import Job
+from overlord.sidecar.mode import sidecar_running
 from overlord.store.server import redis_url_of
 
 if TYPE_CHECKING:
@@ -31,9 +32,19 @@ class Control:
         self._probe: redis.Redis | None = None
 
     def client(self) -> redis.Redis:
-        """The job's Redis, opened on first use."""
+        """The job's Redis, opened on first use. While a sidecar of the job runs on this
+        node, that sidecar reached the server: a first connection made while it is away
+        (the node's link cut, a failover) waits for it up to `Job.redis_outage_s`, as
+        every command does; with no sidecar here, an unreachable server is an error at
+        once (a wrong URL)."""
         if self._client is None:
-            self._client = store.connect(redis_url_of(self.job), timeout_s=5, name="trainer")
+            self._client = store.connect(
+                redis_url_of(self.job),
+                timeout_s=5,
+                ride_through_s=self.job.redis_outage_s,
+                name="trainer",
+                known=sidecar_running(self.job),
+            )
         return self._client
 
     def probe(self) -> redis.Redis:
