@@ -161,6 +161,22 @@ def test_a_node_cut_off_for_a_while_loses_and_repeats_nothing(hosted, corpus_key
 
 
 @pytest.mark.slow
+def test_a_trainer_started_while_its_node_is_cut_off_waits_for_redis(hosted, corpus_keys):
+    """n0's link down as its trainer starts: the trainer's first call to the job's Redis
+    (where its Data Constructor host runs) waits for the link, as the roles do, instead
+    of failing as an unreachable URL; every sample reaches the trainers once."""
+    h = hosted()
+    for node in NODES:
+        h.start_sidecar(node)
+    h.hosts["n0"].cut()
+    h.start_trainers(sleep="0.05")
+    time.sleep(8)  # past the trainers' start (torch imports) and past n0's heartbeats
+    h.hosts["n0"].mend()
+    _every_sample_once(h, corpus_keys)
+    assert h.stop() == {n: 0 for n in NODES}, h.log()
+
+
+@pytest.mark.slow
 def test_a_host_placed_home_before_its_node_saw_it_leave_is_started_anew(hosted, corpus_keys):
     """n1's link down: n0 fosters its Data Constructor host. The link comes back while
     n1's sidecar is frozen, and the Planner places the host home (n1's heartbeat, as its
