@@ -89,8 +89,22 @@ def _field(k: bytes | str) -> str:
     return k.decode() if isinstance(k, bytes) else k
 
 
-def mark_stopped(r: redis.Redis, keys: Keys, node: str) -> None:
-    r.hset(keys.rewind, stopped_field(node), f"{time.time():.3f}")
+# KEYS: `rewind`; ARGV: the node's stopped field, the time. Written only while the rewind
+# is under way: its hash goes once its step is decided.
+_MARK_STOPPED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+def mark_stopped(r: redis.Redis, keys: Keys, node: str) -> bool:
+    """Note that `node`'s sidecar stopped its roles for the rewind under way. False, and
+    nothing written, when the rewind was decided already (its hash is gone): a node that
+    reaches the barrier late (its link was cut while the others went through) joins the
+    rewound run. Written anyway, its mark alone made a new rewind no trainer asked for:
+    every sidecar stopped for it and waited for positions that no rank sent again."""
+    return bool(r.eval(_MARK_STOPPED, 1, keys.rewind, stopped_field(node), f"{time.time():.3f}"))
 
 
 def pending(live: Iterable[str], stopped: Iterable[str]) -> list[str]:

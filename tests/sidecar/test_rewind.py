@@ -4,8 +4,11 @@ positions a rewound run starts from."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from overlord.config import Job, Mesh, Source
 from overlord.sidecar import rewind
 from overlord.store import Keys
 from overlord.store.schema import asked_field, encode_rewind, rewind_published, stopped_field, stopped_nodes
@@ -74,3 +77,32 @@ def test_the_rewound_run_starts_from_the_positions_the_trainers_asked_with():
     assert stopped_nodes(state) == {"n0"}
     assert rewind_published(state) == "n1"
     assert rewind_published({}) is None
+
+
+def test_a_node_late_to_a_decided_rewind_marks_nothing_and_goes_through_the_barrier(r, tmp_path):
+    """A rewind's hash goes once its step is decided. A node whose sidecar reaches the
+    barrier after that (its link was cut while the others went through) must not write
+    its `stopped` mark: the mark alone would be a new rewind no trainer asked for, which
+    every sidecar stops for, and whose positions never come (found by random link cuts
+    and trainer restarts on two namespaced hosts)."""
+    r.hset(KEYS.rewind, asked_field(0), encode_rewind(11, (24, 1)))
+    noted = rewind.mark_stopped(r, KEYS, "n1")  # under way: noted
+    assert stopped_nodes(r.hgetall(KEYS.rewind)) == {"n1"}
+    r.delete(KEYS.rewind)  # decided: the rewound run runs
+    late = rewind.mark_stopped(r, KEYS, "n0")
+    assert not rewind.under_way(r, KEYS), "a late mark made a new rewind"
+    assert (noted, late) == (True, False)
+    job = Job(
+        name="job",
+        sources=(Source(name="web", paths=(str(tmp_path / "web.jsonl"),)),),
+        mesh=Mesh(dp=2),
+        nodes=("n0", "n1"),
+        node="n0",
+        redis_url="redis://127.0.0.1:1/0",
+        flight_port=28815,
+        timeout_s=5.0,
+    )
+    started = time.monotonic()
+    rewind.await_stopped(job, r, KEYS, lambda: {"n0", "n1"}, lambda: None)  # returns: nothing to wait for
+    assert time.monotonic() - started < 2
+    assert not rewind.under_way(r, KEYS)
