@@ -22,6 +22,7 @@ per step), and one fenced script for the turn's plans and checkpoints.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import redis
@@ -40,7 +41,7 @@ from overlord.planner.promotion import CHECK_S as PROMOTE_CHECK_S
 from overlord.planner.promotion import Promoter
 from overlord.planner.publishing import Pace, Publisher
 from overlord.planner.scaling import Scaling
-from overlord.runtime.lease import Lease, Superseded
+from overlord.runtime.lease import RUN_ENV, Lease, Superseded
 from overlord.runtime.placement import homes
 
 log = logging.getLogger("overlord.planner")
@@ -53,7 +54,8 @@ AHEAD_WAIT_MS = int(PROMOTE_CHECK_S * 1000)  # longest block on `progressed` whi
 def run_planner(ctx) -> None:
     """Lead (or wait to lead) the job's planning until its last step is planned."""
     heap.tune_planner()  # per-step arrays reuse the heap instead of fresh pages (overlord/heap.py)
-    lease = Lease(ctx.r, ctx.keys, node=ctx.job.node)
+    run = os.environ.get(RUN_ENV)  # its sidecar's run of the job: it leads no other (lease.py)
+    lease = Lease(ctx.r, ctx.keys, node=ctx.job.node, run=run.encode() if run else None)
     threading.Thread(target=lease.renew_forever, args=(ctx.stop,), daemon=True, name="lease").start()
     if ctx.job.multi_node:
         # every node runs a Planner; those that do not lead wait silently, and leave when

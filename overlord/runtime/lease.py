@@ -13,6 +13,12 @@ checkpoint, so two Planners never both publish a step.
 A standby Planner (on another sidecar, or the restart of a dead one) blocks in
 `acquire` until the lease is free. The sidecar that saw its own Planner die drops the
 lease at once (`release_dead`) instead of waiting out the TTL.
+
+A Planner started for one run of the job (`run`: the job's `run` token its sidecar
+started or joined with) takes the lease only while that run is the job's: a Planner of
+a node cut off while the job was published again without it (a rewind) would lead the
+new run from the old run's newest checkpoint. It gets `Superseded` instead, and its
+sidecar joins the new run (overlord.sidecar.membership).
 """
 
 from __future__ import annotations
@@ -29,11 +35,21 @@ from overlord.store import Keys
 
 LEASE_S = 3.0
 RENEW_S = 0.5
+RUN_ENV = "OVERLORD_RUN"  # a role's environment: the job's run token its sidecar started or joined with
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
+return 0
+"""
+
+
+# KEYS: leader, run; ARGV: the lease value, its TTL (ms), the run token this Planner was
+# started for. -1: the job runs another run now; 1: taken; 0: held by another.
+_TAKE = """
+if redis.call('GET', KEYS[2]) ~= ARGV[3] then return -1 end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 return 0
 """
 
@@ -51,16 +67,25 @@ class WriteUncertain(Exception):
 class Lease:
     """This process's claim to lead the job's planning."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, *, node: str = "", ttl_s: float = LEASE_S) -> None:
+    def __init__(
+        self, r: redis.Redis, keys: Keys, *, node: str = "", ttl_s: float = LEASE_S, run: bytes | None = None
+    ) -> None:
         self.r, self.keys, self.ttl_ms = r, keys, int(ttl_s * 1000)
         self.node = node or socket.gethostname()
+        self.run = run  # the job's run this Planner was started for (None: any)
         self.token: int | None = None
         self.value: bytes | None = None
         self._renew = r.register_script(_RENEW)
+        self._take = r.register_script(_TAKE)
         self.lost = threading.Event()
 
     def acquire(self, stop: threading.Event, beat=None) -> int:
-        """Block until this process holds the lease; returns its fencing token."""
+        """Block until this process holds the lease; returns its fencing token.
+
+        Raises:
+            Superseded: stopped while waiting, or the job runs another run than the
+                one this Planner was started for.
+        """
         while True:
             current = self.r.get(self.keys.leader)
             if current is not None and current == self.value and self.token is not None:
@@ -71,7 +96,7 @@ class Lease:
                 value = json.dumps(
                     {"token": token, "pid": os.getpid(), "node": self.node, "since": time.time()}
                 ).encode()
-                if self.r.set(self.keys.leader, value, nx=True, px=self.ttl_ms):
+                if self._take_lease(value):
                     self.token, self.value = token, value
                     self.lost.clear()
                     return token
@@ -79,6 +104,16 @@ class Lease:
                 beat()  # a standby waiting to lead is healthy
             if stop.wait(0.05):
                 raise Superseded("stopped while waiting for the lease")
+
+    def _take_lease(self, value: bytes) -> bool:
+        if self.run is None:
+            return bool(self.r.set(self.keys.leader, value, nx=True, px=self.ttl_ms))
+        taken = int(self._take(keys=[self.keys.leader, self.keys.run], args=[value, self.ttl_ms, self.run]))
+        if taken < 0:
+            raise Superseded(
+                "the job was published again for another run than this Planner's (a rewind without its node)"
+            )
+        return taken == 1
 
     def renew(self) -> bool:
         """Extend the lease if it is still ours; False (and `lost` set) if not."""

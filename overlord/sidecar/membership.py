@@ -57,6 +57,12 @@ STOP_GRACE_S = 5.0
 DUMP_S = 0.5  # for its signal handler to write the stacks
 
 
+class Republished(Exception):
+    """The job was published again without this node (its `run` token changed): a rewind
+    decided while the node was cut off from Redis, or another node that found none live
+    started the job anew. This node's run is over; its sidecar joins the job again."""
+
+
 def clear_dead(r, keys: Keys, node: str) -> list[str]:
     """Delete the heartbeats of dead processes of `node` (this machine's pids) and
     release the Planner lease if one of them held it; the keys deleted."""
@@ -104,6 +110,7 @@ class Membership:
         self._dumped: set[str] = set()  # of those, the ones past STOP_GRACE_S (stacks asked for)
         self.fostered: dict[str, list[Ring]] = {}  # constructor<h> of another node run here -> its client rings
         self.made: list[Ring] = []  # every ring it created, for the sidecar to close on its way out
+        self.run: bytes | None = None  # the job's `run` token this node started or joined with
         self._placed_at = 0.0
         self._errors_at = 0.0
 
@@ -174,6 +181,7 @@ class Membership:
                 self.job = joined = self._stored(json.loads(stored), sorted(others))
                 layout = Layout.from_json(raw_layout)
                 if action == rewind.JOIN:
+                    self.run = r.get(self.keys.run)
                     r.hset(self.keys.nodes, self.job.node, encode_record(self.offer()))
                     log.info("node %r joins job %r (live nodes: %s)", self.job.node, self.job.name, sorted(others))
                 else:  # the first sidecar back from a rewind: the job again, as it was laid out
@@ -204,15 +212,30 @@ class Membership:
 
     def follow(self, r, placement: dict[str, str] | None = None) -> None:
         """Start the units the Planner placed here, stop those it placed elsewhere
-        (`placement`: as read at boot; else read now, at most every PLACEMENT_S)."""
+        (`placement`: as read at boot; else read now, at most every PLACEMENT_S).
+
+        Raises:
+            Republished: the placement read belongs to a run published without this
+                node; nothing was started or stopped from it.
+        """
         if placement is None:
             if time.monotonic() - self._placed_at < PLACEMENT_S:
                 return
-            # one snapshot: a promotion moves a loader's unit and names its process at once
+            # one snapshot: a promotion moves a loader's unit and names its process at once;
+            # the run token with it, so a placement of a run this node is not part of is
+            # never followed (its units would start beside this run's rings and roles)
             pipe = r.pipeline(transaction=True)
             pipe.hgetall(self.keys.placement)
             pipe.hgetall(self.keys.active)
-            raw, active = pipe.execute()
+            pipe.get(self.keys.run)
+            raw, active, run = pipe.execute()
+            if run != self.run:
+                if run is None:
+                    return  # being published right now (or the job's state is lost: the watch loop says so)
+                raise Republished(
+                    f"job {self.job.name!r} was published again while node {self.job.node!r} was out of its "
+                    "Redis's reach (a rewind decided without it, or a start on the other nodes)"
+                )
             placement = {k.decode(): v.decode() for k, v in raw.items()}
             self.roles.adopt(active)  # a shadow of this node promoted: the loader unit placed here is it
         self._placed_at = time.monotonic()

@@ -17,11 +17,15 @@ earliest rank's step (overlord.sidecar.resume).
     every rank's position (`resume`)                     -> one sidecar decides the step; `rewind` goes
 
 The barrier is the fence: nothing of the run that went too far writes after the job
-is published again, because every role of every live node has exited by then (a
-node whose sidecar heartbeat lapsed is not waited for: its roles died with it). The
-`fence` counter is kept across the publish, so a Planner lease taken afterwards never
-reuses a token of the run before. A sidecar that starts during a rewind (a lost node
-back) takes part in it from its boot; one that starts after it joins the resumed run.
+is published again, because every role of every live node has exited by then. A node
+whose sidecar heartbeat lapsed is not waited for: lost, its roles died with it; cut
+off, they live on. Every publish writes a new `run` token, so such a node's sidecar,
+back in reach, sees the job went on without it (overlord.sidecar.membership
+`Republished`) and joins the rewound run, and its Planner cannot take the lease of a
+run not its own (overlord.runtime.lease). The `fence` counter is kept across the
+publish, so a Planner lease taken afterwards never reuses a token of the run before.
+A sidecar that starts during a rewind (a lost node back) takes part in it from its
+boot; one that starts after it joins the resumed run.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from overlord.shm import Ring, cleanup_stale, unlink_all
 from overlord.shm import pid_alive as _alive
 from overlord.sidecar import mode, resume, rewind
 from overlord.sidecar.checks import check_redis, check_shm, check_sources, check_transforms
-from overlord.sidecar.membership import Membership, live_nodes
+from overlord.sidecar.membership import Membership, Republished, live_nodes
 from overlord.sidecar.mode import lock_path
 from overlord.sidecar.mode import sidecar_running as sidecar_running  # where tests and tools look for it
 from overlord.sidecar.role import HEARTBEAT_TTL_S
@@ -79,7 +79,8 @@ class Sidecar:
         self.resume = resume
         self.rewinding = False  # several nodes: taking part in a rewind (overlord.sidecar.rewind)
         self._rewind_checked = 0.0  # when Redis was last asked whether a rewind is under way (monotonic)
-        self._runs = 0  # runs begun: 1, and one more per rewind (the mode file says it)
+        self._runs = 0  # runs begun: 1, and one more per rewind or rejoin (the mode file says it)
+        self.rejoining = False  # joining again a job published without this node (`_rejoin`)
         self.keys = Keys(job.name)
         self.run_dir = job.run_path
         self.redis: EmbeddedRedis | None = None
@@ -145,7 +146,9 @@ class Sidecar:
         asked = rewind.asked_positions(r.hgetall(self.keys.rewind)) if self.rewinding else {}
         if self.resume or self.rewinding:
             resume.check_layout(job, r, self.keys, layout)
+        self.membership.run = os.urandom(8).hex().encode()  # a node that misses this publish learns of it
         pipe = r.pipeline(transaction=True)
+        pipe.set(self.keys.run, self.membership.run)
         pipe.set(self.keys.job_config, job.to_json())
         pipe.set(self.keys.layout, layout.to_json())
         pipe.set(self.keys.ckpt_layout, json.dumps(resume.streams_of(layout)))
@@ -326,7 +329,7 @@ class Sidecar:
         if not joined:
             return self.resume
         awaiting = bool(self.r.hexists(self.keys.resume, RESUME_AWAITING))
-        if self.resume and not awaiting:
+        if self.resume and not awaiting and not self.rejoining:
             log.warning(
                 "node %r joins the running job %r (--resume has nothing to wait for)", self.job.node, self.job.name
             )
@@ -337,6 +340,7 @@ class Sidecar:
 
     def _start_roles(self, layout: Layout, placement: dict[str, str] | None) -> None:
         self.r.connection_pool.disconnect()  # children open their own connections
+        self.roles.run = self.membership.run  # the run they serve: a Planner leads only while it is the job's
         self.roles.spawn("planner", 0)  # on several nodes: one per node, one leads
         if placement is not None:
             self._beat()
@@ -366,6 +370,41 @@ class Sidecar:
             self.job.name,
             self.job.node,
         )
+        self._drop_run()
+        self.rewinding = True
+        begun = self._begin()
+        if begun is not None:
+            self._start_roles(*begun)
+
+    def _rejoin(self, why: str) -> None:
+        """The job was published again without this node (`why`, membership.Republished):
+        its run is over. A trainer still reading one of its rings gets the error (the
+        batches it would read next belong to a run the job left); every role stops, the
+        rings go, and the sidecar joins the job as it runs now, waiting for the trainers'
+        positions while that run does. With no other node live any more it publishes the
+        job as a resume (the checkpoints kept), never as a fresh start."""
+        message = (
+            f"{why}: node {self.job.node!r} left that run's batches undelivered on its rings and joins the job "
+            "again; restart the trainers of this node from their saved state"
+        )
+        log.warning("%s; stopping every role here and joining the job again", why)
+        for ring in [*self.client_rings.values(), *self.membership.fostered_rings()]:
+            if ring.consumer_pid and _alive(ring.consumer_pid):
+                ring.set_error(message)
+        self._drop_run()
+        self.rejoining, self.resume = True, True
+        try:
+            begun = self._begin()
+            if begun is not None:
+                self._start_roles(*begun)
+        except redis.RedisError:
+            self.membership.run = None  # cut short: the watch loop's next placement read rejoins again
+            raise
+        finally:
+            self.rejoining = False
+
+    def _drop_run(self) -> None:
+        """Stop every role and drop every ring of this node's run (a rewind, a rejoin)."""
         self.roles.stop()
         for ring in [*self.rings, *self.membership.made]:
             ring.close()
@@ -374,10 +413,6 @@ class Sidecar:
         self.roles = Roles(self.job, self.keys, self.run_dir)
         self.roles.use(self.r, self.url)
         self.membership = Membership(self.job, self.keys, self.roles)
-        self.rewinding = True
-        begun = self._begin()
-        if begun is not None:
-            self._start_roles(*begun)
 
     # -- watching ------------------------------------------------------------------------
 
@@ -435,7 +470,15 @@ class Sidecar:
                     continue
                 if self.job.multi_node:
                     self.membership.retire(codes)
-                    self.membership.follow(self.r)
+                    try:
+                        self.membership.follow(self.r)
+                    except Republished as exc:
+                        try:
+                            self._rejoin(str(exc))
+                        except OverlordError as error:
+                            return self._fail(str(error))
+                        started, finished = time.monotonic(), None
+                        continue
                     message = self.membership.remote_failure(self.r)
                     if message is not None:
                         return self._fail(message)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from overlord import heap
 from overlord.config import split_redis_password
+from overlord.runtime.lease import RUN_ENV
 from overlord.sidecar.role import main as role_main
 from overlord.store.client import password_env
 from overlord.store.server import die_with_parent
@@ -110,9 +111,12 @@ def _set_name(name: str) -> None:
     libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
-def fork_role(role: str, index: int, run_dir: Path, redis_url: str, attempt: int = 0) -> RoleProcess:
+def fork_role(
+    role: str, index: int, run_dir: Path, redis_url: str, attempt: int = 0, run: bytes | None = None
+) -> RoleProcess:
     """Fork a child that runs `overlord.sidecar.role.main` for (role, index); `attempt`
-    counts restarts (a restarted role recovers from Redis)."""
+    counts restarts (a restarted role recovers from Redis); `run`: the job's run token
+    (the `run` key) the sidecar started or joined with, in $OVERLORD_RUN."""
     log = run_dir / f"{role}{index}.log"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -138,6 +142,9 @@ def fork_role(role: str, index: int, run_dir: Path, redis_url: str, attempt: int
         # the child reads the URL without its password; the password travels beside it
         os.environ["OVERLORD_REDIS_URL"] = split_redis_password(redis_url)[0]
         os.environ.update(password_env(redis_url))
+        os.environ.pop(RUN_ENV, None)
+        if run is not None:
+            os.environ[RUN_ENV] = run.decode()
         code = role_main([role, "--run-dir", str(run_dir), "--index", str(index), "--attempt", str(attempt)])
     except BaseException:  # noqa: BLE001 - the child must never return into the sidecar's code
         traceback.print_exc()

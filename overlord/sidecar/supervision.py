@@ -58,6 +58,7 @@ class Roles:
         self.job, self.keys, self.run_dir = job, keys, run_dir
         self.r: Any = None  # the sidecar's Redis client (redis.Redis), from use()
         self.url = ""
+        self.run: bytes | None = None  # the job's run token the roles are started for (spawn.RUN_ENV)
         self.children: dict[str, RoleProcess] = {}
         self.attempts: dict[str, int] = {}  # role<index> -> restarts so far
         self.awaiting: dict[int, float] = {}  # loader process -> when its shadow's promotion was awaited
@@ -78,7 +79,7 @@ class Roles:
         # a note an earlier process of it left unread (it stopped superseded while told to
         # leave, or in a rewind) must not vouch for this one's exit 3
         superseded_note(self.run_dir, f"{role}{index}").unlink(missing_ok=True)
-        proc = fork_role(role, index, self.run_dir, self.url, attempt)
+        proc = fork_role(role, index, self.run_dir, self.url, attempt, run=self.run)
         proc.role, proc.index = role, index
         self.children[f"{role}{index}"] = proc
         if role == "loader":

@@ -102,6 +102,17 @@ SCHEMA: tuple[Key, ...] = (
         example="GET",
     ),
     Key(
+        "run",
+        "run",
+        "string",
+        "a token each publish of the job writes anew (a start, a resume, a rewind): a sidecar that finds "
+        "another than the one it started or joined with was left out of that publish (its node cut off "
+        "meanwhile), and joins the job again",
+        "sidecar",
+        "sidecars",
+        example="GET",
+    ),
+    Key(
         "planner",
         "planner",
         "hash",

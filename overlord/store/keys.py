@@ -61,6 +61,10 @@ class Keys:
         return f"{self.base}:layout"
 
     @property
+    def run(self) -> str:
+        return f"{self.base}:run"
+
+    @property
     def errors(self) -> str:
         return f"{self.base}:errors"
 

@@ -12,6 +12,8 @@ bytes of a run without a stop.
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 from harness import assert_delivered
@@ -19,7 +21,9 @@ from hosted import FLIGHT_PORT, HostedJob, HostedJobs, until
 from hosts import unavailable
 
 from overlord import BatchSpec, Mesh
+from overlord.sidecar import rewind
 from overlord.store import Keys, connect
+from overlord.store.schema import RESUME_STEP
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -175,4 +179,50 @@ def test_a_node_lost_with_its_trainers_rewinds_the_job_to_their_saved_states(hos
     assert {rank: second[rank]["steps"][0] for rank in second} == resumes_at, h.log()
     rewound = (h.workdir / "sidecar-n0.log").read_text()
     assert "loaded an earlier state" in rewound, "n0's sidecar never went back"
+    assert h.stop() == {n: 0 for n in NODES}, h.log()
+
+
+def test_a_node_cut_off_for_the_whole_of_a_rewind_joins_the_rewound_run(hosted, reference, corpus_keys):
+    """Every trainer restarts from its saved state while n1's link is down: n0 goes back
+    without it (n1's heartbeat lapsed, so the barrier does not wait for it), publishes
+    the job again, and decides the step once n1's rank tells its position. n1's sidecar
+    saw none of it (here: stopped while its rank asked and the step was decided, as a
+    longer cut would leave it). Back, it finds the job published without it and joins
+    the rewound run; its rank, which waited for that, reads on. Exactly once, with the
+    bytes of a run without a fault."""
+    h = hosted()
+    for node in NODES:
+        h.start_sidecar(node)
+    h.start_trainers(ranks=[0], sleep="0.05", **{"save-every": 10})
+    h.start_trainers(ranks=[1], sleep="0.05", **{"save-every": 15})
+    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
+
+    def saved(rank: int) -> int:
+        try:
+            return json.loads(h.out(rank).read_text())["state"]["batches"]
+        except (OSError, KeyError, ValueError):
+            return 0
+
+    until(lambda: saved(0) >= 40 and saved(1) >= 45, h, what="both ranks to save 40 and 45 batches")
+    first = h.stop_trainers()
+    states = h.save_states(first)
+    h.hosts["n1"].cut()
+    h.start_trainers(ranks=[0], **{"load-state": str(states[0])})
+    until(lambda: rewind.published(r, keys) == "n0", h, what="n0 to publish the rewound run without n1")
+    h.sidecars["n1"].send_signal(signal.SIGSTOP)
+    try:
+        h.hosts["n1"].mend()
+        h.start_trainers(ranks=[1], **{"load-state": str(states[1])})
+        until(lambda: r.hget(keys.resume, RESUME_STEP) is not None, h, what="the rewound run's step to be decided")
+        assert not rewind.under_way(r, keys)
+    finally:
+        h.sidecars["n1"].send_signal(signal.SIGCONT)
+        os.kill(h.sidecars["n1"].popen.pid, signal.SIGCONT)  # nsenter stopped itself with its child
+    second = h.results(timeout=150)
+    _check_ends(second, h)
+    merged = _merge(first, second)
+    for rank, rec in merged.items():
+        assert rec["digests"] == reference[rank]["digests"], f"rank {rank}: bytes differ from the run without a fault"
+    assert_delivered(merged, corpus_keys, log=h.log)
+    assert "joining the job again" in (h.workdir / "sidecar-n1.log").read_text(), h.log()
     assert h.stop() == {n: 0 for n in NODES}, h.log()

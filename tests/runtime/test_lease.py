@@ -82,3 +82,17 @@ def test_checkpoints_rebuild_any_kept_step_from_snapshots_and_deltas(r):
     assert kept[-1] == 29 and kept[0] >= 29 - 8 - 4  # old snapshots and their deltas trimmed
     for step in kept:
         assert ckpts.load(r, step) == states[step]
+
+
+def test_a_planner_started_for_another_run_of_the_job_never_takes_the_lease(r):
+    """A Planner of a node cut off while the job was published again without it (a
+    rewind) would lead the new run from the old run's newest checkpoint: the lease is
+    taken only while the job's `run` token is the one the Planner was started for."""
+    keys, stop = Keys("j"), threading.Event()
+    r.set(keys.run, b"new-run")
+    stale = Lease(r, keys, node="n1", ttl_s=5, run=b"old-run")
+    with pytest.raises(Superseded, match="published again"):
+        stale.acquire(stop)
+    assert r.get(keys.leader) is None
+    current = Lease(r, keys, node="n0", ttl_s=5, run=b"new-run")
+    assert current.acquire(stop) == holder(r, keys)["token"]

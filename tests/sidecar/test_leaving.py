@@ -20,6 +20,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from overlord import BatchSpec, Job, Mesh, Source
 from overlord.sidecar import membership
 from overlord.sidecar.membership import Membership
@@ -161,3 +163,31 @@ def test_a_unit_that_stopped_of_itself_or_failed_is_not_forgotten_as_superseded(
         codes = roles.codes()
         m.forget_superseded(codes)
         assert codes == {"constructor0": code} and "constructor0" in roles.children
+
+
+def test_a_placement_of_a_run_published_without_this_node_is_not_followed(tmp_path, r):
+    """The job was published again while this node was cut off (a rewind decided
+    without it): the new run's placement is not this node's to follow beside its old
+    run's rings and roles. Nothing starts or stops; the sidecar hears Republished (and
+    joins the new run). While the job is being published (no run token yet) it waits."""
+    m, roles = _membership(tmp_path)
+    keys = m.keys
+    started = []
+    roles.spawn = lambda role, index, attempt=0: started.append((role, index, attempt))
+    child = _child(tmp_path / "role.log", ignore_term=False)
+    roles.children["constructor1"] = child  # this node runs a unit the new run placed on n1
+    r.hset(keys.placement, mapping={"constructor0": "n0", "constructor1": "n1"})
+    m.run = b"old-run"
+    try:
+        r.set(keys.run, b"new-run")
+        with pytest.raises(membership.Republished):
+            m.follow(r)
+        r.delete(keys.run)  # being published right now
+        m.follow(r)
+        assert started == [] and not m.leaving and child.poll() is None
+        r.set(keys.run, b"old-run")  # its own run: followed
+        m.follow(r)
+        assert started == [("constructor", 0, 0)] and "constructor1" in m.leaving
+    finally:
+        child.kill()
+        child.wait(timeout=10)
