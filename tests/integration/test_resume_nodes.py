@@ -186,10 +186,12 @@ def test_a_node_cut_off_for_the_whole_of_a_rewind_joins_the_rewound_run(hosted, 
     """Every trainer restarts from its saved state while n1's link is down: n0 goes back
     without it (n1's heartbeat lapsed, so the barrier does not wait for it), publishes
     the job again, and decides the step once n1's rank tells its position. n1's sidecar
-    saw none of it (here: stopped while its rank asked and the step was decided, as a
-    longer cut would leave it). Back, it finds the job published without it and joins
-    the rewound run; its rank, which waited for that, reads on. Exactly once, with the
-    bytes of a run without a fault."""
+    sees none of it (here: stopped from before the cut until the step is decided, as a
+    longer cut would leave it; stopped only once the link is down, a command it sent in
+    the cut can land once the link is back and show it the rewind still under way, and
+    it goes back with the others, late to the barrier). Back, it finds the job published
+    without it and joins the rewound run; its rank, which waited for that, reads on.
+    Exactly once, with the bytes of a run without a fault."""
     h = hosted()
     for node in NODES:
         h.start_sidecar(node)
@@ -206,11 +208,11 @@ def test_a_node_cut_off_for_the_whole_of_a_rewind_joins_the_rewound_run(hosted, 
     until(lambda: saved(0) >= 40 and saved(1) >= 45, h, what="both ranks to save 40 and 45 batches")
     first = h.stop_trainers()
     states = h.save_states(first)
-    h.hosts["n1"].cut()
-    h.start_trainers(ranks=[0], **{"load-state": str(states[0])})
-    until(lambda: rewind.published(r, keys) == "n0", h, what="n0 to publish the rewound run without n1")
     h.sidecars["n1"].send_signal(signal.SIGSTOP)
     try:
+        h.hosts["n1"].cut()
+        h.start_trainers(ranks=[0], **{"load-state": str(states[0])})
+        until(lambda: rewind.published(r, keys) == "n0", h, what="n0 to publish the rewound run without n1")
         h.hosts["n1"].mend()
         h.start_trainers(ranks=[1], **{"load-state": str(states[1])})
         until(lambda: r.hget(keys.resume, RESUME_STEP) is not None, h, what="the rewound run's step to be decided")
