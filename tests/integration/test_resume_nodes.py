@@ -103,6 +103,21 @@ def _check_ends(second: dict[int, dict], h: HostedJob) -> None:
         assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{h.log()}"
 
 
+def _as_reference(h: HostedJob, first: dict[int, dict], reference, corpus_keys, timeout: float) -> dict[int, dict]:
+    """The second run's records once every rank ended, checked: each rank read to the end,
+    every sample once across both runs, and each rank's bytes those of the run without
+    a stop or a fault."""
+    second = h.results(timeout=timeout)
+    _check_ends(second, h)
+    merged = _merge(first, second)
+    for rank, rec in merged.items():
+        assert rec["digests"] == reference[rank]["digests"], (
+            f"rank {rank}: bytes differ from the run without a stop or fault"
+        )
+    assert_delivered(merged, corpus_keys, log=h.log)
+    return second
+
+
 def test_a_stopped_job_resumes_on_the_same_nodes_with_the_bytes_of_a_run_without_a_stop(hosted, reference, corpus_keys):
     h = hosted()
     first, states = _stopped_run(h, batches=30)  # step 14 of 40: the rest comes from the resume
@@ -110,12 +125,7 @@ def test_a_stopped_job_resumes_on_the_same_nodes_with_the_bytes_of_a_run_without
         h.start_sidecar(node, "--resume")
     for rank, path in states.items():
         h.start_trainers(ranks=[rank], **{"load-state": path})
-    second = h.results(timeout=120)
-    _check_ends(second, h)
-    merged = _merge(first, second)
-    for rank, rec in merged.items():
-        assert rec["digests"] == reference[rank]["digests"], f"rank {rank}: bytes differ from the run without a stop"
-    assert_delivered(merged, corpus_keys, log=h.log)
+    _as_reference(h, first, reference, corpus_keys, timeout=120)
     assert h.stop() == {n: 0 for n in NODES}, h.log()
 
 
@@ -136,19 +146,14 @@ def test_a_stopped_job_resumes_on_another_dp_size_exactly_once(hosted, corpus_ke
     assert h.stop() == {n: 0 for n in NODES}, h.log()
 
 
-def test_a_node_lost_with_its_trainers_rewinds_the_job_to_their_saved_states(hosted, reference, corpus_keys):
-    """node_loss: n1 vanishes with its sidecar, roles and trainer while n0's sidecar
-    runs on; torchrun kills n0's trainer too and restarts every rank from its last
-    saved state; systemd starts n1's sidecar again (the same command line). The job
-    goes back to the trainers' states on both nodes and continues exactly once, with
-    the bytes of a run without a fault."""
-    h = hosted()
+def _saved_mid_run(h: HostedJob):
+    """Both nodes run the job, the ranks saving their state every 10 and 15 batches; returns
+    (Redis client, keys) once they saved 40 and 45 (rank 1's state is mid-step: step 22,
+    micro-batch 0, so the rank ahead skips what it had of the step resumed at)."""
     for node in NODES:
         h.start_sidecar(node)
-    # the ranks save at different batches: the one ahead skips what it had of the step resumed at
     h.start_trainers(ranks=[0], sleep="0.05", **{"save-every": 10})
     h.start_trainers(ranks=[1], sleep="0.05", **{"save-every": 15})
-    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
 
     def saved(rank: int) -> int:
         try:
@@ -156,8 +161,18 @@ def test_a_node_lost_with_its_trainers_rewinds_the_job_to_their_saved_states(hos
         except (OSError, KeyError, ValueError):
             return 0
 
-    # rank 1's state after 45 batches is mid-step (step 22, micro-batch 0)
     until(lambda: saved(0) >= 40 and saved(1) >= 45, h, what="both ranks to save 40 and 45 batches")
+    return connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
+
+
+def test_a_node_lost_with_its_trainers_rewinds_the_job_to_their_saved_states(hosted, reference, corpus_keys):
+    """node_loss: n1 vanishes with its sidecar, roles and trainer while n0's sidecar
+    runs on; torchrun kills n0's trainer too and restarts every rank from its last
+    saved state; systemd starts n1's sidecar again (the same command line). The job
+    goes back to the trainers' states on both nodes and continues exactly once, with
+    the bytes of a run without a fault."""
+    h = hosted()
+    r, keys = _saved_mid_run(h)
     h.lose_node("n1")
     first = h.stop_trainers()
     states = h.save_states(first)
@@ -170,12 +185,7 @@ def test_a_node_lost_with_its_trainers_rewinds_the_job_to_their_saved_states(hos
     h.restart_node("n1")
     for rank, path in states.items():
         h.start_trainers(ranks=[rank], **{"load-state": str(path)})
-    second = h.results(timeout=150)
-    _check_ends(second, h)
-    merged = _merge(first, second)
-    for rank, rec in merged.items():
-        assert rec["digests"] == reference[rank]["digests"], f"rank {rank}: bytes differ from the run without a fault"
-    assert_delivered(merged, corpus_keys, log=h.log)
+    second = _as_reference(h, first, reference, corpus_keys, timeout=150)
     assert {rank: second[rank]["steps"][0] for rank in second} == resumes_at, h.log()
     rewound = (h.workdir / "sidecar-n0.log").read_text()
     assert "loaded an earlier state" in rewound, "n0's sidecar never went back"
@@ -193,19 +203,7 @@ def test_a_node_cut_off_for_the_whole_of_a_rewind_joins_the_rewound_run(hosted, 
     without it and joins the rewound run; its rank, which waited for that, reads on.
     Exactly once, with the bytes of a run without a fault."""
     h = hosted()
-    for node in NODES:
-        h.start_sidecar(node)
-    h.start_trainers(ranks=[0], sleep="0.05", **{"save-every": 10})
-    h.start_trainers(ranks=[1], sleep="0.05", **{"save-every": 15})
-    r, keys = connect(h.job.redis_url, ride_through_s=0), Keys(h.job.name)
-
-    def saved(rank: int) -> int:
-        try:
-            return json.loads(h.out(rank).read_text())["state"]["batches"]
-        except (OSError, KeyError, ValueError):
-            return 0
-
-    until(lambda: saved(0) >= 40 and saved(1) >= 45, h, what="both ranks to save 40 and 45 batches")
+    r, keys = _saved_mid_run(h)
     first = h.stop_trainers()
     states = h.save_states(first)
     h.sidecars["n1"].send_signal(signal.SIGSTOP)
@@ -220,11 +218,6 @@ def test_a_node_cut_off_for_the_whole_of_a_rewind_joins_the_rewound_run(hosted, 
     finally:
         h.sidecars["n1"].send_signal(signal.SIGCONT)
         os.kill(h.sidecars["n1"].popen.pid, signal.SIGCONT)  # nsenter stopped itself with its child
-    second = h.results(timeout=150)
-    _check_ends(second, h)
-    merged = _merge(first, second)
-    for rank, rec in merged.items():
-        assert rec["digests"] == reference[rank]["digests"], f"rank {rank}: bytes differ from the run without a fault"
-    assert_delivered(merged, corpus_keys, log=h.log)
+    _as_reference(h, first, reference, corpus_keys, timeout=150)
     assert "joining the job again" in (h.workdir / "sidecar-n1.log").read_text(), h.log()
     assert h.stop() == {n: 0 for n in NODES}, h.log()
