@@ -110,7 +110,6 @@ class Membership:
         self._dumped: set[str] = set()  # of those, the ones past STOP_GRACE_S (stacks asked for)
         self.fostered: dict[str, list[Ring]] = {}  # constructor<h> of another node run here -> its client rings
         self.made: list[Ring] = []  # every ring it created, for the sidecar to close on its way out
-        self.run: bytes | None = None  # the job's `run` token this node started or joined with
         self._placed_at = 0.0
         self._errors_at = 0.0
 
@@ -181,7 +180,7 @@ class Membership:
                 self.job = joined = self._stored(json.loads(stored), sorted(others))
                 layout = Layout.from_json(raw_layout)
                 if action == rewind.JOIN:
-                    self.run = r.get(self.keys.run)
+                    self.roles.run = r.get(self.keys.run)  # the run this node joins (its roles start for it)
                     r.hset(self.keys.nodes, self.job.node, encode_record(self.offer()))
                     log.info("node %r joins job %r (live nodes: %s)", self.job.node, self.job.name, sorted(others))
                 else:  # the first sidecar back from a rewind: the job again, as it was laid out
@@ -229,7 +228,7 @@ class Membership:
             pipe.hgetall(self.keys.active)
             pipe.get(self.keys.run)
             raw, active, run = pipe.execute()
-            if run != self.run:
+            if run != self.roles.run:
                 if run is None:
                     return  # being published right now (or the job's state is lost: the watch loop says so)
                 raise Republished(

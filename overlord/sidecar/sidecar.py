@@ -146,9 +146,9 @@ class Sidecar:
         asked = rewind.asked_positions(r.hgetall(self.keys.rewind)) if self.rewinding else {}
         if self.resume or self.rewinding:
             resume.check_layout(job, r, self.keys, layout)
-        self.membership.run = os.urandom(8).hex().encode()  # a node that misses this publish learns of it
+        self.roles.run = os.urandom(8).hex().encode()  # a node that misses this publish learns of it
         pipe = r.pipeline(transaction=True)
-        pipe.set(self.keys.run, self.membership.run)
+        pipe.set(self.keys.run, self.roles.run)
         pipe.set(self.keys.job_config, job.to_json())
         pipe.set(self.keys.layout, layout.to_json())
         pipe.set(self.keys.ckpt_layout, json.dumps(resume.streams_of(layout)))
@@ -340,7 +340,6 @@ class Sidecar:
 
     def _start_roles(self, layout: Layout, placement: dict[str, str] | None) -> None:
         self.r.connection_pool.disconnect()  # children open their own connections
-        self.roles.run = self.membership.run  # the run they serve: a Planner leads only while it is the job's
         self.roles.spawn("planner", 0)  # on several nodes: one per node, one leads
         if placement is not None:
             self._beat()
@@ -398,7 +397,7 @@ class Sidecar:
             if begun is not None:
                 self._start_roles(*begun)
         except redis.RedisError:
-            self.membership.run = None  # cut short: the watch loop's next placement read rejoins again
+            self.roles.run = None  # cut short: the watch loop's next placement read rejoins again
             raise
         finally:
             self.rejoining = False

@@ -58,7 +58,10 @@ class Roles:
         self.job, self.keys, self.run_dir = job, keys, run_dir
         self.r: Any = None  # the sidecar's Redis client (redis.Redis), from use()
         self.url = ""
-        self.run: bytes | None = None  # the job's run token the roles are started for (spawn.RUN_ENV)
+        # the job's `run` token this node started or joined with: its roles serve that run
+        # (a Planner leads only while it is the job's), and a placement of another is not
+        # followed (Membership.follow)
+        self.run: bytes | None = None
         self.children: dict[str, RoleProcess] = {}
         self.attempts: dict[str, int] = {}  # role<index> -> restarts so far
         self.awaiting: dict[int, float] = {}  # loader process -> when its shadow's promotion was awaited

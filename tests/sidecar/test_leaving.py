@@ -177,7 +177,7 @@ def test_a_placement_of_a_run_published_without_this_node_is_not_followed(tmp_pa
     child = _child(tmp_path / "role.log", ignore_term=False)
     roles.children["constructor1"] = child  # this node runs a unit the new run placed on n1
     r.hset(keys.placement, mapping={"constructor0": "n0", "constructor1": "n1"})
-    m.run = b"old-run"
+    roles.run = b"old-run"
     try:
         r.set(keys.run, b"new-run")
         with pytest.raises(membership.Republished):
