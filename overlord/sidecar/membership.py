@@ -298,10 +298,12 @@ class Membership:
     def forget_superseded(self, codes: dict[str, int | None]) -> None:
         """Units that exited SUPERSEDED (another process took them over while this node
         was out of Redis's reach) are no failure: forgotten, and dropped from `codes`,
-        so one placed here again starts anew (`follow`) instead of standing stopped."""
+        so one placed here again starts anew (`follow`) instead of standing stopped.
+        A process notes it under the name it was started as (`proc.name`): a shadow
+        promoted here is watched as `loader<k>` but wrote `shadow<k>`'s note."""
         for name, code in list(codes.items()):
             proc = self.roles.children[name]
-            if name not in self.leaving and was_superseded(self.roles.run_dir, name, proc.pid, code):
+            if name not in self.leaving and was_superseded(self.roles.run_dir, proc.name, proc.pid, code):
                 log.warning("%s stopped: another process runs its unit now; it starts again while placed here", name)
                 self.roles.forget(name)
                 self.superseded.add(name)

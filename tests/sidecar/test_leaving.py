@@ -29,7 +29,7 @@ from overlord.sidecar.role import SUPERSEDED, superseded_note
 from overlord.sidecar.spawn import RoleProcess
 from overlord.sidecar.supervision import Roles
 from overlord.store import Keys
-from overlord.store.schema import PLANNER_STEP
+from overlord.store.schema import PLANNER_STEP, encode_active
 
 
 def _job(tmp_path) -> Job:
@@ -111,15 +111,15 @@ def test_a_unit_that_ignores_sigterm_dumps_its_stacks_and_is_killed_after_the_gr
     assert "most recent call first" in stacks and "_child" in stacks  # where it waited
 
 
-def _exited(code: int, note: Path | None = None) -> RoleProcess:
-    """A forked child that exits `code` (having written its pid to `note`, as a role
-    that stopped superseded does)."""
+def _exited(code: int, note: Path | None = None, name: str = "constructor0") -> RoleProcess:
+    """A forked child started as `name` that exits `code` (having written its pid to
+    `note`, as a role that stopped superseded does)."""
     pid = os.fork()
     if pid == 0:
         if note is not None:
             note.write_text(str(os.getpid()))
         os._exit(code)
-    proc = RoleProcess("constructor0", pid)
+    proc = RoleProcess(name, pid)
     deadline = time.monotonic() + 10
     while proc.poll() is None:
         assert time.monotonic() < deadline, "the child did not exit"
@@ -152,6 +152,24 @@ def test_a_superseded_unit_placed_here_starts_again_once_its_other_process_is_go
     r.delete(keys.rewind)
     m.follow(r, {"constructor0": "n0", "constructor1": "n1"})
     assert started == [("constructor", 0, 1)]
+
+
+def test_a_shadow_promoted_here_then_superseded_is_no_failure(tmp_path):
+    """A shadow promoted on this node is watched as its loader (`Roles.adopt`), but the
+    process notes its takeover under the name it was started as. Two nodes' chaos found
+    it: the promoted shadow was superseded by the loader its node's restarted sidecar
+    started from the placement it joined with, and this sidecar took the exit for a
+    failure and ended the job."""
+    m, roles = _membership(tmp_path)
+    proc = _exited(SUPERSEDED, superseded_note(tmp_path, "shadow1"), name="shadow1")
+    roles.children["shadow1"] = proc
+    roles.adopt({b"1": encode_active(proc.pid, "n0").encode()})
+    assert list(roles.children) == ["loader1"]
+    codes = roles.codes()
+    m.forget_superseded(codes)
+    assert codes == {} and roles.children == {}, "a superseded exit is no failure and not watched"
+    assert m.superseded == {"loader1"}, "the loader unit starts again while placed here"
+    assert not superseded_note(tmp_path, "shadow1").exists()
 
 
 def test_a_unit_that_stopped_of_itself_or_failed_is_not_forgotten_as_superseded(tmp_path):
