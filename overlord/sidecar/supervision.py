@@ -215,6 +215,11 @@ class Roles:
 
     # -- failing -------------------------------------------------------------------------
 
+    def log_of(self, name: str) -> Path:
+        """The log of child `name`: named after the role it was started as (a shadow
+        promoted here, watched as `loader<k>`, writes on to `shadow<k>.log`)."""
+        return self.run_dir / f"{self.children[name].name}.log"
+
     def failure_message(self, name: str, code: int) -> str:
         """The job's error for `name`, which exited with `code` and is not restarted."""
         try:
@@ -226,7 +231,7 @@ class Roles:
             proc = self.children[name]
             return (
                 f"{name} (pid {proc.pid}) on node {self.job.node!r} was killed by signal {-code} after "
-                f"{self.attempts[name]} restarts (Job.max_restarts); see {self.run_dir / (name + '.log')}"
+                f"{self.attempts[name]} restarts (Job.max_restarts); see {self.log_of(name)}"
                 + (f"; it died {died[1].split(' died ', 1)[1]}" if died else "")
             )
         if raw:
@@ -237,7 +242,7 @@ class Roles:
         how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return (
             f"{name} (pid {proc.pid}) on node {self.job.node!r} {how} without reporting an error; "
-            f"see {self.run_dir / (name + '.log')}"
+            f"see {self.log_of(name)}"
         )
 
     def _died_in_transform(self, name: str, code: int) -> tuple[tuple, str] | None:
@@ -264,7 +269,7 @@ class Roles:
         the job's error record (what `overlord status` and trainers on other nodes read)."""
         times = "twice in a row (not restarted again)" if again else "without reporting an error"
         message = (
-            f"{sentence}, {times}; see {self.run_dir / (name + '.log')}. Fix the transform for that row (something "
+            f"{sentence}, {times}; see {self.log_of(name)}. Fix the transform for that row (something "
             "in it ends the process: os._exit, a signal, a crash in native code; or the OOM killer took it: see "
             "dmesg). on_error: skip does not skip it: a skip is decided by the file's bytes alone, so that every "
             "active, shadow and restarted loader makes it alike, and a death is not"

@@ -172,6 +172,18 @@ def test_a_shadow_promoted_here_then_superseded_is_no_failure(tmp_path):
     assert not superseded_note(tmp_path, "shadow1").exists()
 
 
+def test_a_promoted_shadow_that_fails_is_named_with_the_log_it_wrote(tmp_path):
+    """The job's error for a promoted shadow points at the log the process writes
+    (`shadow<k>.log`, named when it was forked), not at a `loader<k>.log` that does not
+    exist."""
+    m, roles = _membership(tmp_path)
+    proc = _exited(1, name="shadow1")
+    roles.children["shadow1"] = proc
+    roles.adopt({b"1": encode_active(proc.pid, "n0").encode()})
+    message = roles.failure_message("loader1", 1)
+    assert f"see {tmp_path / 'shadow1.log'}" in message and "loader1.log" not in message, message
+
+
 def test_a_unit_that_stopped_of_itself_or_failed_is_not_forgotten_as_superseded(tmp_path):
     """Exit 0, 1, or 3 without the note: a transform may call os._exit(3) in a loader
     process, and the sidecar must name that death, not take it for a takeover."""
