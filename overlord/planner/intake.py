@@ -41,6 +41,7 @@ from overlord.runtime.flow import alive_within
 from overlord.runtime.layout import Layout
 from overlord.runtime.lease import Lease, Superseded
 from overlord.store import Keys
+from overlord.store.lane import Lane
 from overlord.store.schema import DEMAND_HOLD_STEPS, DEMANDED_MAXLEN, demanded_values
 
 WAIT_MS = 20  # longest block on the metadata streams
@@ -74,7 +75,9 @@ class Intake:
         run_dir: Path | str,
         trim_every_s: float = TRIM_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
+        lane: Lane | None = None,
     ) -> None:
+        self.lane = lane if lane is not None else Lane(r)  # the metadata reads' connection (overlord.store.lane)
         self.r, self.keys, self.layout, self.lease, self.generation = r, keys, layout, lease, generation
         self.trim_every_s, self.clock = trim_every_s, clock
         self._read_to: dict[bytes, bytes] = {}  # stream key -> the last entry read, not yet trimmed
@@ -82,7 +85,7 @@ class Intake:
         self.ask = r.register_script(_DEMAND_SCRIPT)  # EVALSHA; loaded again on NOSCRIPT
         self.timeout_s, self.run_dir = timeout_s, run_dir
         self.index = {keys.meta(name).encode(): i for i, name in enumerate(layout.streams)}
-        self.last_ids = {keys.meta(name): "0-0" for name in layout.streams}
+        self.last_ids: dict[str, str | bytes] = {keys.meta(name): "0-0" for name in layout.streams}
         index = {name: i for i, name in enumerate(layout.streams)}
         # what the loaders were last asked to hold, per stream (a predecessor's asks included)
         self.asked: dict[int, int] = {
@@ -113,7 +116,7 @@ class Intake:
             self.asked.update(raised)  # what the `demand` hash holds
             for i in raised:
                 self.held.pop(i, None)
-        reply = self.r.xread(self.last_ids, block=block_ms, count=64)
+        reply = self.lane.xread(self.last_ids, block_ms=block_ms, count=64)
         if not reply:
             return []
         out = []

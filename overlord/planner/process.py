@@ -43,6 +43,7 @@ from overlord.planner.publishing import Pace, Publisher
 from overlord.planner.scaling import Scaling
 from overlord.runtime.lease import RUN_ENV, Lease, Superseded
 from overlord.runtime.placement import homes
+from overlord.store.lane import Lane
 
 log = logging.getLogger("overlord.planner")
 
@@ -105,6 +106,14 @@ def _core(job, layout) -> PlannerCore:
 
 def _lead(ctx, lease: Lease, token: int) -> None:
     """Plan from the newest checkpoint while holding the lease; returns after the last step."""
+    lane = Lane(ctx.r)  # the loop's blocking reads and publishing round trips (overlord.store.lane)
+    try:
+        _plan(ctx, lease, token, lane)
+    finally:
+        lane.close()
+
+
+def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
     job, r, keys, layout = ctx.job, ctx.r, ctx.keys, ctx.layout
     core, ckpts = _core(job, layout), Checkpoints(keys)
     leadership = Leadership(r, keys, lease, token)
@@ -114,8 +123,8 @@ def _lead(ctx, lease: Lease, token: int) -> None:
     first = core.step
     handoffs = Handoffs(r, keys, lease, layout)
     handoffs.recover(first)
-    publisher = Publisher(r, keys, lease, ckpts, first=first, dp=job.mesh.dp, durable_s=job.redis_outage_s)
-    intake = Intake(r, keys, layout, lease, generation, timeout_s=job.timeout_s, run_dir=ctx.run_dir)
+    publisher = Publisher(r, keys, lease, ckpts, first=first, dp=job.mesh.dp, durable_s=job.redis_outage_s, lane=lane)
+    intake = Intake(r, keys, layout, lease, generation, timeout_s=job.timeout_s, run_dir=ctx.run_dir, lane=lane)
     promoter = Promoter(r, keys, lease, layout.shadowed, placed=job.multi_node)
     online = job.autoscale is not None and job.autoscale.online
     scaling = Scaling(r, keys, job, layout) if online else None

@@ -43,6 +43,7 @@ from overlord.planner.step_write import StepScript, StepWrite, noscript
 from overlord.runtime.lease import Lease, Superseded
 from overlord.store import Keys
 from overlord.store.durable import Durability
+from overlord.store.lane import Lane
 from overlord.store.schema import (
     COUNTER_DROPPED_LAST,
     PLANNER_DONE,
@@ -130,14 +131,18 @@ class Publisher:
         first: int,
         dp: int,
         durable_s: float = 60.0,
+        lane: Lane | None = None,
     ) -> None:
         """Args:
         first: the step this Planner starts planning at (0, or its checkpoint's).
         dp: the job's DP groups (each has a constructor mark and a trainer mark).
         durable_s: how long a write may wait to be confirmed durable (Job.redis_outage_s:
             a failover promotes a replica within it).
+        lane: the connection its blocking reads and publishing round trips go on (see
+            overlord.store.lane); one of its own when None.
         """
-        self.durable = Durability(r, timeout_s=durable_s)
+        self.lane = lane if lane is not None else Lane(r)
+        self.durable = Durability(r, timeout_s=durable_s, lane=self.lane)
         self.script = StepScript(r)
         self.durable_ms = 0.0  # the last wait for a durable write
         self.fsynced_at = 0.0  # monotonic: when the last step was confirmed in the fsynced append-only file
@@ -148,7 +153,7 @@ class Publisher:
         # the job's first step: where trainers that consumed nothing yet stand
         self.start = resume_step(r, keys) or 0
         self.pruned = max(0, first - PLAN_KEEP_STEPS - PRUNE_MAX)  # plans below were deleted (older ones expire)
-        self.progressed = "0-0"  # the last `progressed` entry seen
+        self.progressed: str | bytes = "0-0"  # the last `progressed` entry seen
         self.marks: dict[str, int] | None = None  # `progress` c<dp> and t<dp>, as the entries tell
         self.marks_read = 0.0  # monotonic: when an entry or the hash last told them
 
@@ -179,7 +184,7 @@ class Publisher:
         have come since the last `bound`: then it returns at once). Each entry carries the
         field's new value: the marks follow the entries, in the order they were written,
         without reading the hash."""
-        reply = self.r.xread({self.keys.progressed: self.progressed}, block=block_ms, count=1000)
+        reply = self.lane.xread({self.keys.progressed: self.progressed}, block_ms=block_ms, count=1000)
         if not reply:
             return
         entries = reply[0][1]

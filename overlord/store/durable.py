@@ -38,6 +38,7 @@ from typing import Any
 import redis
 
 from overlord.errors import StoreError
+from overlord.store.lane import Batch, Lane
 
 log = logging.getLogger("overlord.store")
 
@@ -96,8 +97,12 @@ class Durability:
             needs the time to promote a replica).
     """
 
-    def __init__(self, r: redis.Redis, *, timeout_s: float) -> None:
-        self.r, self.timeout_s = r, timeout_s
+    def __init__(self, r: redis.Redis, *, timeout_s: float, lane: Lane | None = None) -> None:
+        """Args:
+        lane: where `acknowledge` sends its round trips (a hot loop's, overlord.store.lane);
+            a pipeline of `r` when None.
+        """
+        self.r, self.timeout_s, self.lane = r, timeout_s, lane
         self.want = wanted(r)
         self.read_at = time.monotonic()
         self.warned = False
@@ -129,20 +134,15 @@ class Durability:
         if not want_local and not self.want.replicas:
             if local:
                 self._warn_once()
-            with self.r.pipeline(transaction=False) as pipe:
-                marker(pipe)
-                reply = pipe.execute()[0]
+            reply = self._round_trip(marker, [])[0]
             if check is not None:
                 check(reply)
             return 0.0
         while True:
-            with self.r.pipeline(transaction=False) as pipe:
-                marker(pipe)
-                if want_local:
-                    pipe.execute_command("WAITAOF", 1, 0, WAIT_MS)
-                if self.want.replicas:
-                    pipe.execute_command("WAIT", self.want.replicas, WAIT_MS)
-                reply, *replies = pipe.execute()
+            waits: list[tuple[Any, ...]] = [("WAITAOF", 1, 0, WAIT_MS)] if want_local else []
+            if self.want.replicas:
+                waits.append(("WAIT", self.want.replicas, WAIT_MS))
+            reply, *replies = self._round_trip(marker, waits)
             if check is not None:
                 check(reply)
             fsynced = int(replies[0][0]) if want_local else 0
@@ -157,6 +157,18 @@ class Durability:
                 )
             self.want, self.read_at = wanted(self.r), time.monotonic()  # a replica may be gone for good
             want_local = self.want.local if local else 0
+
+    def _round_trip(self, marker: Callable[[Any], object], waits: list[tuple[Any, ...]]) -> list[Any]:
+        """The marker's commands, then `waits`, on one connection in one round trip."""
+        if self.lane is not None:
+            batch = Batch()
+            marker(batch)
+            return self.lane.execute([*batch.commands, *waits])
+        with self.r.pipeline(transaction=False) as pipe:
+            marker(pipe)
+            for wait in waits:
+                pipe.execute_command(*wait)
+            return list(pipe.execute())
 
     def execute(self, pipe: Any) -> list[Any]:
         """Execute a non-transactional pipeline of idempotent writes (or writes whose
