@@ -129,7 +129,7 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
     online = job.autoscale is not None and job.autoscale.online
     scaling = Scaling(r, keys, job, layout) if online else None
     placer = Placer(r, keys, lease, homes(job, layout), job.node_ids) if job.multi_node else None
-    least, waited, pace = turn_steps(job.plan_ahead), False, Pace()
+    least, pace = turn_steps(job.plan_ahead), Pace()
     while not ctx.stop.is_set():
         ctx.beat()
         leadership.check()
@@ -143,12 +143,9 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
         room = bound.room(core.step, job.plan_ahead)
         if room < least:
             intake.progressed()  # waiting on trainers is not a stall
-            if waited:  # the last wake did not make room for a turn: let the rest of the step's marks land
-                ctx.stop.wait(pace.settle_s())
+            ctx.stop.wait(pace.settle_s(least - room))  # let the marks of the steps the turn lacks land
             publisher.wait(AHEAD_WAIT_MS)
-            waited = True
             continue
-        waited = False
         handoffs.look(core.step, first)
         turn = []
         for _ in range(min(room, TURN_MAX)):

@@ -261,27 +261,31 @@ def test_a_superseded_planner_marks_nothing_durable(r):
     assert r.get(KEYS.plan(1)) is None
 
 
-def test_the_settle_after_a_short_wake_follows_the_pace_of_the_bound():
+def test_the_settle_of_a_planner_short_of_a_turn_lasts_until_the_steps_it_lacks_are_due():
     now = [100.0]
     pace = Pace(clock=lambda: now[0])
-    assert pace.settle_s() == Pace.LEAST_S  # nothing seen move yet
+    assert pace.settle_s(2) == Pace.LEAST_S  # nothing seen move yet
     consumed = 4
     pace.saw(Bound(slowest=9, consumed=consumed))
-    for _ in range(20):  # the bound moves a step every 40 ms: a quarter of it
-        now[0] += 0.02
+    for _ in range(20):  # the bound moves a step every 20 ms
+        now[0] += 0.01
         pace.saw(Bound(slowest=99, consumed=consumed))  # seen again without moving: no step
-        now[0] += 0.02
+        now[0] += 0.01
         consumed += 1
         pace.saw(Bound(slowest=99, consumed=consumed))
-    assert abs(pace.settle_s() - 0.01) < 1e-9
-    for _ in range(30):  # a training step's pace (2 s): the most, not half a second
+    assert abs(pace.settle_s(1) - 0.02) < 1e-9 and abs(pace.settle_s(2) - 0.04) < 1e-9
+    now[0] += 0.015  # counted from when the bound last moved
+    assert abs(pace.settle_s(1) - 0.005) < 1e-9
+    now[0] += 0.01  # overdue: a short look, then `progressed` is read
+    assert pace.settle_s(1) == Pace.LEAST_S
+    for _ in range(30):  # a training step's pace (2 s): the most, so the loop's checks run between
         now[0] += 2.0
         pace.saw(Bound(slowest=99, consumed=pace._seen[1] + 1))
-    assert pace.settle_s() == Pace.MOST_S
+    assert pace.settle_s(1) == Pace.MOST_S
     for _ in range(60):  # two steps at once every 0.2 ms: the least
         now[0] += 0.0002
         pace.saw(Bound(slowest=999, consumed=pace._seen[1] + 2))
-    assert pace.settle_s() == Pace.LEAST_S
+    assert pace.settle_s(2) == Pace.LEAST_S
     step_s = pace.step_s
     now[0] += 50.0  # a rewind: the bound goes back, and the time before it is no step
     pace.saw(Bound(slowest=999, consumed=3))
