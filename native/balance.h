@@ -60,4 +60,14 @@ int ovl_bal_bin_table(const int64_t *bin, const double *costs, int64_t n, int64_
 int ovl_bal_refine_pairs(const double *cn, const double *cz, int64_t n, int64_t *table, int64_t k, int64_t m,
                          double *loads, double stop, double scale, int64_t max_swaps, int64_t *bin);
 
+/*
+ * `_assign.assign(costs, buckets, bins)` with its defaults in one call
+ * (balance_assign.c): equal-count Karmarkar-Karp over buckets in the LPT order, the
+ * pairwise swap refinement (tolerance tol, 4 * buckets swaps at most), then LPT over
+ * the bins of each bucket. c[n] finite and >= 0, n >= 1; bucket[n] and mbin[n] get
+ * each item's bucket and bin (every item is placed: there is no capacity).
+ */
+int ovl_bal_two_level(const double *c, int64_t n, int64_t buckets, int64_t bins, double tol, int64_t *bucket,
+                      int64_t *mbin);
+
 #endif

@@ -9,6 +9,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <float.h>
 
 #include "balance.h"
 
@@ -187,6 +188,37 @@ static PyObject *mod_refine_pairs(PyObject *Py_UNUSED(m), PyObject *args) {
     return PyErr_Occurred() ? NULL : done(rc);
 }
 
+static PyObject *mod_two_level(PyObject *Py_UNUSED(m), PyObject *args) {
+    Py_buffer costs, bucket, mbin;
+    Py_ssize_t buckets, bins;
+    double tol;
+    if (!PyArg_ParseTuple(args, "y*nndw*w*:two_level", &costs, &buckets, &bins, &tol, &bucket, &mbin)) {
+        return NULL;
+    }
+    Py_ssize_t n = costs.len / 8;
+    int rc = 0;
+    if (n < 1 || buckets < 1 || bins < 1) {
+        PyErr_SetString(PyExc_ValueError, "need at least one cost, bucket and bin");
+    } else if (need(&costs, "costs", n, 8, 0) && need(&bucket, "bucket", n, 8, 1) && need(&mbin, "mbin", n, 8, 1)) {
+        const double *c = costs.buf;
+        int ok = 1;
+        for (Py_ssize_t i = 0; ok && i < n; i++) {
+            ok = c[i] >= 0.0 && c[i] <= DBL_MAX; /* false for NaN too */
+        }
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError, "costs must be finite and >= 0");
+        } else {
+            Py_BEGIN_ALLOW_THREADS;
+            rc = ovl_bal_two_level(c, n, buckets, bins, tol, bucket.buf, mbin.buf);
+            Py_END_ALLOW_THREADS;
+        }
+    }
+    PyBuffer_Release(&costs);
+    PyBuffer_Release(&bucket);
+    PyBuffer_Release(&mbin);
+    return PyErr_Occurred() ? NULL : done(rc);
+}
+
 static PyMethodDef methods[] = {
     {"cost_order", mod_cost_order, METH_VARARGS, "cost_order(costs, descending, out): stable order into out."},
     {"differencing", mod_differencing, METH_VARARGS, "differencing(vals, k, equal_count, out): bins into out."},
@@ -195,6 +227,8 @@ static PyMethodDef methods[] = {
     {"bin_table", mod_bin_table, METH_VARARGS, "bin_table(bin, costs, k, m, table, loads): members and loads."},
     {"refine_pairs", mod_refine_pairs, METH_VARARGS,
      "refine_pairs(cn, cz, table, k, m, loads, stop, scale, max_swaps, out): swaps in place."},
+    {"two_level", mod_two_level, METH_VARARGS,
+     "two_level(costs, buckets, bins, tol, bucket, mbin): assign()'s defaults, bins into bucket and mbin."},
     {NULL, NULL, 0, NULL},
 };
 

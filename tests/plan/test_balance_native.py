@@ -6,7 +6,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overlord.plan.balance import _greedy, _kk, _limits, _refine, assign, swap_refine
+from overlord.errors import PlanError
+from overlord.plan.balance import _assign, _greedy, _kk, _limits, _refine, assign, swap_refine
 from overlord.plan.balance._greedy import greedy_groups
 from overlord.plan.balance._kk import differencing, differencing_numpy
 from overlord.plan.balance._limits import cost_order
@@ -26,7 +27,7 @@ def heavy_tailed(rng, n):
 
 def numpy_only(fn, *args, **kwargs):
     """`fn` on the numpy forms: what a checkout without the extension runs."""
-    mods = (_kk, _greedy, _refine, _limits)
+    mods = (_kk, _greedy, _refine, _limits, _assign)
     saved = [mod.NATIVE for mod in mods]
     try:
         for mod in mods:
@@ -101,12 +102,51 @@ def test_assign_agrees_at_planner_scale(n, buckets):
     assert per_rank.max() <= 1.01 * max(per_rank.mean(), c.max())  # within 1% of the lower bound
 
 
+def composed(fn, *args, **kwargs):
+    """`fn` with each level's kernel called on its own, as `assign` composes them in
+    Python, not the one-call `two_level` kernel."""
+    saved, _assign.NATIVE = _assign.NATIVE, None
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _assign.NATIVE = saved
+
+
+@FAST
+@given(st.lists(cost, min_size=1, max_size=120), st.integers(1, 9), st.integers(1, 4))
+def test_the_one_call_two_levels_place_as_the_composed_levels(costs, buckets, bins):
+    c = np.asarray(costs, dtype=np.float64)
+    got = assign(c, buckets, bins)
+    for want in (composed(assign, c, buckets, bins), numpy_only(assign, c, buckets, bins)):
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("buckets", [7, 8, 9, 127, 128, 129, 300, 1024, 2000])
+def test_the_one_call_two_levels_stop_refining_where_numpy_s_mean_says(buckets):
+    """The refinement stops at mean load x (1 + tol): the kernel sums the loads as
+    numpy's pairwise sum does (8 lanes, blocks of 128), or a bin within one rounding of
+    the bound would be refined on one path and not on the other."""
+    for seed in range(3):
+        c = heavy_tailed(np.random.default_rng([buckets, seed]), buckets * 9 + seed)
+        got, want = assign(c, buckets, 2), composed(assign, c, buckets, 2)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_a_bad_cost_is_named_as_without_the_one_call_kernel(bad):
+    c = np.array([3.0, 1.0, bad, 2.0])
+    with pytest.raises(PlanError, match="cost of item 2"):
+        assign(c, 2, 2)
+
+
 def test_kernels_refuse_wrong_buffers():
     from overlord.plan.balance import _native  # deferred: skipped above where it is not built
 
     out = np.empty(3, dtype=np.int64)
     with pytest.raises(ValueError, match="out holds"):
         _native.differencing(np.zeros(4), 2, True, out)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        _native.two_level(np.array([1.0, np.nan]), 2, 2, 1e-4, np.empty(2, dtype=np.int64), np.empty(2, dtype=np.int64))
     with pytest.raises(ValueError, match="table entries"):
         _native.refine_pairs(
             np.ones(4), np.zeros(4), np.full(4, 7, dtype=np.int64), 2, 2, np.zeros(2), 0.0, 1.0, 9, out

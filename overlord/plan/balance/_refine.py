@@ -20,6 +20,8 @@ from numpy.typing import ArrayLike, NDArray
 from overlord.plan.balance._kernels import NATIVE
 from overlord.plan.balance._limits import Bins, Costs, check, group_order, slots
 
+TOL = 1e-4  # swap_refine stops once the heaviest bin is within this of the mean
+
 
 def swap_refine(
     costs: ArrayLike,
@@ -28,7 +30,7 @@ def swap_refine(
     *,
     sizes: ArrayLike | None = None,
     capacity: float | None = None,
-    tol: float = 1e-4,
+    tol: float = TOL,
     max_iter: int | None = None,
 ) -> Bins:
     """Swap local search that lowers the heaviest bin's load, keeping every count.
