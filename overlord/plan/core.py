@@ -247,15 +247,19 @@ class PlannerCore:
         return planned.plan
 
     def _still_short(self) -> bool:
-        """Whether this step's last try stopped for metadata and none of the streams it
-        named has reported a sample or its end since: the strategy would stop there again.
+        """Whether this step's last try stopped for metadata and no stream it named has
+        since reported its end or come to hold what the try asked of it (`NeedMetadata`:
+        what the stream must hold for this step): the strategy would stop there again.
         Until a step is planned nothing it reads moves but those streams (its draw is
         seeded by the step; the other streams only gain samples, which cannot undo a
-        shortage). The Planner tries after every metadata read, and most reads bring
-        other streams' samples: a whole try each, about one a step at the demo's rate."""
-        streams = self.streams
-        return bool(self._short) and all(
-            (streams[i].count, streams[i].final) == seen for i, seen in self._short.items()
+        shortage). The Planner tries after every metadata read, and a loader short of a
+        step reports it in several chunks as its transforms finish them: a whole try
+        each, about one a step at the demo's rate, when any report of a named stream
+        counted."""
+        streams, wanted = self.streams, self.wanted
+        return bool(self._short) and not any(
+            (streams[i].count, streams[i].final) != seen and (streams[i].final or streams[i].count >= wanted[i])
+            for i, seen in self._short.items()
         )
 
     def _check(self, planned: Planned) -> None:

@@ -435,22 +435,24 @@ def _counting(calls):
     return strategy
 
 
-def test_a_step_that_stopped_for_metadata_is_tried_again_only_once_a_stream_it_named_reports():
+def test_a_step_that_stopped_for_metadata_is_tried_again_only_once_a_stream_it_named_holds_its_ask():
     calls = []
     core = make(weights=(1.0, 1.0), partitions=(2, 1), global_batch=16, strategy=_counting(calls))
-    core.add(0, chunk(0, range(1)))
-    core.add(1, chunk(0, range(1)))
     core.add(2, chunk(0, range(40)))
     assert core.plan_step() is None and len(calls) == 1
     named = set(core.wanted)
-    assert named and 2 not in named, core.wanted  # source 0 is short, source 1 holds plenty
+    assert named == {0, 1}, core.wanted  # source 0 is short, source 1 holds plenty
     core.add(2, chunk(0, range(40, 80)))  # another stream's report cannot undo the shortage
     assert core.plan_step() is None and len(calls) == 1, "tried again though no stream it named reported"
     assert core.wanted and set(core.wanted) == named  # the loaders are still asked for the same
-    core.add(0, chunk(0, range(1, 2)))  # a named stream reports: tried again (and still short)
+    asked = core.wanted[0]
+    assert asked >= 2
+    core.add(0, chunk(0, range(asked - 1)))  # a named stream reports, still short of its ask: not tried
+    assert core.plan_step() is None and len(calls) == 1
+    core.add(0, chunk(0, range(asked - 1, asked)))  # it holds its ask: tried again (stream 1 is still short)
     assert core.plan_step() is None and len(calls) == 2
     for i in (0, 1):
-        core.add(i, chunk(0, range(2 if i == 0 else 1, 40)))
+        core.add(i, chunk(0, range(asked if i == 0 else 0, 40)))
     assert core.plan_step() is not None and len(calls) == 3 and core.wanted == {}
 
 
