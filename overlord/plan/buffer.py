@@ -240,15 +240,19 @@ class Buffer:
                 left[i] -= 1
                 take[i] = take.get(i, 0) + 1
         items = self._heads(take)
-        self._selected = (dict(take), items.copy())
+        kept = items.copy()
+        kept.flags.writeable = False  # handed out by `heads`
+        self._selected = (dict(take), kept)
         return items, take, rr
 
     def heads(self, take: dict[int, int]) -> np.ndarray:
-        """The next `take[i]` items of each stream i, in stream order (not consumed): what
-        `select` gave for that take, kept from it when it was the last select's."""
+        """The next `take[i]` items of each stream i, in stream order (not consumed), read
+        only: what `select` gave for that take, kept from it when it was the last select's."""
         if self._selected is not None and self._selected[0] == take:
-            return self._selected[1].copy()
-        return self._heads(take)
+            return self._selected[1]
+        out = self._heads(take)
+        out.flags.writeable = False
+        return out
 
     def _heads(self, take: dict[int, int]) -> np.ndarray:
         raw = []

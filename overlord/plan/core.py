@@ -107,7 +107,7 @@ class PlannerCore:
         self.deferred = np.empty(0, dtype=ITEM)
         self.wanted: dict[int, int] = {}  # stream -> samples it must hold, while a step waits
         self._short: dict[int, tuple[int, bool]] = {}  # those streams' (count, final) when the step stopped
-        self._epoch: int | None = None  # epoch(), until a cursor moves
+        self._epoch: int | None = None  # epoch(), until a cursor's epoch moves or a stream is first planned
         self.took: dict[int, int] = {}  # stream -> samples the last planned step took from it
         self.step = 0
         self.done = False
@@ -139,7 +139,7 @@ class PlannerCore:
         """What changed in `state()` since the last call: a differential checkpoint
         (see checkpoint.py), O(streams touched) rather than O(streams)."""
         cursors = {self.streams[i].name: list(self.streams[i].cursor) for i in sorted(self._dirty)}
-        rr = {str(i): self.rr[i] for i in np.flatnonzero(np.not_equal(self.rr, self._rr_written)).tolist()}
+        rr = {str(i): now for i, (now, then) in enumerate(zip(self.rr, self._rr_written)) if now != then}
         self._dirty.clear()
         self._rr_written = list(self.rr)
         return {
@@ -198,7 +198,8 @@ class PlannerCore:
 
     def epoch(self) -> int:
         """The job's epoch: the lowest epoch a source that has been planned is being planned in
-        (kept until a step is planned or a state restored: the only times a cursor moves)."""
+        (kept until a step moves a cursor into another epoch, or plans a stream for the first
+        time, or a state is restored: all it depends on)."""
         if self._epoch is None:
             self._epoch = self._lowest_epoch()
         return self._epoch
@@ -237,8 +238,11 @@ class PlannerCore:
             return None
         self.wanted, self._short = {}, {}
         self._check(planned)
+        moved = [self.streams[i] for i in planned.take]
+        before = [(s.cursor[0], s.cursor[1] >= 0) for s in moved]
         self.buffer.commit(planned.take)
-        self._epoch = None
+        if before != [(s.cursor[0], s.cursor[1] >= 0) for s in moved]:
+            self._epoch = None  # a stream began an epoch, or was planned for the first time
         self.took = planned.take
         self._dirty.update(planned.take)
         self.rr, self.step, self.done = planned.round_robin, self.step + 1, planned.plan.last
@@ -264,9 +268,10 @@ class PlannerCore:
 
     def _check(self, planned: Planned) -> None:
         """Exactly once: the plan holds each selected sample once, or defers it."""
-        wanted = triples(join_items([self.deferred, self.buffer.heads(planned.take)]))
+        heads = self.buffer.heads(planned.take)
+        wanted = triples(join_items([self.deferred, heads]) if len(self.deferred) else heads)
         planned_items = np.asarray(planned.plan.items, dtype=np.int64).reshape(-1, 3)
-        given = np.concatenate([planned_items, triples(planned.deferred)])
+        given = np.concatenate([planned_items, triples(planned.deferred)]) if len(planned.deferred) else planned_items
         given_keys, wanted_keys = _sorted_keys(given, wanted)
         same = np.diff(given_keys, axis=0) == 0  # neighbours that are one sample (whole rows where not keys)
         duplicated = bool((same.all(axis=1) if same.ndim == 2 else same).any())

@@ -372,6 +372,21 @@ def test_the_job_epoch_follows_each_planned_step_and_a_restore():
     assert fresh.epoch() == 1  # ... and not after a restore
 
 
+def test_the_kept_job_epoch_is_the_one_the_cursors_give_after_every_step():
+    """epoch() is recomputed only when a step moves a cursor into another epoch or plans
+    a stream for the first time: after each step it equals the cursors' lowest epoch."""
+    core = make(weights=(1.0, 0.5, 2.0), partitions=(2, 2, 1), global_batch=12)
+    sizes = [7, 13, 5, 11, 30]
+    for i, size in enumerate(sizes):
+        for epoch in range(4):
+            core.add(i, chunk(epoch, range(size), ended=[(epoch, size)]))
+    epochs = []
+    while (plan := core.plan_step()) is not None:
+        assert core.epoch() == core._lowest_epoch(), plan.step
+        epochs.append(core.epoch())
+    assert len(epochs) >= 8 and epochs[0] == 0 and epochs[-1] >= 2 and epochs == sorted(epochs)
+
+
 def test_a_restored_core_plans_exactly_what_the_original_did():
     """Resumption: restore the state saved after step s, feed only what loaders restarted
     at the cursors report, and the plans from s on are the original's, byte for byte."""
