@@ -3,7 +3,7 @@
  * can only run as many small calls (overlord/plan/balance/_kk.py, _greedy.py,
  * _refine.py). Each is the step-for-step twin of its Python form: the same order of
  * floating-point operations, the same tie-breaks (by position, then index), so both
- * give the same bins bit for bit (tests/planner/test_balance_native.py checks it).
+ * give the same bins bit for bit (tests/plan/test_balance_native.py checks it).
  * Python validates every argument and owns every array; C only reads and writes them.
  *
  * Arrays are C-contiguous: double = float64, int64_t = int64. Sizes are element counts.

@@ -1,7 +1,7 @@
 /*
  * The shipped two-level balance in one call (`_assign.assign` with its defaults): the
  * kernels of balance.c composed as the Python glue between them composes them, step for
- * step, so the bins are the same bit for bit (tests/planner/test_balance_native.py).
+ * step, so the bins are the same bit for bit (tests/plan/test_balance_native.py).
  */
 #include <math.h>
 #include <stdlib.h>

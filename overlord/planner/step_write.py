@@ -34,9 +34,9 @@ from __future__ import annotations
 from typing import Any
 
 import redis
-from redis.commands.core import CoreCommands
 
 from overlord.store import Keys
+from overlord.store.lane import Batch
 from overlord.store.schema import PLANNER_STEP
 
 _SCRIPT = """
@@ -64,19 +64,20 @@ return wrote
 _MULTI_KEY = {"DEL", "UNLINK"}  # commands whose every argument is a key; the others name one first
 
 
-class StepWrite(CoreCommands):
+class StepWrite(Batch):
     """The commands of one step's publication, recorded (nothing is sent): call
-    `set`, `xadd`, `hset`, `hdel`, `delete`... as on a pipeline."""
+    `set`, `xadd`, `hset`, `hdel`, `delete`... as on a pipeline. It also keeps the keys
+    they write, which the script declares."""
 
     def __init__(self) -> None:
-        self.commands: list[tuple[Any, ...]] = []
+        super().__init__()
         self.keys: dict[str, None] = {}  # insertion-ordered set
 
     def execute_command(self, *args: Any, **options: Any) -> None:
         name = str(args[0]).upper()
         for key in args[1:] if name in _MULTI_KEY else args[1:2]:
             self.keys[key.decode() if isinstance(key, bytes) else str(key)] = None
-        self.commands.append(args)
+        super().execute_command(*args, **options)
 
 
 class StepScript:

@@ -135,7 +135,7 @@ def _shipped_two_level(
 ) -> tuple[Bins, Bins] | None:
     """The default two levels (Karmarkar-Karp and refinement over buckets, greedy over
     bins) in one call of the compiled kernel, the same bins as the composed path below
-    (tests/planner/test_balance_native.py); None where that path must run: other
+    (tests/plan/test_balance_native.py); None where that path must run: other
     balancers, no kernel built, or costs it must refuse by name. One call in place of
     some thirty numpy calls and checks: ~0.13 ms of the demo's ~0.7 ms Planner step."""
     kernel = getattr(NATIVE, "two_level", None)  # None also from an extension built before it existed

@@ -3,7 +3,7 @@
 `NATIVE` is the extension module, or None where it is missing (a source checkout that
 has not run `make install` / `setup.py build_ext`): then `_kk`, `_greedy` and `_refine`
 run their numpy forms, which give the same bins bit for bit, only slower
-(tests/planner/test_balance_native.py checks that both agree).
+(tests/plan/test_balance_native.py checks that both agree).
 """
 
 from __future__ import annotations
