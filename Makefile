@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test test-slow lint install clean bench bench-peers
 
-$(STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringmodule.c native/balance.c native/balance_assign.c native/balance.h native/balance_sort.h native/balancemodule.c
+$(STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringmodule.c native/balance.c native/balance_assign.c native/plan_check.c native/balance.h native/balance_sort.h native/balancemodule.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=23" setuptools wheel
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi

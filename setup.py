@@ -15,7 +15,7 @@ setup(
         # numpy forms they stand in for (same inputs, same plan, with or without them).
         Extension(
             "overlord.plan.balance._native",
-            sources=["native/balance.c", "native/balance_assign.c", "native/balancemodule.c"],
+            sources=["native/balance.c", "native/balance_assign.c", "native/plan_check.c", "native/balancemodule.c"],
             include_dirs=["native"],
             extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-ffp-contract=off"],
         ),

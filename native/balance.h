@@ -70,4 +70,11 @@ int ovl_bal_refine_pairs(const double *cn, const double *cz, int64_t n, int64_t 
 int ovl_bal_two_level(const double *c, int64_t n, int64_t buckets, int64_t bins, double tol, int64_t *bucket,
                       int64_t *mbin);
 
+/*
+ * The Planner's exactly-once check (plan_check.c): 1 when given[n][3] holds exactly the
+ * rows of wanted[m][3], each once (no row twice on either side), else 0; or
+ * OVL_BAL_ENOMEM. Rows are compared whole, never by hash alone.
+ */
+int ovl_plan_same_once(const int64_t *given, int64_t n, const int64_t *wanted, int64_t m);
+
 #endif

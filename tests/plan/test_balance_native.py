@@ -1,6 +1,8 @@
 """The compiled balancing kernels (native/balance.c) give the bins their numpy forms
 give, bit for bit: same inputs, same plan, with or without the extension built."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,8 +13,11 @@ from overlord.plan.balance import _assign, _greedy, _kk, _limits, _refine, assig
 from overlord.plan.balance._greedy import greedy_groups
 from overlord.plan.balance._kk import differencing, differencing_numpy
 from overlord.plan.balance._limits import cost_order
+from overlord.plan.core import same_once, same_once_numpy
 
-pytest.importorskip("overlord.plan.balance._native", reason="build it: make install (or setup.py build_ext --inplace)")
+_native = pytest.importorskip(
+    "overlord.plan.balance._native", reason="build it: make install (or setup.py build_ext --inplace)"
+)
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # few distinct values (many ties) as well as arbitrary floats: ties are where orders differ
@@ -151,3 +156,65 @@ def test_kernels_refuse_wrong_buffers():
         _native.refine_pairs(
             np.ones(4), np.zeros(4), np.full(4, 7, dtype=np.int64), 2, 2, np.zeros(2), 0.0, 1.0, 9, out
         )
+
+
+def once_reference(given, wanted):
+    """Whether the rows of given are those of wanted, each once, by counting tuples."""
+    counts = Counter(map(tuple, given.tolist()))
+    return (
+        len(given) == len(wanted)
+        and max(counts.values(), default=1) == 1
+        and counts == Counter(map(tuple, wanted.tolist()))
+    )
+
+
+row = st.tuples(st.integers(0, 3), st.integers(0, 2), st.integers(0, 6))  # small ranges: repeats are common
+far = st.tuples(st.integers(-(2**63), 2**63 - 1), st.integers(-(2**63), 2**63 - 1), st.integers(-(2**63), 2**63 - 1))
+
+
+@FAST
+@given(st.lists(st.one_of(row, far), max_size=40), st.data())
+def test_same_once_agrees_with_counting(rows, data):
+    wanted = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    change = data.draw(st.sampled_from(["permute", "drop", "repeat", "replace", "add"]))
+    given_rows = data.draw(st.permutations(rows))
+    if change == "drop" and given_rows:
+        given_rows = given_rows[1:]
+    elif change == "repeat" and given_rows:
+        given_rows = given_rows[:-1] + [given_rows[0]]
+    elif change == "replace" and given_rows:
+        given_rows = given_rows[:-1] + [data.draw(st.one_of(row, far))]
+    elif change == "add":
+        given_rows = given_rows + [data.draw(st.one_of(row, far))]
+    given_ = np.array(given_rows, dtype=np.int64).reshape(-1, 3)
+    expected = once_reference(given_, wanted)
+    assert same_once(given_, wanted) == expected
+    assert same_once_numpy(given_, wanted) == expected
+
+
+def test_same_once_at_scale():
+    """The compiled table and the sort agree past the rows `same_once` gives the table."""
+    rng = np.random.default_rng(9)
+    wanted = np.stack(
+        [rng.integers(0, 300, 65536), rng.integers(0, 3, 65536), np.arange(65536) * 7 + (1 << 41)], axis=1
+    ).astype(np.int64)
+    given_ = wanted[rng.permutation(len(wanted))]
+
+    def both(g):
+        table, by_sort = _native.same_once(np.ascontiguousarray(g), wanted), same_once_numpy(g, wanted)
+        assert table == by_sort == same_once(g, wanted)
+        return table
+
+    assert both(given_)
+    for i, j in ((0, 1), (65535, 0), (123, 40000)):
+        twice = given_.copy()
+        twice[i] = twice[j]
+        assert not both(twice)
+    moved = given_.copy()
+    moved[5, 1] += 1  # one value of one row: another epoch's sample
+    assert not both(moved)
+
+
+def test_same_once_needs_whole_rows():
+    with pytest.raises(ValueError, match="whole rows"):
+        _native.same_once(np.zeros(4, np.int64), np.zeros(3, np.int64))

@@ -156,6 +156,30 @@ def test_a_strategy_that_drops_samples_is_refused():
         core.plan_step()
 
 
+@pytest.mark.parametrize("fault", ["twice", "unselected", "other_epoch"])
+def test_a_strategy_that_plans_a_sample_twice_or_one_not_selected_is_refused(fault):
+    """The same count of samples as selected, one of them wrong: the check compares the
+    samples themselves, not how many there are."""
+    from overlord.errors import PlanError
+    from overlord.plan.dgraph import DGraph
+
+    def wrong(data, tree):
+        planned = DGraph(data, tree).mix().distribute("DP").plan()
+        buckets = planned.plan.buckets
+        stream, epoch, seq = buckets[0][0][-1]
+        buckets[0][0][-1] = {
+            "twice": buckets[-1][-1][0],  # another micro-batch's sample, so it is planned twice
+            "unselected": (stream, epoch, seq + 10_000),
+            "other_epoch": (stream, epoch + 1, seq),
+        }[fault]
+        return dataclasses.replace(planned, plan=Plan.from_lists(planned.plan.step, buckets))
+
+    core = make(strategy=wrong)
+    feed(core, [100, 100])
+    with pytest.raises(PlanError, match="exactly once"):
+        core.plan_step()
+
+
 def test_capacity_defers_what_does_not_fit_and_plans_it_once_later():
     from overlord.plan.dgraph import DGraph
 
