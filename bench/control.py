@@ -26,7 +26,8 @@ quarters of the way (the trainers' consumed step, the least `t<dp>` in `progress
 - ``constructor_cpu_s_per_1k`` and ``loader_cpu_s_per_1k``: CPU seconds of the Data
   Constructor processes (``ovl-constructor*``) and of the Source Loader processes
   (``ovl-loader*``) per 1,000 samples delivered over the window, the cost of moving a
-  sample from a loader's transform into a trainer's ring.
+  sample from a loader's transform into a trainer's ring (per process: one started in
+  the window counts from 0, one that exited in it is missed).
 
 A figure from a real job on a shared machine: run it with the machine otherwise idle.
 """
@@ -63,17 +64,24 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def role_cpu_s(prefix: str) -> float:
-    """CPU seconds of every process whose name (/proc/PID/comm) starts with `prefix`."""
-    total = 0.0
+def role_cpu_s(prefix: str) -> dict[int, float]:
+    """CPU seconds of every process whose name (/proc/PID/comm) starts with `prefix`, by pid."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 if (entry / "comm").read_text().startswith(prefix):
-                    total += cpu_s(int(entry.name))
+                    out[int(entry.name)] = cpu_s(int(entry.name))
             except (FileNotFoundError, ProcessLookupError):
                 continue  # exited meanwhile
-    return total
+    return out
+
+
+def cpu_grown(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds the processes of `after` spent since `before` (one started meanwhile
+    from 0). One that exited meanwhile is missed, never subtracted: a total over the
+    names alone went negative when a process of the role was gone at the end."""
+    return sum(max(0.0, cpu - before.get(pid, 0.0)) for pid, cpu in after.items())
 
 
 def commandstats(r) -> dict[str, int]:
@@ -184,8 +192,8 @@ def measure(*, steps: int = 300, ranks: int = 4, step_ms: float = 0.0, out_dir: 
         "planner_cpu_pct": round(100 * (cpu1 - cpu0) / wall, 1),
         "planner_cpu_ms_per_step": round(1e3 * (cpu1 - cpu0) / n, 3),
         "steps_per_s": round(n / wall, 1),
-        "constructor_cpu_s_per_1k": round(1e3 * (roles1[0] - roles0[0]) / (n * job.batch.global_batch), 3),
-        "loader_cpu_s_per_1k": round(1e3 * (roles1[1] - roles0[1]) / (n * job.batch.global_batch), 3),
+        "constructor_cpu_s_per_1k": round(1e3 * cpu_grown(roles0[0], roles1[0]) / (n * job.batch.global_batch), 3),
+        "loader_cpu_s_per_1k": round(1e3 * cpu_grown(roles0[1], roles1[1]) / (n * job.batch.global_batch), 3),
         "window_steps": n,
         "ranks": ranks,
         "step_ms": step_ms,
