@@ -48,12 +48,10 @@ int ovl_plan_same_once(const int64_t *given, int64_t n, const int64_t *wanted, i
     for (int64_t i = 0; ok && i < m; i++) {
         const int64_t *row = wanted + 3 * i;
         uint64_t at = row_hash(row) & mask;
-        for (; slot[at] >= 0; at = (at + 1) & mask) {
-            if (same_row(wanted + 3 * slot[at], row)) {
-                ok = 0; /* a sample selected twice: the plan cannot hold each once */
-                break;
-            }
+        while (slot[at] >= 0 && !same_row(wanted + 3 * slot[at], row)) {
+            at = (at + 1) & mask;
         }
+        ok = slot[at] < 0; /* else a sample selected twice: the plan cannot hold each once */
         slot[at] = i;
     }
     for (int64_t i = 0; ok && i < n; i++) {

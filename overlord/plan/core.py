@@ -46,9 +46,6 @@ def resolve_strategy(spec: str) -> Strategy:
     return cast(Strategy, fn)  # a user's callable: `plan_step` checks what it returns
 
 
-SAME_ONCE_TABLE_MOST = 8192  # the compiled check's rows at most (`same_once`)
-
-
 class PlannerCore:
     """Builds plans from buffer metadata.
 
@@ -281,6 +278,9 @@ class PlannerCore:
                 f"step {self.step}: the strategy's plan does not hold every selected sample exactly once "
                 f"({len(planned_items)} planned, {len(planned.deferred)} deferred, {len(wanted)} selected); fix the strategy"
             )
+
+
+SAME_ONCE_TABLE_MOST = 8192  # the compiled check's rows at most (`same_once`)
 
 
 def same_once(given: NDArray[np.int64], wanted: NDArray[np.int64]) -> bool:
