@@ -78,14 +78,18 @@ class Stream:
     final: bool = False  # the loader has reported every sample it will ever prepare
     cursor: tuple[int, int] = (0, -1)  # (epoch, seq) of the last planned sample
     known: tuple[int, int] = (0, -1)  # (epoch, seq) of the last sample reported or planned
+    retired: bool = False  # a reshard gave what it had not planned to new streams
 
     def add(self, index: int, chunk: MetaChunk) -> None:
         """Append a reported chunk; samples already known are dropped.
 
         A restarted or promoted Source Loader, and every loader after a Planner took
         over, reports again from where it stands: the order is the same, so what is
-        new is exactly what lies after `known`.
+        new is exactly what lies after `known`. A retired stream's late reports are
+        dropped: its remainder is the new streams' now.
         """
+        if self.retired:
+            return
         seq = np.asarray(chunk.seq)
         if chunk.epoch < self.known[0]:
             seq = seq[:0]
@@ -160,6 +164,22 @@ class Buffer:
     def add(self, stream: int, chunk: MetaChunk) -> None:
         self.streams[stream].add(stream, chunk)
         self._selected = None
+
+    def reshard(self, src: int, names: list[str], epoch: int) -> list[int]:
+        """Retire source `src`'s streams (what they hold unplanned is dropped: the new
+        streams read it again) and append streams `names`, which start at `epoch` with
+        nothing planned; returns their indices (overlord.runtime.reshard)."""
+        for i in self.by_source[src]:
+            old = self.streams[i]
+            old.chunks, old.offset, old.count, old.final, old.retired = [], 0, 0, True, True
+        first = len(self.streams)
+        for name in names:
+            self.streams.append(Stream(name, src, cursor=(epoch, -1), known=(epoch, -1)))
+        ids = list(range(first, len(self.streams)))
+        self.by_source[src] = ids
+        self.source_of = np.append(self.source_of, np.full(len(ids), src, dtype=np.intp))
+        self._selected = None
+        return ids
 
     def wanted(self, src: int, count: int) -> dict[int, int]:
         """Samples each stream of a source must hold for `count` to be taken from it.

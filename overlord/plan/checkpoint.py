@@ -12,7 +12,8 @@ of only the streams it took samples from. So each step stores a delta and every
                                      state before `step - 1` with this delta applied
 
 A delta holds the step, the cursors and round-robin positions that changed, and the
-small parts whole (deferred samples, schedule state, done). The delta of step t is
+small parts whole (deferred samples, schedule state, done; the reshards, where the step
+made one). The delta of step t is
 written in the same MULTI as the plan of step t - 1, so a checkpoint never refers to a
 plan (or a loader position) that was not written. Loaders keep no checkpoint of their
 own: their order is a pure function of (seed, epoch, partition), so they rebuild their
@@ -43,6 +44,7 @@ def apply(state: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
     rr = list(state["round_robin"])
     for src, value in delta["round_robin"].items():
         rr[int(src)] = value
+    reshards = {"reshards": delta["reshards"]} if "reshards" in delta else {}  # only in a reshard step's delta
     return {
         **state,
         "step": delta["step"],
@@ -51,6 +53,7 @@ def apply(state: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
         "deferred": delta["deferred"],
         "schedule": delta["schedule"],
         "done": delta["done"],
+        **reshards,
     }
 
 

@@ -29,6 +29,7 @@ from overlord.plan.schedule import Constant, Schedule
 from overlord.plan.step_plan import Plan
 from overlord.plan.strategies import vanilla
 from overlord.plan.tree import ClientPlaceTree
+from overlord.runtime.reshard import Reshard, reshard_stream_name, reshards_of
 
 Strategy = Callable[[StepData, ClientPlaceTree], Planned]
 _DEFERRED_FIELDS = ("stream", "epoch", "seq", "tokens", "patches", "nbytes")
@@ -114,6 +115,8 @@ class PlannerCore:
         self.done = False
         self._dirty: set[int] = set()  # streams whose cursor moved since the last delta()
         self._rr_written = list(self.rr)  # round robin as of the last delta()
+        self.reshards: list[Reshard] = []  # the job's, oldest first (overlord.runtime.reshard)
+        self._reshards_written = 0  # of them, in a delta() or a state() restored
 
     @property
     def streams(self) -> list[Stream]:
@@ -134,6 +137,7 @@ class PlannerCore:
             "rng": {"kind": "numpy.default_rng", "seed_words": [self.seed, "step", "MIX"]},
             "schedule": self.schedule.state() if hasattr(self.schedule, "state") else None,
             "done": self.done,
+            "reshards": [r.to_json() for r in self.reshards],
         }
 
     def delta(self) -> dict[str, Any]:
@@ -143,7 +147,7 @@ class PlannerCore:
         rr = {str(i): now for i, (now, then) in enumerate(zip(self.rr, self._rr_written)) if now != then}
         self._dirty.clear()
         self._rr_written = list(self.rr)
-        return {
+        out = {
             "step": self.step,
             "cursors": cursors,
             "round_robin": rr,
@@ -151,6 +155,52 @@ class PlannerCore:
             "schedule": self.schedule.state() if hasattr(self.schedule, "state") else None,
             "done": self.done,
         }
+        if len(self.reshards) != self._reshards_written:  # the whole list, in the step that grew it
+            out["reshards"] = [r.to_json() for r in self.reshards]
+            self._reshards_written = len(self.reshards)
+        return out
+
+    def reshard(self, src: int, source: str, homes: list[int]) -> Reshard:
+        """Read source `src` (named `source`) with `len(homes)` new streams from this step
+        on, served first by loader processes `homes` (overlord.runtime.reshard): its
+        streams are retired, and what they had not planned, with their deferred samples,
+        is the new streams' to read. Call between two steps (the next delta() holds it).
+
+        Raises:
+            PlanError: no partitions asked for, or the job is done.
+        """
+        if not homes or self.done:
+            raise PlanError(f"source {source!r}: a reshard needs at least one stream and a job still planning")
+        old = self.buffer.by_source[src]
+        parents = tuple((self.streams[i].name, *self.streams[i].cursor) for i in old)
+        epoch = max(e for _, e, _ in parents)
+        mine = np.isin(self.deferred["stream"], old)
+        deferred = tuple(
+            (self.streams[int(r["stream"])].name, int(r["epoch"]), int(r["seq"])) for r in self.deferred[mine]
+        )
+        generation = len(self.reshards) + 1
+        record = Reshard(
+            generation=generation,
+            source=source,
+            source_index=src,
+            step=self.step,
+            epoch=epoch,
+            parents=parents,
+            deferred=deferred,
+            streams=tuple(reshard_stream_name(source, generation, q) for q in range(len(homes))),
+            homes=tuple(homes),
+        )
+        self._grow(record)
+        self.deferred = self.deferred[~mine]
+        return record
+
+    def _grow(self, record: Reshard) -> None:
+        """The streams of `record` in the buffer, its parents retired."""
+        ids = self.buffer.reshard(record.source_index, list(record.streams), record.epoch)
+        self.reshards.append(record)
+        self._dirty.update(ids)
+        self._epoch = None
+        self.wanted, self._short = {}, {}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from a `state()` taken after some step, before any metadata arrives.
@@ -158,6 +208,9 @@ class PlannerCore:
         The Source Loaders, restarted at the cursors, report the samples after them; the
         deferred ones come from the state. Plans from here equal the original run's.
         """
+        for record in reshards_of(state)[len(self.reshards) :]:
+            self._grow(record)
+        self._reshards_written = len(self.reshards)
         names = [s.name for s in self.streams]
         if sorted(state["cursors"]) != sorted(names):
             raise PlanError(

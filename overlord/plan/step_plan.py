@@ -26,7 +26,7 @@ axis and broadcast dims as ASCII, then arrays, each starting on an 8-byte bounda
         55     1  zero
         56     2  u16 T length of the text
         58     4  u32 K streams handed off (owners; 0 without)
-        62     2  zero
+        62     2  u16 G reshards the job has made (overlord.runtime.reshard; 0 before any)
         64     T  ASCII: the axis, then ";" and each broadcast dim ("DP;TP"); zero-padded to 8
          .  4B*M  u32 [B*M]: samples of micro-batch m of bucket b at b*M + m
          .    4R  u32 [R]: samples each encoder rank encodes (zero-padded to 8)
@@ -56,11 +56,12 @@ from overlord.errors import PlanError
 
 MAGIC = b"OVPL"
 VERSION = 1
-_HEADER = struct.Struct("<4sHHqqqIIIII3BxHI2x")
+_HEADER = struct.Struct("<4sHHqqqIIIII3BxHIH")
 HEADER_BYTES = _HEADER.size  # 64
 _LAST, _ENCODER, _OWNERS = 1, 2, 4
 _WIDTHS = (1, 2, 4, 8)
 _U32_MAX = (1 << 32) - 1
+_U16_MAX = (1 << 16) - 1
 
 Item = tuple[int, int, int]  # (stream, epoch, seq)
 
@@ -93,6 +94,9 @@ class Plan:
     # [K, 2] (stream, loader process): streams this step is served by a loader process
     # other than the layout's (a live handoff, overlord.planner.handoff); None: none is
     owners: NDArray[np.int64] | None = None
+    # how many reshards the job has made by this step (overlord.runtime.reshard): a role
+    # that knows fewer reads the new streams from the planner checkpoint before this step
+    generation: int = 0
 
     @classmethod
     def from_lists(
@@ -199,6 +203,8 @@ class Plan:
         owners = self.owners if self.owners is not None else np.zeros((0, 2), dtype=np.int64)
         if len(owners) and (owners.min() < 0 or owners.max() > _U32_MAX):
             raise PlanError(f"plan of step {self.step}: a handoff names a negative or too large stream or loader")
+        if not 0 <= self.generation <= _U16_MAX:
+            raise PlanError(f"plan of step {self.step}: reshard generation {self.generation} does not fit the format")
         e_items = self.encoder_items if enc and self.encoder_items is not None else _empty_rows()
         e_bounds = self.encoder_bounds if enc and self.encoder_bounds is not None else np.zeros(1, dtype=np.int64)
         rows = np.concatenate([self.items, e_items]) if len(e_items) else self.items
@@ -226,6 +232,7 @@ class Plan:
                 *widths,
                 len(text),
                 len(owners),
+                self.generation,
             ),
             _padded(text),
             _padded(counts.astype("<u4").tobytes()),
@@ -254,7 +261,7 @@ class Plan:
             )
         if len(view) < HEADER_BYTES or bytes(view[:4]) != MAGIC:
             raise PlanError(f"the plan in Redis is not a plan ({len(view)} B, starting {bytes(view[:8])!r})")
-        (_, version, flags, step, deferred, dropped, n_buckets, bins, n, ranks, e, w0, w1, w2, text_len, k) = (
+        (_, version, flags, step, deferred, dropped, n_buckets, bins, n, ranks, e, w0, w1, w2, text_len, k, gen) = (
             _HEADER.unpack_from(view)
         )
         if version != VERSION:
@@ -310,6 +317,7 @@ class Plan:
             encoder_bounds=_offsets(e_counts) if enc else None,
             dropped=dropped,
             owners=owners,
+            generation=gen,
         )
 
     # -- JSON, for people ------------------------------------------------------------
@@ -327,6 +335,7 @@ class Plan:
                 "encoder": self.encoder,
                 "dropped": self.dropped,
                 "owners": None if self.owners is None else self.owners.tolist(),
+                "generation": self.generation,
             },
             separators=(",", ":"),
         ).encode()
@@ -345,6 +354,7 @@ class Plan:
             deferred=obj["deferred"],
             dropped=obj.get("dropped", 0),
             owners=None if obj.get("owners") is None else np.asarray(obj["owners"], dtype=np.int64).reshape(-1, 2),
+            generation=obj.get("generation", 0),
         )
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 
 from overlord.config import Job
+from overlord.errors import PlanError
+from overlord.runtime.reshard import RETIRED, Reshard
 from overlord.shm.names import segment_name
 
 
@@ -29,6 +32,12 @@ class Layout:
     constructor_hosts: int
     constructor_of: list[int]  # dp group -> constructor host index
     shadowed: list[int]  # loader processes that have a Shadow Loader process
+    generation: int = 0  # reshards applied (`grown`): their streams follow the start's
+
+    @property
+    def live(self) -> list[int]:
+        """The streams no reshard retired, in order."""
+        return [i for i, k in enumerate(self.loader_of) if k != RETIRED]
 
     @classmethod
     def plan(cls, job: Job, partitioning=None) -> Layout:
@@ -61,6 +70,34 @@ class Layout:
             constructor_hosts=len(nodes),
             constructor_of=constructor_of,
             shadowed=shadowed,
+        )
+
+    def grown(self, reshards: Sequence[Reshard]) -> Layout:
+        """This layout with the reshards it does not hold yet (overlord.runtime.reshard):
+        each one's new streams appended, served first by its `homes`, and the streams it
+        retired served by none (RETIRED). Stream indices never change: a plan's rows name
+        a retired stream's samples up to the step before the reshard, the new ones' after."""
+        fresh = [r for r in reshards if r.generation > self.generation]
+        if not fresh:
+            return self
+        streams, sources, loader_of = list(self.streams), list(self.stream_source), list(self.loader_of)
+        index = {name: i for i, name in enumerate(streams)}
+        fresh.sort(key=lambda r: r.generation)
+        if [r.generation for r in fresh] != list(range(self.generation + 1, self.generation + 1 + len(fresh))):
+            raise PlanError(
+                f"the planner checkpoint holds reshards {[r.generation for r in reshards]}, which do not follow "
+                f"the {self.generation} this layout holds one by one; the checkpoint is not this job's"
+            )
+        for r in fresh:
+            for name, _, _ in r.parents:
+                loader_of[index[name]] = RETIRED
+            for name, home in zip(r.streams, r.homes):
+                index[name] = len(streams)
+                streams.append(name)
+                sources.append(r.source_index)
+                loader_of.append(home)
+        return replace(
+            self, streams=streams, stream_source=sources, loader_of=loader_of, generation=fresh[-1].generation
         )
 
     def units(self) -> list[str]:
