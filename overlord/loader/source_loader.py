@@ -1,8 +1,9 @@
-"""A Source Loader: the one owner of a source partition's file state.
+"""A Source Loader: the one owner of a source stream's file state.
 
 It reads row groups (Parquet's own, JSONL blocks: `formats.py`, or the record batches of
 a Hugging Face dataset's Arrow files: `hf.py`) of files on any filesystem (`storage.py`,
-local only for `hf`) in the partition's deterministic order (`order.py`), applies
+local only for `hf`) in the stream's deterministic order (`order.py`: a partition of the
+source, or a stream a reshard made, overlord.runtime.reshard), applies
 the source's sample transform, and hands out prepared samples with their metadata. File
 handles, footers and row-group buffers exist once here, never once per trainer rank or
 worker. Bad input raises `SourceReadError` naming source, file and row; with
@@ -17,8 +18,10 @@ active, shadow or restarted loader skips the same; counted per file, `skips.py`)
     a bad row, a transform that raises or breaks the contract    the row
     a sample larger than the sample ring can ever hold           the sample
 
-A partition whose every row of an epoch is skipped ends the job with a SourceReadError
+A stream whose every row of an epoch is skipped ends the job with a SourceReadError
 naming the source and the counts (a stream that never yields would stall every step).
+A resharded stream's first epoch (its part of the remainder) is not a whole epoch: it
+may be short, even empty, and then just ends with no sample.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,10 +43,11 @@ from overlord.loader import storage
 from overlord.loader.contract import ContractError, check_sample
 from overlord.loader.formats import FORMATS, BadRow, Chunk, OpenFile, locations
 from overlord.loader.inflight import Inflight
-from overlord.loader.order import EpochOrder, RowGroups
+from overlord.loader.order import Order, Orders, RowGroups
 from overlord.loader.profile import Profile
 from overlord.loader.skips import Skips
 from overlord.runtime.layout import stream_name
+from overlord.runtime.reshard import Reshard
 from overlord.shm import batch_nbytes
 from overlord.transforms import build, sample_metadata
 
@@ -80,11 +85,12 @@ class _UnreadableGroup:
 
 
 class SourceLoader:
-    """Reads one partition of one source, in order, through its transform.
+    """Reads one stream of one source, in order, through its transform.
 
     Args:
         source: the source's config.
-        partition: which partition of the source this loader owns.
+        partition: which partition of the source this loader owns (of the reshard that
+            made `stream`, for a resharded one).
         seed: the job seed.
         epochs: stop after this many epochs; None cycles forever.
         context_length: the job's BatchSpec.context_length, for a transform built from
@@ -94,6 +100,10 @@ class SourceLoader:
         max_sample_bytes: the largest record the loader-to-constructor ring can ever
             hold (`ring_max_record(Job.sample_ring_bytes)`); a larger sample is a bad
             row. None: not checked here.
+        stream: the stream's name; None: `<source>.<partition>`, a base partition.
+        reshards: the source's reshard records, oldest first, through the one that made
+            `stream` (overlord.runtime.reshard); a resharded stream starts at that
+            record's epoch, seq 0.
     """
 
     def __init__(
@@ -106,10 +116,12 @@ class SourceLoader:
         context_length: int | None = None,
         vocab_size: int | None = None,
         max_sample_bytes: int | None = None,
+        stream: str | None = None,
+        reshards: Sequence[Reshard] = (),
     ) -> None:
         self.source = source
         self.partition = partition
-        self.name = stream_name(source.name, partition)
+        self.name = stream or stream_name(source.name, partition)
         self.seed = seed
         self.epochs = epochs
         self.vocab_size = vocab_size
@@ -122,13 +134,14 @@ class SourceLoader:
             raise ConfigError(f"source {source.name!r}: {exc}") from None
         self.format = FORMATS[source.format]()
         self._files: collections.OrderedDict[int, OpenFile] = collections.OrderedDict()
-        # (row group, window) -> (the rows of the group that the window reads, as an Arrow
-        # table or raw JSONL lines, and the first one's index in the group): a window holds
-        # only its own rows, so a row group the shuffle window straddles is read once per
-        # window it overlaps, never held whole for both. Window None: a group held whole
-        # while windows read it (a compressed JSONL file, decompressed whole at each read).
-        # Rows become Python objects one at a time (smaller that way).
-        self._rows: dict[tuple[int, int | None], tuple[Chunk, int]] = {}
+        # (row group, window key: order.Span) -> (the rows of the group that the window
+        # reads, as an Arrow table or raw JSONL lines, and the first one's index in the
+        # group): a window holds only its own rows, so a row group the shuffle window
+        # straddles is read once per window it overlaps, never held whole for both. Window
+        # None: a group held whole while windows read it (a compressed JSONL file,
+        # decompressed whole at each read). Rows become Python objects one at a time.
+        self._rows: dict[tuple[int, Hashable | None], tuple[Chunk, int]] = {}
+        self._window: Hashable | None = None  # the window the last row was read in
         self.skips = Skips(source.name, self.name)
         # a file skipped whole (on_error: skip) has no row groups: the order never reaches it
         readable = [self._survey(i) for i in range(len(self.paths))]
@@ -139,11 +152,21 @@ class SourceLoader:
             else None
         )
         self.groups = RowGroups.from_counts(counts, difficulty)
-        self.epoch = 0
+        self._orders = Orders(
+            self.groups,
+            seed=seed,
+            source=source.name,
+            partitions=source.partitions,
+            shuffle_window=source.shuffle_window,
+            reshards=reshards,
+        )
+        self.epoch = self._orders.first_epoch(self.name)
         self.seq = 0  # next seq to prepare in self.epoch
         self._delivered_in_epoch = 0  # samples prepared (not skipped) in self.epoch
-        self._whole_epoch = True  # self.epoch is read from seq 0 by this loader (not resumed mid-epoch)
-        self._order = self._make_order(0)
+        # self.epoch is a whole epoch read from seq 0 by this loader (not resumed mid-epoch,
+        # not a remainder): one whose every row was skipped can never yield
+        self._whole_epoch = not self._orders.is_remainder(self.name, self.epoch)
+        self._order = self._make_order(self.epoch)
         self.profile = Profile()  # what its samples cost (journaled for the auto-partitioner)
         self.workers = 1
         self._pool: ThreadPoolExecutor | None = None
@@ -206,7 +229,7 @@ class SourceLoader:
             self._files.popitem(last=False)
         return handle
 
-    def _read_group(self, rg: int, window: int, start: int, stop: int) -> tuple[Chunk, int]:
+    def _read_group(self, rg: int, window: Hashable, start: int, stop: int) -> tuple[Chunk, int]:
         """Rows [start, stop) of row group `rg`, which `window` reads, and the index of the
         first in the group (0 where the chunk is the whole group)."""
         for key in ((rg, window), (rg, None)):
@@ -233,16 +256,8 @@ class SourceLoader:
 
     # -- order ---------------------------------------------------------------------------
 
-    def _make_order(self, epoch: int) -> EpochOrder:
-        return EpochOrder(
-            self.groups,
-            seed=self.seed,
-            source=self.source.name,
-            epoch=epoch,
-            partition=self.partition,
-            partitions=self.source.partitions,
-            shuffle_window=self.source.shuffle_window,
-        )
+    def _make_order(self, epoch: int) -> Order:
+        return self._orders.order(self.name, epoch)
 
     @property
     def epoch_length(self) -> int:
@@ -254,22 +269,28 @@ class SourceLoader:
         return self.epochs is not None and self.epoch >= self.epochs
 
     def start_at(self, epoch: int, seq: int) -> None:
-        """Resume reading at (epoch, seq): the sample after a planner cursor."""
+        """Resume reading at (epoch, seq): the sample after a planner cursor.
+
+        Raises:
+            PlanError: `epoch` is before the stream's first (a resharded stream's).
+        """
         if epoch != self.epoch:
+            order = None if self.epochs is not None and epoch >= self.epochs else self._make_order(epoch)
             self.epoch = epoch
-            if not self.finished:
-                self._order = self._make_order(epoch)
+            if order is not None:
+                self._order = order
         self.seq, self._delivered_in_epoch = seq, 0
-        self._whole_epoch = seq == 0
-        self._rows.clear()
+        self._whole_epoch = seq == 0 and not self._orders.is_remainder(self.name, epoch)
+        self._forget_rows()
 
     def prepare_at(self, epoch: int, seqs) -> list[Prepared]:
         """Prepare given samples out of order (deferred ones behind a resume cursor),
         leaving the reading position where it was."""
         saved = (self.epoch, self.seq, self._order, self._delivered_in_epoch)
         try:
-            self.epoch, self._order = epoch, self._make_order(epoch)
-            self._rows = {}
+            order = self._make_order(epoch)
+            self.epoch, self._order = epoch, order
+            self._forget_rows()
             out = []
             for seq in seqs:
                 sample = self._prepare_one(int(seq))
@@ -278,14 +299,14 @@ class SourceLoader:
             return out
         finally:
             self.epoch, self.seq, self._order, self._delivered_in_epoch = saved
-            self._rows = {}
+            self._forget_rows()
 
     def _advance_epoch(self) -> None:
         self.epoch += 1
         self.seq = 0
         self._delivered_in_epoch = 0
-        self._whole_epoch = True
-        self._rows.clear()
+        self._whole_epoch = True  # an epoch after the first: never a remainder
+        self._forget_rows()
         if not self.finished:
             self._order = self._make_order(self.epoch)
 
@@ -367,7 +388,7 @@ class SourceLoader:
 
     def _nothing_left(self) -> str:
         return (
-            f"source {self.source.name!r} partition {self.partition} of {self.source.partitions}: every row of "
+            f"source {self.source.name!r} {self._orders.describe(self.name)}: every row of "
             f"epoch {self.epoch} was skipped (on_error: skip), so it can never yield a sample: "
             f"{self.skipped} row(s) skipped; {self.skips.summary()}. Fix or replace those files, or remove them "
             "from Source.paths"
@@ -379,27 +400,27 @@ class SourceLoader:
         footers = self.format.nbytes + sum(f.nbytes for f in self._files.values())
         return footers + sum(t.nbytes for t, _ in self._rows.values())
 
+    def _forget_rows(self) -> None:
+        self._rows.clear()
+        self._window = None
+
     def _read(self, seq: int) -> tuple[int, object, dict | BadRow, float]:
         """(seq, where, row, seconds): one row, read in order (the file state is this thread's)."""
         started = time.perf_counter()
         order = self._order
-        window = seq // order.window
-        if seq % order.window == 0:
-            # entering a new window: drop the rows of the others (and whole row groups
+        span = order.span(seq)  # the row, its window (a parent's, in a remainder), the rows it reads
+        if span.window != self._window:
+            # entering another window: drop the rows of the others (and whole row groups
             # the new window does not touch)
-            keep = set(order.groups_for_window(window))
+            keep = set(order.window_groups(seq))
             self.profile.state_bytes = max(self.profile.state_bytes, self.state_bytes())
-            for key in [k for k in self._rows if k[1] != window and (k[1] is not None or k[0] not in keep)]:
+            for key in [k for k in self._rows if k[1] != span.window and (k[1] is not None or k[0] not in keep)]:
                 del self._rows[key]
-        where = order.locate(seq)
-        # the rows of this row group that this window reads: its part of the window's positions
-        first = order.position(seq) - where.row_in_group  # the group's first position
-        lo = window * order.window
-        hi = min(lo + order.window, len(order))
-        size = int(self.groups.rows[where.rg])
+            self._window = span.window
+        where = span.row
         row: dict[str, Any] | BadRow
         try:
-            chunk, offset = self._read_group(where.rg, window, max(lo - first, 0), min(hi - first, size))
+            chunk, offset = self._read_group(where.rg, span.window, span.start, span.stop)
             row = chunk.row(where.row_in_group - offset)
         except BadRow as bad:
             row = bad  # a bad row is reported (or skipped) where transform failures are
