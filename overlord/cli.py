@@ -80,6 +80,25 @@ def _handoff(args: argparse.Namespace) -> int:
     return code
 
 
+def _reshard(args: argparse.Namespace) -> int:
+    # deferred: each subcommand imports only what it runs (pyarrow, redis, numpy: 0.2-0.5 s), so the rest start fast
+    from overlord.planner.request import request_reshard
+    from overlord.store import Keys, connect
+    from overlord.store.server import redis_url_of
+
+    job = Job.from_file(args.config)
+    code, message = request_reshard(
+        connect(redis_url_of(job), timeout_s=5),
+        Keys(job.name),
+        args.source,
+        args.partitions,
+        args.timeout,
+        at_step=args.at_step,
+    )
+    print(message, file=sys.stderr if code else sys.stdout)
+    return code
+
+
 def _plan(args: argparse.Namespace) -> int:
     # deferred: each subcommand imports only what it runs (pyarrow, redis, numpy: 0.2-0.5 s), so the rest start fast
     from overlord.planner.dryrun import dry_run
@@ -220,6 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("loader", type=int, help="the loader process index to serve it")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the Planner's answer")
     p.set_defaults(fn=_handoff)
+    p = sub.add_parser("reshard", help="read a source with another number of streams, live, from the next step")
+    p.add_argument("--config", required=True, help="job YAML/JSON")
+    p.add_argument("source", help="the source's name")
+    p.add_argument("partitions", type=int, help="how many streams (loader partitions) read it from then on")
+    p.add_argument(
+        "--at-step",
+        type=int,
+        default=None,
+        help="not before this step (a run given the same reshards at the same steps plans the same samples)",
+    )
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the Planner's answer")
+    p.set_defaults(fn=_reshard)
     p = sub.add_parser("plan", help="show what the job's strategy would do (per-rank cost, imbalance, speedup)")
     p.add_argument("--config", required=True, help="job YAML/JSON")
     p.add_argument("--dry-run", action="store_true", help="plan in this process; start nothing")

@@ -70,6 +70,7 @@ def collect(job: Job) -> dict[str, Any]:
         "node_pressure": planner.node_pressure,
         "scaling": log_entries(r.xrevrange(keys.scaling, count=10))[::-1],
         "handoffs": log_entries(r.xrevrange(keys.handoffs, count=10))[::-1],
+        "reshards": log_entries(r.xrevrange(keys.reshards, count=10))[::-1],
         "autoscale": json.loads(r.get(keys.autoscale) or "null"),
         "counters": counter_values(r.hgetall(keys.counters)),
         "nodes": json_records(r.hgetall(keys.nodes)),
@@ -178,6 +179,13 @@ def render(status: dict[str, Any]) -> str:
             lines.append(
                 f"handoff: stream {e['stream']} loader process {e['from']} -> {e['to']} from step {e['step']} "
                 f"({e['reason']})"
+            )
+    for e in status.get("reshards", []):
+        if e["to"] == "-1":
+            lines.append(f"reshard refused: source {e['source']}: {e['reason']}")
+        elif e["streams"]:
+            lines.append(
+                f"reshard: source {e['source']} {e['from']} -> {e['to']} streams from step {e['step']} ({e['streams']})"
             )
     for dp, step in sorted(status.get("replays", {}).items()):
         lines.append(f"replay: Data Constructor {dp_of(dp)} restarted at step {step}")

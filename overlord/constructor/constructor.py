@@ -38,11 +38,13 @@ from overlord.constructor.marks import STREAM_MAXLEN, MarkWatch, Owner, check
 from overlord.constructor.packing import pack, pad
 from overlord.constructor.parallel import cp_split, pp_stage, tp_marker
 from overlord.errors import PeerDied, PlanError, RingTimeout, SourceReadError
+from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.lowlevel import constructor_do_plan, encoder_destinations
 from overlord.plan.waiting import SharedPlans, resume_point, wait_plan
 from overlord.remote.bridge import Breaks, Bridge
 from overlord.runtime.flow import Beat, Stopped, alive_within, push
 from overlord.runtime.layout import Layout, client_ring, sample_ring
+from overlord.runtime.reshard import reshards_of
 from overlord.shm import Ring, decode_batch
 from overlord.store.schema import (
     BUILT,
@@ -132,6 +134,16 @@ class DataConstructor:
         self.dropped = 0  # duplicate records seen (after a restart)
         self._turn = 0
 
+    def _grow(self, state: dict, step: int) -> None:
+        """Know the streams of the reshards `state` (a planner checkpoint) records that
+        take effect by `step`: which loader process serves each one first, and its
+        source's deferred decode. (A plan that made a reshard is still the retired
+        streams': the new ones are known from the next plan on.)"""
+        self.layout = self.layout.grown([r for r in reshards_of(state) if r.step <= step])
+        for i, src in enumerate(self.layout.stream_source):
+            if i not in self.decoders and (decode := self.job.sources[src].decode):
+                self.decoders[i] = (decode, resolve(decode))
+
     def _start(self) -> int:
         """The first step to build: the job's (or the resume's), or after a restart the
         first step its trainers may not have read whole, whose samples the loaders are
@@ -188,6 +200,8 @@ class DataConstructor:
                 wanted = [item for items in batches.values() for item in items]
                 if plan.encoder_items is not None:
                     wanted += [item for rank in receivers for item in map(tuple, plan.encoder_rows(rank).tolist())]
+                if plan.generation > self.layout.generation:  # a reshard's streams (overlord.runtime.reshard)
+                    self._grow(Checkpoints(self.keys).load(self.r, plan.step + 1), plan.step)
                 samples = self._collect(plan.step, wanted, plan.loader_of(self.layout.loader_of))
                 self._build(plan, receivers, buckets, batches, samples)
                 del samples  # its leases end: the loaders get this step's ring space back

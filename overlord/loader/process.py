@@ -61,6 +61,7 @@ from overlord.plan.waiting import resume_point
 from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import sample_ring
 from overlord.runtime.readbuffer import ReadBudget, draw_per_step
+from overlord.runtime.reshard import RETIRED, Reshard, reshards_of
 from overlord.shm import Ring, SampleMeta
 from overlord.store.durable import Durability
 from overlord.store.schema import (
@@ -108,6 +109,7 @@ class LoaderProcess:
         self.budgets: dict[int, ReadBudget] = {}
         self._table: Inflight | None = None  # the transforms' in-flight table, once run() made it
         self._deadline: Deadline | None = None
+        self.reshards: list[Reshard] = []  # the job's, as far as this process has followed them
         for i, owner in enumerate(layout.loader_of):
             if owner == ctx.index:
                 self._open(i)
@@ -137,14 +139,20 @@ class LoaderProcess:
         """Start hosting stream i: its Source Loader (at the epoch order's start), an
         empty read buffer and its budget."""
         job, layout = self.job, self.layout
+        name, src = layout.streams[i], layout.stream_source[i]
+        made = next((r for r in self.reshards if name in r.streams), None)  # None: one of the start's streams
         loader = self.loaders[i] = SourceLoader(
-            job.sources[layout.stream_source[i]],
-            int(layout.streams[i].rsplit(".", 1)[1]),
+            job.sources[src],
+            int(name.rsplit(".", 1)[1]) if made is None else made.streams.index(name),
             seed=job.seed,
             epochs=job.epochs,
             context_length=job.batch.context_length,
             vocab_size=job.batch.vocab_size,
             max_sample_bytes=ring_max_record(job.sample_ring_bytes),
+            stream=name,
+            reshards=[]
+            if made is None
+            else [r for r in self.reshards if r.source_index == src and r.generation <= made.generation],
         )
         self.buffers[i], self.held_bytes[i], self.budgets[i] = {}, 0, self._budget(i)
         if self._table is not None and self._deadline is not None:  # handed over while running
@@ -156,7 +164,7 @@ class LoaderProcess:
         job, layout = self.job, self.layout
         src = layout.stream_source[i]
         source = job.sources[src]
-        parts = layout.stream_source.count(src)
+        parts = sum(layout.stream_source[k] == src for k in layout.live)
         return ReadBudget(
             draw=draw_per_step(job.batch.global_batch, [s.weight for s in job.sources], src, parts),
             plan_ahead=job.plan_ahead,
@@ -176,7 +184,9 @@ class LoaderProcess:
         # later asks for a replay from there (sends to the ones that built a step are skipped)
         self.step = min(min(done.values()) + 1, *(unread(progress, dp, first) for dp in done)) if done else first
         if self.step > 0:
-            self._rebuild(self.step, point[1] if point and self.step == first else None)
+            state = point[1] if point and self.step == first else Checkpoints(self.keys).load(self.r, self.step)
+            self._grow(state, self.step, rebuild=False)  # the reshards before this step: their streams
+            self._rebuild(self.step, state)
         self.skip_upto = done
         self._read_demand()
         self._plans.start(self.step)
@@ -462,8 +472,42 @@ class LoaderProcess:
             )
         self.serving = serving
 
+    def _grow(self, state: dict, step: int, rebuild: bool = True) -> None:
+        """Follow the reshards `state` (the planner state before `step`) records that this
+        process does not know yet (overlord.runtime.reshard): drop the retired streams it
+        hosts (their samples sent for earlier steps stay kept for replays) and start the
+        new ones whose first loader process it is, after their cursors in `state` (with
+        `rebuild`; else the caller rebuilds every stream)."""
+        fresh = [r for r in reshards_of(state) if r.generation > self.layout.generation]
+        if not fresh:
+            return
+        self.reshards += fresh
+        grown = self.layout.grown(fresh)
+        me = self.ctx.index
+        serving = [RETIRED if grown.loader_of[i] == RETIRED else k for i, k in enumerate(self.serving)]
+        serving += grown.loader_of[len(self.serving) :]
+        self.layout, self.reports.streams = grown, list(grown.streams)
+        for i in [i for i in self.loaders if serving[i] == RETIRED]:
+            log.info("stream %s: retired by a reshard from step %d", grown.streams[i], step)
+            self.loaders.pop(i).close()
+            del self.buffers[i], self.held_bytes[i], self.budgets[i]
+            self.reports.forget(i)
+        gained = [i for i in range(len(self.serving), len(serving)) if serving[i] == me]
+        self.serving = serving
+        for i in gained:
+            self._open(i)
+        if gained and rebuild:
+            self._rebuild(step, state, gained)
+        if gained:
+            log.info("serving stream(s) %s from step %d (made by a reshard)", [grown.streams[i] for i in gained], step)
+
     def _serve(self, plan) -> None:
-        """Send this process's samples of `plan` to their Data Constructors, in plan order."""
+        """Send this process's samples of `plan` to their Data Constructors, in plan order.
+        A plan that made a reshard (`Plan.generation`) is the retired streams' last: the
+        new ones start after it, from the state its checkpoint holds."""
+        if plan.generation > self.layout.generation:  # reshards made before this step (a late start)
+            before = Checkpoints(self.keys).load(self.r, plan.step)
+            self._grow(before, plan.step)
         self._handoffs(plan)
         sends = loader_do_plan(plan, self.job.mesh, set(self.buffers))
         samples = []
@@ -476,17 +520,22 @@ class LoaderProcess:
         for i, n in took.items():  # what a step takes, measured: a mixing schedule moves it
             self.budgets[i].took(n)
         self.sent[plan.step] = sends
-        if not self.active:
-            return
+        if self.active:
+            self._deliver(plan.step, sends, samples)
+        if plan.generation > self.layout.generation:  # made after this step: the new streams start now
+            self._grow(Checkpoints(self.keys).load(self.r, plan.step + 1), plan.step + 1)
+
+    def _deliver(self, step: int, sends: list, samples: list[Prepared]) -> None:
+        """Write a step's samples to the rings of their Data Constructors."""
         run = None  # the DP group of the run of records being written (sends are in plan order: by group)
         try:
             for (dp, bucket, mb, item), sample in zip(sends, samples):
-                if dp in self.broken or plan.step <= self.skip_upto.get(dp, -1):
+                if dp in self.broken or step <= self.skip_upto.get(dp, -1):
                     continue  # finished before this process started, or sent again on a replay request
                 if dp != run and run is not None:
                     self.rings[run].wake()  # its run is written: one wake-up for all of it
                 run = dp
-                self._push(plan.step, dp, bucket, mb, item, sample)
+                self._push(step, dp, bucket, mb, item, sample)
         finally:
             for ring in self.rings:
                 ring.wake()

@@ -42,6 +42,7 @@ import redis
 from overlord.plan.step_plan import Plan
 from overlord.runtime.layout import Layout
 from overlord.runtime.lease import Lease, WriteUncertain
+from overlord.runtime.reshard import RETIRED
 from overlord.store import Keys
 from overlord.store.schema import handoff_entry
 
@@ -76,13 +77,26 @@ class Handoffs:
         if moved:
             log.info("streams served away from their layout's loader process: %s", self._names(moved))
 
-    def stamp(self, plan: Plan) -> Plan:
-        """`plan` with the streams served away from the layout's process."""
+    def grow(self, layout: Layout) -> None:
+        """Serve `layout`'s streams (a reshard): the new ones where it puts them, the
+        retired ones nowhere."""
+        for i in range(len(self.serving), len(layout.streams)):
+            self.serving.append(layout.loader_of[i])
+        for i, home in enumerate(layout.loader_of):
+            if home == RETIRED:
+                self.serving[i] = RETIRED
+        self.layout = layout
+        self.index = {name: i for i, name in enumerate(layout.streams)}
+
+    def stamp(self, plan: Plan, generation: int = 0) -> Plan:
+        """`plan` with the streams served away from the layout's process, and the
+        reshards the job has made through it (`generation`, overlord.runtime.reshard)."""
         home = self.layout.loader_of
         moved = [(s, k) for s, k in enumerate(self.serving) if k != home[s]]
-        if not moved:
+        if not moved and not generation:
             return plan
-        return dataclasses.replace(plan, owners=np.asarray(moved, dtype=np.int64))
+        owners = np.asarray(moved, dtype=np.int64) if moved else None
+        return dataclasses.replace(plan, owners=owners, generation=generation)
 
     def look(self, step: int, first: int) -> None:
         """Take the pending requests into effect from `step` (at most every LOOK_S).
@@ -120,6 +134,8 @@ class Handoffs:
         layout = self.layout
         if name not in self.index:
             return f"no stream {name!r} in this job (its streams are <source>.<partition>)"
+        if layout.loader_of[self.index[name]] == RETIRED:
+            return f"stream {name!r} was retired by a reshard (`overlord status` lists the streams read now)"
         try:
             to = int(value)
         except ValueError:

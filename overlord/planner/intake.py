@@ -40,6 +40,7 @@ from overlord.plan.meta import MetaChunk
 from overlord.runtime.flow import alive_within
 from overlord.runtime.layout import Layout
 from overlord.runtime.lease import Lease, Superseded
+from overlord.runtime.reshard import RETIRED
 from overlord.store import Keys
 from overlord.store.lane import Lane
 from overlord.store.schema import DEMAND_HOLD_STEPS, DEMANDED_MAXLEN, demanded_values
@@ -93,6 +94,18 @@ class Intake:
         }
         self.held: dict[int, tuple[int, int]] = {}  # demanded stream -> (most a step took, steps) since its last ask
         self.waiting_since = time.monotonic()
+
+    def grow(self, layout: Layout) -> None:
+        """Read the reports of `layout`'s streams from now on (a reshard: its new streams
+        from their start, the retired ones no more)."""
+        self.layout = layout
+        for i, name in enumerate(layout.streams):
+            key = self.keys.meta(name)
+            if layout.loader_of[i] == RETIRED:
+                self.last_ids.pop(key, None)
+            elif key not in self.last_ids:
+                self.index[key.encode()] = i
+                self.last_ids[key] = "0-0"
 
     def progressed(self) -> None:
         """The job moved (a step was planned, or trainers are what it waits on): the
@@ -190,7 +203,7 @@ class Intake:
         """
         if time.monotonic() - self.waiting_since <= self.timeout_s:
             return
-        starving = [i for i, s in enumerate(streams) if s.count == 0 and not s.final]
+        starving = [i for i, s in enumerate(streams) if s.count == 0 and not s.final and not s.retired]
         loader_of = self.layout.loader_of if serving is None else serving
         owners = sorted({loader_of[i] for i in starving})
         if all(alive_within(self.r, self.keys, "loader", k, self.timeout_s) for k in owners):

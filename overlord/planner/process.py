@@ -21,6 +21,7 @@ per step), and one fenced script for the turn's plans and checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -40,6 +41,7 @@ from overlord.planner.placing import Placer
 from overlord.planner.promotion import CHECK_S as PROMOTE_CHECK_S
 from overlord.planner.promotion import Promoter
 from overlord.planner.publishing import Pace, Publisher
+from overlord.planner.reshard import Reshards
 from overlord.planner.scaling import Scaling
 from overlord.runtime.lease import RUN_ENV, Lease, Superseded
 from overlord.runtime.placement import homes
@@ -121,6 +123,7 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
     if generation is None:
         return
     first = core.step
+    layout = layout.grown(core.reshards)  # the streams of the reshards made before `first`
     handoffs = Handoffs(r, keys, lease, layout)
     handoffs.recover(first)
     publisher = Publisher(r, keys, lease, ckpts, first=first, dp=job.mesh.dp, durable_s=job.redis_outage_s, lane=lane)
@@ -129,6 +132,7 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
     online = job.autoscale is not None and job.autoscale.online
     scaling = Scaling(r, keys, job, layout) if online else None
     placer = Placer(r, keys, lease, homes(job, layout), job.node_ids) if job.multi_node else None
+    reshards = Reshards(r, keys, lease, job)
     least, pace = turn_steps(job.plan_ahead), Pace()
     while not ctx.stop.is_set():
         ctx.beat()
@@ -147,13 +151,23 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
             publisher.wait(AHEAD_WAIT_MS)
             continue
         handoffs.look(core.step, first)
+        reshards.look()
         turn = []
         for _ in range(min(room, TURN_MAX)):
             feed(r, keys, core.schedule, core.step)
             plan = core.plan_step()
             if plan is None:  # the plan needs samples not yet reported
                 break
-            turn.append((handoffs.stamp(plan), core.delta()))
+            plan = handoffs.stamp(plan, len(core.reshards))  # served where the streams are up to it
+            if reshards.pending and not plan.last:  # between this step and the next (overlord.planner.reshard)
+                grown = reshards.make(core, layout, handoffs.serving)
+                if grown is not layout:  # this plan is the retired streams' last: it says so
+                    layout, plan = grown, dataclasses.replace(plan, generation=len(core.reshards))
+                    handoffs.grow(layout)
+                    intake.grow(layout)
+                    if scaling is not None:
+                        scaling.grow(layout)
+            turn.append((plan, core.delta()))
             intake.planned(core.took)
             if scaling is not None and plan.step > first + job.plan_ahead:
                 # the steps that fill the look-ahead are planned as soon as loaders report
@@ -172,6 +186,7 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
             continue
         publisher.publish_turn(turn, core.state, bound)
         handoffs.published()
+        reshards.published()
         intake.progressed()
         plan = turn[-1][0]
         if plan.last:

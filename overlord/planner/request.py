@@ -1,8 +1,8 @@
-"""`overlord handoff`: ask the job's Planner to serve a stream from another loader process.
+"""`overlord handoff` and `overlord reshard`: ask the job's Planner for a live change.
 
-The request is one HSET of the `handoff` hash; the Planner takes it at its next step
-boundary (handoff.py) and logs the outcome in the `handoffs` stream, which this waits
-on (bounded) to say what happened.
+A request is one HSET (of the `handoff` or the `reshard` hash); the Planner takes it at
+its next step boundary (handoff.py, reshard.py) and logs the outcome in the `handoffs`
+or `reshards` stream, which this waits on (bounded) to say what happened.
 """
 
 from __future__ import annotations
@@ -42,7 +42,46 @@ def request_handoff(r: redis.Redis, keys: Keys, stream: str, loader: int, timeou
                 return 0, f"stream {stream}: loader process {entry['from']} -> {entry['to']} from step {entry['step']}"
         if taken:  # gone without an answer: a job starting afresh clears its keys
             return 2, "the request was removed unanswered (the job started afresh?); request it again"
-    return 2, (
+    return 2, _unanswered(keys.handoff, timeout_s)
+
+
+def request_reshard(
+    r: redis.Redis, keys: Keys, source: str, partitions: int, timeout_s: float, at_step: int | None = None
+) -> tuple[int, str]:
+    """Ask for `source` to be read by `partitions` streams (from `at_step` on, or the next
+    step boundary: a run that gives each reshard its step plans the same) and wait for
+    the Planner's answer.
+
+    Returns:
+        (exit code, message) as `request_handoff`.
+    """
+    last = r.xrevrange(keys.reshards, count=1)
+    after = last[0][0] if last else b"0-0"
+    r.hset(keys.reshard, source, str(partitions) if at_step is None else f"{partitions}@{at_step}")
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        taken = r.hget(keys.reshard, source) is None  # logged and deleted in one write, as a handoff
+        reply = r.xread({keys.reshards: after}, block=None if taken else max(1, int(min(left, 1.0) * 1000)), count=1000)
+        for _, entries in reply or []:
+            after = entries[-1][0]
+            for entry in log_entries(entries):
+                if entry["source"] != source:
+                    continue
+                if entry["to"] == "-1":
+                    return 1, f"reshard of {source} refused: {entry['reason'].removeprefix('refused: ')}"
+                if not entry["streams"]:
+                    return 0, f"source {source}: read by {entry['to']} stream(s) already"
+                return 0, (
+                    f"source {source}: {entry['from']} -> {entry['to']} streams from step {entry['step']} "
+                    f"({entry['streams']})"
+                )
+        if taken:
+            return 2, "the request was removed unanswered (the job started afresh?); request it again"
+    return 2, _unanswered(keys.reshard, timeout_s)
+
+
+def _unanswered(key: str, timeout_s: float) -> str:
+    return (
         f"no answer from the Planner in {timeout_s:g}s (is the job running? `overlord status`); the request "
-        f"stays in {keys.handoff} and is taken at the Planner's next step"
+        f"stays in {key} and is taken at the Planner's next step"
     )

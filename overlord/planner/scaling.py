@@ -33,6 +33,7 @@ from overlord.autoscale.scaler import Scaler
 from overlord.config import Autoscale, Job
 from overlord.plan.step_plan import Plan
 from overlord.runtime.layout import Layout
+from overlord.runtime.reshard import RETIRED
 from overlord.store import Keys
 from overlord.store.schema import COUNTER_OVER_BUDGET, PLANNER_PRESSURE, scaling_entry
 
@@ -73,17 +74,39 @@ class Scaling:
         costs = costs_from(journaled(self.r, self.keys), self.job)
         self.scaler.costs_ms.update({name: c.transform_ms for name, c in costs.items()})
 
+    def grow(self, layout: Layout) -> None:
+        """Scale `layout`'s streams (a reshard): a source's demand is split over the
+        streams that read it now."""
+        self.layout = layout
+        self.names = [self.job.sources[i].name for i in layout.stream_source]
+        live = layout.live
+        sources = [layout.stream_source[i] for i in live]
+        self.scaler.partitions = {s.name: sources.count(i) for i, s in enumerate(self.job.sources)}
+        # the new streams start with their source's workers per partition, as the others run
+        workers = {
+            layout.streams[i]: self.scaler.current[self.names[i]]
+            for i in live
+            if self.scaler.current.get(self.names[i], 1) != 1
+        }
+        if workers:
+            self.r.hset(self.keys.workers, mapping=workers)
+
     def stream_demand(self) -> list[float]:
-        """Per stream, the transform workers it keeps busy (its source's demand over its partitions)."""
-        scaler = self.scaler
-        return [scaler.demand(name) / max(1, scaler.partitions.get(name, 1)) for name in self.names]
+        """Per stream, the transform workers it keeps busy (its source's demand over its
+        partitions; none for a stream a reshard retired)."""
+        scaler, home = self.scaler, self.layout.loader_of
+        return [
+            0.0 if home[i] == RETIRED else scaler.demand(name) / max(1, scaler.partitions.get(name, 1))
+            for i, name in enumerate(self.names)
+        ]
 
     def loader_demand(self, serving: list[int] | None = None) -> dict[str, float]:
         """What each loader process (`loader<k>`) demands: busy transform workers
         (`serving`: the process of each stream, the layout's by default)."""
         demand: dict[str, float] = {}
         for k, d in zip(self.layout.loader_of if serving is None else serving, self.stream_demand()):
-            demand[f"loader{k}"] = demand.get(f"loader{k}", 0.0) + d
+            if k != RETIRED:
+                demand[f"loader{k}"] = demand.get(f"loader{k}", 0.0) + d
         return demand
 
     def handoff(self, step: int, serving: list[int], allowed) -> tuple[int, int, str] | None:
@@ -155,7 +178,7 @@ class Scaling:
             mapping={
                 stream: changed[self.names[i]]
                 for i, stream in enumerate(self.layout.streams)
-                if self.names[i] in changed
+                if self.names[i] in changed and self.layout.loader_of[i] != RETIRED
             },
         )
         for name, workers in changed.items():

@@ -166,6 +166,16 @@ class Keys:
         return f"{self.base}:handoffs"
 
     @property
+    def reshard(self) -> str:
+        """Requests to read a source with another number of streams (source -> partitions)."""
+        return f"{self.base}:reshard"
+
+    @property
+    def reshards(self) -> str:
+        """The Planner's log of live reshards (a source's partition count changed)."""
+        return f"{self.base}:reshards"
+
+    @property
     def flight_token(self) -> str:
         return f"{self.base}:flight-token"
 

@@ -548,12 +548,13 @@ def decode_active(raw: bytes | str | None) -> tuple[int, str] | None:
     return int(record["pid"]), str(record["node"])
 
 
-# -- the Planner's logs: `promotions`, `placements`, `scaling` and `handoffs` streams ----------------
+# -- the Planner's logs: `promotions`, `placements`, `scaling`, `handoffs` and `reshards` streams ------
 
 PROMOTION_FIELDS = ("loader", "pid", "node", "previous", "time", "reason")
 MOVE_FIELDS = ("unit", "from", "to", "reason", "time")
 SCALING_FIELDS = ("step", "source", "workers", "rate", "demand", "cost_ms", "time")
 HANDOFF_FIELDS = ("step", "stream", "from", "to", "reason", "time")
+RESHARD_FIELDS = ("step", "source", "from", "to", "streams", "reason", "time")
 
 
 def promotion_entry(
@@ -574,6 +575,14 @@ def handoff_entry(
     """The `handoffs` entry of `stream` served by loader process `to` from `step` on
     (`before`: the one that served it until then; -1 for a refused request)."""
     return _entry(HANDOFF_FIELDS, step, stream, before, to, reason, _now(now))
+
+
+def reshard_entry(
+    step: int, source: str, before: int, to: int, streams: str, reason: str, now: float | None = None
+) -> dict[str, Any]:
+    """The `reshards` entry of `source` read by `to` streams (`streams`, comma-separated)
+    from `step` on instead of `before`; `to` -1 for a refused request."""
+    return _entry(RESHARD_FIELDS, step, source, before, to, streams, reason, _now(now))
 
 
 def scaling_entry(

@@ -1,0 +1,163 @@
+"""Live reshards: a source read by another number of streams from a step boundary on.
+
+What a reshard is, and why every sample stays planned once, is in
+overlord.runtime.reshard. This controller takes the requests and makes them:
+
+    request     `overlord reshard SOURCE PARTITIONS [--at-step N]` (an HSET of the
+                `reshard` hash: PARTITIONS, or PARTITIONS@N for "not before step N", which
+                makes a run reproducible), looked at before each turn (at most every LOOK_S)
+    made        right after the Planner plans a step (m - 1), before the checkpoint of
+                step m is taken: the core retires the source's streams and appends the
+                new ones (`PlannerCore.reshard`), so the state before m, written with
+                plan m - 1, holds the record and the new streams' cursors
+    served      each new stream first by the loader process with the fewest live
+                streams (ties: the lowest index); plan m and later carry the job's
+                reshard count (`Plan.generation`), and a role that knows fewer reads
+                the records from the state before that plan's step (`Layout.grown`)
+    logged      once plan m is out: one entry per reshard or refused request in the
+                `reshards` stream, and the request deleted, in one fenced write
+
+A Planner deposed before its turn went out logs nothing: the request stays, and its
+successor makes it at its own next step boundary.
+
+Not yet: a source with Shadow Loaders (its hot standbys follow the layout's streams),
+and reshards made by the autoscaler; both are refused or left to an operator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+from overlord.config import Job
+from overlord.plan.core import PlannerCore
+from overlord.runtime.layout import Layout
+from overlord.runtime.lease import Lease, WriteUncertain
+from overlord.runtime.reshard import RETIRED
+from overlord.store import Keys
+from overlord.store.schema import reshard_entry
+
+log = logging.getLogger("overlord.planner")
+
+LOOK_S = 0.5  # between two looks at the requests
+MOST_PARTITIONS = 4096  # streams one reshard may give a source
+
+
+class Reshards:
+    """The requests to reshard a source, and the reshards made for the next plans."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, lease: Lease, job: Job) -> None:
+        self.r, self.keys, self.lease, self.job = r, keys, lease, job
+        self.index = {s.name: i for i, s in enumerate(job.sources)}
+        self.next_look = 0.0
+        self.pending: list[tuple[bytes, str, int, int]] = []  # (request field, source, partitions, first step)
+        self.unlogged: list[dict] = []  # `reshards` entries of what the next plans carry
+        self.handled: set[bytes] = set()  # requests taken, deleted once that plan is out
+
+    def look(self) -> None:
+        """Read the pending requests (at most every LOOK_S); refuse the ones that cannot be made."""
+        if time.monotonic() < self.next_look:
+            return
+        self.next_look = time.monotonic() + LOOK_S
+        taken = self.handled | {field for field, *_ in self.pending}
+        for field, value in self.r.hgetall(self.keys.reshard).items():
+            if field in taken:
+                continue
+            name, why = field.decode(errors="replace"), ""
+            asked, at = parse_request(value.decode(errors="replace"))
+            partitions = asked or 0
+            if asked is None:
+                why = f"{value.decode(errors='replace')!r} is not PARTITIONS or PARTITIONS@STEP"
+            elif name not in self.index:
+                why = f"no source {name!r} in this job (its sources: {sorted(self.index)})"
+            elif not 1 <= partitions <= MOST_PARTITIONS:
+                why = f"{partitions} partitions: give 1 to {MOST_PARTITIONS}"
+            elif self.job.sources[self.index[name]].shadow:
+                why = "not yet for a source with Shadow Loaders (its standbys follow the start's streams)"
+            if why:
+                self.unlogged.append(reshard_entry(-1, name, -1, -1, "", f"refused: {why}"))
+                self.handled.add(field)
+                log.warning("reshard of %r refused: %s", name, why)
+            else:
+                self.pending.append((field, name, partitions, at))
+
+    def make(self, core: PlannerCore, layout: Layout, serving: list[int]) -> Layout:
+        """Make the first pending reshard between the step the core just planned and its
+        next (`core.step`); returns the layout with its streams (`layout` when none).
+
+        `serving`: the loader process serving each stream now (handoffs applied).
+        """
+        due = next((p for p in self.pending if p[3] <= core.step), None)
+        if due is None or core.done:
+            return layout
+        self.pending.remove(due)
+        field, name, partitions, _ = due
+        self.handled.add(field)
+        src = self.index[name]
+        before = len(core.buffer.by_source[src])
+        if partitions == before:
+            self.unlogged.append(reshard_entry(core.step, name, before, partitions, "", "read by as many already"))
+            return layout
+        homes = spread(serving, set(core.buffer.by_source[src]), layout.loaders, partitions)
+        record = core.reshard(src, name, homes)
+        grown = layout.grown([record])
+        log.warning(
+            "source %s: %d -> %d streams from step %d (%s; their remainder counts as epoch %d)",
+            name,
+            before,
+            partitions,
+            record.step,
+            ", ".join(f"{s} on loader process {k}" for s, k in zip(record.streams, record.homes)),
+            record.epoch,
+        )
+        self.unlogged.append(
+            reshard_entry(record.step, name, before, partitions, ",".join(record.streams), "requested")
+        )
+        return grown
+
+    def published(self) -> None:
+        """The plans carrying what `make` did are out: log them and delete the requests
+        taken (fenced). A Planner deposed before its plans went out logs nothing: the
+        requests stay, for the next one to take."""
+        if not (self.unlogged or self.handled):
+            return
+        keys = self.keys
+
+        def write(pipe) -> None:
+            for entry in self.unlogged:
+                pipe.xadd(keys.reshards, entry, maxlen=1000, approximate=True)
+            if self.handled:
+                pipe.hdel(keys.reshard, *self.handled)
+
+        try:
+            self.lease.fenced(write)
+        except WriteUncertain:
+            return  # with the next plan
+        self.unlogged, self.handled = [], set()
+
+
+def parse_request(value: str) -> tuple[int | None, int]:
+    """(partitions, the first step it may take effect at) of a `reshard` hash value
+    (PARTITIONS or PARTITIONS@STEP); partitions None when it is neither."""
+    parts, _, at = value.partition("@")
+    try:
+        return int(parts), int(at) if at else 0
+    except ValueError:
+        return None, 0
+
+
+def spread(serving: list[int], leaving: set[int], loaders: int, partitions: int) -> list[int]:
+    """The loader process of each of `partitions` new streams: each in turn where the
+    fewest live streams are (ties: the lowest index), not counting those `leaving`."""
+    count = [0] * loaders
+    for i, k in enumerate(serving):
+        if k != RETIRED and i not in leaving:
+            count[k] += 1
+    homes = []
+    for _ in range(partitions):
+        k = min(range(loaders), key=lambda k: (count[k], k))
+        count[k] += 1
+        homes.append(k)
+    return homes
