@@ -5,7 +5,11 @@ from a short in-process profile (`profile_samples` samples) where not. The resul
 each source's partitions and the loader process of each partition, and is stored:
 
     overlord:{job}:autoscale   JSON {"partitions": {source: n}, "loaders": [[[source, partition], ...], ...],
-                                     "costs_ms": {source: ms per sample}}
+                                     "costs_ms": {source: ms per sample},
+                                     "costs": [SourceCost fields, ...], "budget": {Budget fields}}
+
+The costs and the budget are what online repartitioning (repartition.py) sizes the
+sources with while the job runs, the same in any Planner of the job.
 
 A resume reuses the stored result: planner cursors are per partition, so the partitions
 of a resumed job cannot change.
@@ -19,11 +23,12 @@ import logging
 import os
 from typing import Any
 
-from overlord.autoscale.partition import Budget, Partitioning, SourcePlan, partition
+from overlord.autoscale.partition import Budget, Partitioning, SourceCost, SourcePlan, partition
 from overlord.autoscale.profile import costs_from, journaled, measure
+from overlord.autoscale.repartition import Repartitioner
 from overlord.config import Job
 from overlord.errors import ConfigError
-from overlord.plan.schedule import from_config
+from overlord.plan.schedule import Dynamic, from_config
 
 log = logging.getLogger("overlord.autoscale")
 
@@ -91,6 +96,7 @@ def autoscale(job: Job, r, keys, *, resume: bool = False) -> tuple[Job, Partitio
     if stored is not None:
         data = json.loads(stored)
         part, costs_ms = _from_stored(data), data.get("costs_ms", {})
+        data = {k: data[k] for k in ("costs", "budget") if k in data}
         how = "as stored by the run being resumed"
     else:
         profiled = costs_from(journaled(r, keys), job)
@@ -101,6 +107,7 @@ def autoscale(job: Job, r, keys, *, resume: bool = False) -> tuple[Job, Partitio
         costs = [profiled.get(s.name) or measured[s.name] for s in job.sources]
         part = partition_job(job, costs)
         costs_ms = {c.name: c.transform_ms for c in costs}
+        data = {"costs": [dataclasses.asdict(c) for c in costs], "budget": dataclasses.asdict(budget_of(job))}
         how = f"{len(profiled)} source(s) from the profile journal, {len(measured)} profiled now"
     log.info("auto-partitioned the sources (%s):\n%s", how, part.render())
     r.set(
@@ -110,11 +117,41 @@ def autoscale(job: Job, r, keys, *, resume: bool = False) -> tuple[Job, Partitio
                 "partitions": {s.name: s.partitions for s in part.sources},
                 "loaders": [[list(x) for x in hosted] for hosted in part.loaders],
                 "costs_ms": costs_ms,
+                **data,
             }
         ),
     )
     sources = tuple(dataclasses.replace(s, partitions=part.of(s.name).partitions) for s in job.sources)
     return dataclasses.replace(job, sources=sources), part
+
+
+def repartitioner(job: Job, stored: bytes | None, schedule) -> Repartitioner | None:
+    """The job's online repartitioning (repartition.py) from what `autoscale` stored, or
+    None: not asked for (`Autoscale.reshards`), a schedule without weights known ahead,
+    or a store written before the costs were kept in it."""
+    if job.autoscale is None or not (job.autoscale.online and job.autoscale.reshards) or stored is None:
+        return None
+    if isinstance(schedule, Dynamic):
+        log.warning("autoscale.reshards: the mixing weights come from trainer metrics, not known ahead; no reshards")
+        return None
+    data = json.loads(stored)
+    if "costs" not in data or "budget" not in data:
+        log.warning(
+            "autoscale.reshards: the stored partitioning has no costs (written by an older Overlord); no reshards"
+        )
+        return None
+    return Repartitioner(
+        [SourceCost(**c) for c in data["costs"]],
+        Budget(**data["budget"]),
+        schedule.weights,
+        {n: int(p) for n, p in data["partitions"].items()},
+        interval=job.autoscale.scale_interval,
+        horizon=2 * job.autoscale.scale_interval + job.plan_ahead,
+        eligible={s.name for s in job.sources if not s.shadow},
+        global_batch=job.batch.global_batch,
+        plan_ahead=job.plan_ahead,
+        buffer_caps={s.name: s.buffer_bytes for s in job.sources if s.buffer_bytes is not None},
+    )
 
 
 def _from_stored(data: dict) -> Partitioning:

@@ -121,6 +121,14 @@ class Autoscale:
             partitions) between loader processes while the job runs, when one
             process's transform demand stays above the others' (a step boundary,
             exactly once: overlord.planner.handoff).
+        reshards: whether, scaling online, the Planner also changes how many partitions
+            a source has while the job runs, following the mixing schedule: every
+            `scale_interval` steps it sizes the sources for the mixtures of the steps
+            about to be planned, with the costs and budget of the start, and reshards
+            one whose target changed and held (a step boundary, every sample once:
+            overlord.autoscale.repartition). Off by default: a reshard changes which
+            samples the later steps draw, so the bytes differ from a job without it
+            (they are the same in every run with the same profile and schedule).
     """
 
     cpus: float | None = None
@@ -142,11 +150,12 @@ class Autoscale:
     max_threads: int = 4
     scale_interval: int = 8
     handoffs: bool = True
+    reshards: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("online", "handoffs"):
+            if f.name in ("online", "handoffs", "reshards"):
                 if not isinstance(value, bool):
                     raise ConfigError(f"autoscale.{f.name}={value!r} must be true or false")
             elif value is not None and (

@@ -29,6 +29,7 @@ import threading
 import redis
 
 from overlord import heap
+from overlord.autoscale.apply import repartitioner as repartitioner_of
 from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.core import PlannerCore, resolve_strategy
 from overlord.plan.schedule import from_config, mixing_unit
@@ -133,6 +134,7 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
     scaling = Scaling(r, keys, job, layout) if online else None
     placer = Placer(r, keys, lease, homes(job, layout), job.node_ids) if job.multi_node else None
     reshards = Reshards(r, keys, lease, job)
+    repartitioner = repartitioner_of(job, r.get(keys.autoscale), core.schedule) if online else None
     least, pace = turn_steps(job.plan_ahead), Pace()
     while not ctx.stop.is_set():
         ctx.beat()
@@ -159,6 +161,10 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
             if plan is None:  # the plan needs samples not yet reported
                 break
             plan = handoffs.stamp(plan, len(core.reshards))  # served where the streams are up to it
+            if repartitioner is not None and not plan.last:  # the schedule's partitions, decided at this step
+                repartition = repartitioner.look(core.step, live_partitions(core, job))
+                if repartition is not None:
+                    reshards.request(repartition[0], repartition[1], core.step, repartition[2])
             if reshards.pending and not plan.last:  # between this step and the next (overlord.planner.reshard)
                 grown = reshards.make(core, layout, handoffs.serving)
                 if grown is not layout:  # this plan is the retired streams' last: it says so
@@ -199,6 +205,11 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
                 else "",
             )
             return
+
+
+def live_partitions(core: PlannerCore, job) -> dict[str, int]:
+    """The streams each source is read by now."""
+    return {s.name: len(core.buffer.by_source[i]) for i, s in enumerate(job.sources)}
 
 
 def turn_steps(plan_ahead: int) -> int:

@@ -20,8 +20,11 @@ overlord.runtime.reshard. This controller takes the requests and makes them:
 A Planner deposed before its turn went out logs nothing: the request stays, and its
 successor makes it at its own next step boundary.
 
-Not yet: a source with Shadow Loaders (its hot standbys follow the layout's streams),
-and reshards made by the autoscaler; both are refused or left to an operator.
+The autoscaler's reshards (overlord.autoscale.repartition, with `Autoscale.reshards`)
+are made the same way, at the step it decides them, ahead of the operators' requests.
+
+Not yet: a source with Shadow Loaders (its hot standbys follow the layout's streams):
+refused, and never chosen by the autoscaler.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class Reshards:
         self.r, self.keys, self.lease, self.job = r, keys, lease, job
         self.index = {s.name: i for i, s in enumerate(job.sources)}
         self.next_look = 0.0
-        self.pending: list[tuple[bytes, str, int, int]] = []  # (request field, source, partitions, first step)
+        # (request field or None for the autoscaler's, source, partitions, first step, why)
+        self.pending: list[tuple[bytes | None, str, int, int, str]] = []
         self.unlogged: list[dict] = []  # `reshards` entries of what the next plans carry
         self.handled: set[bytes] = set()  # requests taken, deleted once that plan is out
 
@@ -61,7 +65,7 @@ class Reshards:
         if time.monotonic() < self.next_look:
             return
         self.next_look = time.monotonic() + LOOK_S
-        taken = self.handled | {field for field, *_ in self.pending}
+        taken = self.handled | {field for field, *_ in self.pending if field is not None}
         for field, value in self.r.hgetall(self.keys.reshard).items():
             if field in taken:
                 continue
@@ -81,7 +85,12 @@ class Reshards:
                 self.handled.add(field)
                 log.warning("reshard of %r refused: %s", name, why)
             else:
-                self.pending.append((field, name, partitions, at))
+                self.pending.append((field, name, partitions, at, "requested"))
+
+    def request(self, source: str, partitions: int, step: int, why: str) -> None:
+        """The autoscaler's reshard of `source` (overlord.autoscale.repartition), made
+        before `step`, ahead of the operators' requests."""
+        self.pending.insert(0, (None, source, partitions, step, why))
 
     def make(self, core: PlannerCore, layout: Layout, serving: list[int]) -> Layout:
         """Make the first pending reshard between the step the core just planned and its
@@ -93,8 +102,9 @@ class Reshards:
         if due is None or core.done:
             return layout
         self.pending.remove(due)
-        field, name, partitions, _ = due
-        self.handled.add(field)
+        field, name, partitions, _, why = due
+        if field is not None:
+            self.handled.add(field)
         src = self.index[name]
         before = len(core.buffer.by_source[src])
         if partitions == before:
@@ -112,9 +122,7 @@ class Reshards:
             ", ".join(f"{s} on loader process {k}" for s, k in zip(record.streams, record.homes)),
             record.epoch,
         )
-        self.unlogged.append(
-            reshard_entry(record.step, name, before, partitions, ",".join(record.streams), "requested")
-        )
+        self.unlogged.append(reshard_entry(record.step, name, before, partitions, ",".join(record.streams), why))
         return grown
 
     def published(self) -> None:

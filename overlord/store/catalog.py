@@ -394,7 +394,7 @@ SCHEMA: tuple[Key, ...] = (
         "autoscale",
         "autoscale",
         "string",
-        "JSON {partitions per source, loader processes, costs_ms} chosen at start with autoscale",
+        "JSON {partitions per source, loader processes, costs_ms; the costs and budget the live reshards size with} chosen at start with autoscale",
         "sidecar",
         "Planner, status",
         example="GET",

@@ -170,3 +170,33 @@ def test_a_source_the_mixture_turns_to_is_spread_over_the_idle_loader_processes_
         serving[layout.streams.index(h["stream"])] = int(h["to"])
     assert len({serving[i] for i in code}) > len(before), (handoffs, layout)  # read by more processes now
     assert "served by loader process" in c.log()
+
+
+def _repartitioned(cluster, corpus):
+    return _mixed(
+        cluster, corpus, mixing=TURN, slow={"books", "code"}, seed=13, batches=60, cpus=6, online=True, reshards=True
+    )
+
+
+def test_partitions_follow_the_mixing_schedule_live_and_the_same_in_every_run(cluster, corpus):
+    """With autoscale.reshards, the Planner reshards the sources the schedule turns from
+    and to, at steps the schedule decides: a second run reshards at the same steps and
+    gives the same bytes, and no sample comes twice."""
+    runs = []
+    for _ in range(2):
+        c = _repartitioned(cluster, corpus)
+        got = c.results()
+        r = connect(f"unix://{c.job.run_path / 'redis.sock'}")
+        log = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(Keys(c.job.name).reshards)]
+        assert c.stop() == 0
+        for rank in range(2):
+            assert got[rank]["end"] == "limit", (got[rank]["end"], c.log()[-4000:])
+        seen = [k for rec in got.values() for batch in rec["keys"] for k in batch]
+        assert len(seen) == len(set(seen))
+        runs.append((got, [(e["step"], e["source"], e["from"], e["to"]) for e in log], log))
+    (first, made, log), (second, again, _) = runs
+    assert made and all(e["reason"].startswith("autoscaler: the mixing schedule") for e in log), log
+    assert {source for _, source, _, _ in made} >= {"books"}, made  # the source the schedule leaves
+    assert made == again, (made, again)
+    for rank in range(2):
+        assert first[rank]["digests"] == second[rank]["digests"]

@@ -75,7 +75,7 @@ def test_requests_are_made_between_two_steps_or_refused_with_why(r, tmp_path):
     r.hset(KEYS.reshard, mapping={"web": "3@4", "img": "2", "nosuch": "2", "web2": "x"})
     reshards.next_look = 0.0
     reshards.look()
-    assert [p[1:] for p in reshards.pending] == [("web", 3, 4)]  # the others refused
+    assert [p[1:] for p in reshards.pending] == [("web", 3, 4, "requested")]  # the others refused
     core, layout = _core(), LAYOUT
     for _ in range(3):
         core.plan_step()
@@ -152,3 +152,21 @@ def test_intake_reads_the_new_streams_and_not_the_retired(r, tmp_path):
     r.xadd(KEYS.meta("web.r1p1"), meta.encode(chunk(range(5), token=1)))
     got = intake.read({}, block_ms=100)
     assert [(i, len(c)) for i, c in got] == [(4, 5)]
+
+
+def test_the_autoscalers_reshard_goes_first_and_is_logged_with_why(r, tmp_path):
+    reshards = Reshards(r, KEYS, _lease(r), _job(tmp_path))
+    r.hset(KEYS.reshard, "web", "3")
+    reshards.next_look = 0.0
+    reshards.look()
+    core = _core()
+    core.plan_step()
+    reshards.request("web", 1, 1, "autoscaler: the mixing schedule ...")
+    layout = reshards.make(core, LAYOUT, list(LAYOUT.loader_of))
+    assert core.reshards[0].partitions == 1 and core.reshards[0].step == 1
+    assert [p[1:3] for p in reshards.pending] == [("web", 3)]
+    reshards.published()
+    (entry,) = log_entries(r.xrange(KEYS.reshards))
+    assert entry["reason"].startswith("autoscaler:") and entry["to"] == "1"
+    assert r.hget(KEYS.reshard, "web") == b"3"  # not taken yet: still requested
+    assert layout.generation == 1
