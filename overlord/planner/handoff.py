@@ -177,21 +177,33 @@ class Handoffs:
         """The plan carrying what `look` and `move` decided is out: log them and delete the
         requests taken (fenced). A Planner deposed before its plan went out logs nothing:
         the requests stay, for the next one to take."""
-        if not (self.unlogged or self.handled):
-            return
-        keys = self.keys
-
-        def write(pipe) -> None:
-            for entry in self.unlogged:
-                pipe.xadd(keys.handoffs, entry, maxlen=1000, approximate=True)
-            if self.handled:
-                pipe.hdel(keys.handoff, *self.handled)
-
-        try:
-            self.lease.fenced(write)
-        except WriteUncertain:
-            return  # with the next plan
-        self.unlogged, self.handled = [], set()
+        if log_decisions(self.lease, self.keys.handoffs, self.unlogged, self.keys.handoff, self.handled):
+            self.unlogged, self.handled = [], set()
 
     def _names(self, streams: list[int]) -> list[str]:
         return [f"{self.layout.streams[s]} -> {self.serving[s]}" for s in streams]
+
+
+def log_decisions(lease: Lease, log_key: str, entries: list[dict], requests: str, taken: set[bytes]) -> bool:
+    """Add `entries` to the `log_key` stream and delete the `taken` fields of the
+    `requests` hash, in one write fenced by the Planner's lease (a handoff's or a
+    reshard's plan is out). False: the write may not have landed (it goes with the next
+    plan).
+
+    Raises:
+        Superseded: another Planner leads; the requests stay for it.
+    """
+    if not (entries or taken):
+        return True
+
+    def write(pipe) -> None:
+        for entry in entries:
+            pipe.xadd(log_key, entry, maxlen=1000, approximate=True)
+        if taken:
+            pipe.hdel(requests, *taken)
+
+    try:
+        lease.fenced(write)
+    except WriteUncertain:
+        return False
+    return True

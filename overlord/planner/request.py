@@ -8,6 +8,7 @@ or `reshards` stream, which this waits on (bounded) to say what happened.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -23,26 +24,15 @@ def request_handoff(r: redis.Redis, keys: Keys, stream: str, loader: int, timeou
         already), 1 refused (why), 2 no answer within `timeout_s` (the request stays:
         the Planner takes it when it next plans) or the request vanished unanswered.
     """
-    last = r.xrevrange(keys.handoffs, count=1)
-    after = last[0][0] if last else b"0-0"
-    r.hset(keys.handoff, stream, str(loader))
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        # the Planner logs and deletes a request in one write: once it is gone, what the
-        # log holds after `after` is the whole answer
-        taken = r.hget(keys.handoff, stream) is None
-        reply = r.xread({keys.handoffs: after}, block=None if taken else max(1, int(min(left, 1.0) * 1000)), count=1000)
-        for _, entries in reply or []:
-            after = entries[-1][0]
-            for entry in log_entries(entries):
-                if entry["stream"] != stream:
-                    continue
-                if entry["to"] == "-1":
-                    return 1, f"handoff of {stream} refused: {entry['reason'].removeprefix('refused: ')}"
-                return 0, f"stream {stream}: loader process {entry['from']} -> {entry['to']} from step {entry['step']}"
-        if taken:  # gone without an answer: a job starting afresh clears its keys
-            return 2, "the request was removed unanswered (the job started afresh?); request it again"
-    return 2, _unanswered(keys.handoff, timeout_s)
+
+    def answer(entry: dict[str, str]) -> tuple[int, str] | None:
+        if entry["stream"] != stream:
+            return None
+        if entry["to"] == "-1":
+            return 1, f"handoff of {stream} refused: {entry['reason'].removeprefix('refused: ')}"
+        return 0, f"stream {stream}: loader process {entry['from']} -> {entry['to']} from step {entry['step']}"
+
+    return _request(r, keys.handoff, stream, str(loader), keys.handoffs, timeout_s, answer)
 
 
 def request_reshard(
@@ -55,29 +45,51 @@ def request_reshard(
     Returns:
         (exit code, message) as `request_handoff`.
     """
-    last = r.xrevrange(keys.reshards, count=1)
+
+    def answer(entry: dict[str, str]) -> tuple[int, str] | None:
+        if entry["source"] != source or entry["reason"].startswith("autoscaler:"):  # not this request's
+            return None
+        if entry["to"] == "-1":
+            return 1, f"reshard of {source} refused: {entry['reason'].removeprefix('refused: ')}"
+        if not entry["streams"]:
+            return 0, f"source {source}: read by {entry['to']} stream(s) already"
+        return (
+            0,
+            f"source {source}: {entry['from']} -> {entry['to']} streams from step {entry['step']} ({entry['streams']})",
+        )
+
+    value = str(partitions) if at_step is None else f"{partitions}@{at_step}"
+    return _request(r, keys.reshard, source, value, keys.reshards, timeout_s, answer)
+
+
+def _request(
+    r: redis.Redis,
+    requests: str,
+    field: str,
+    value: str,
+    log: str,
+    timeout_s: float,
+    answer: Callable[[dict[str, str]], tuple[int, str] | None],
+) -> tuple[int, str]:
+    """HSET `field` of the `requests` hash and wait for the entry of the `log` stream that
+    `answer` takes for its answer (see `request_handoff` for what it returns)."""
+    last = r.xrevrange(log, count=1)
     after = last[0][0] if last else b"0-0"
-    r.hset(keys.reshard, source, str(partitions) if at_step is None else f"{partitions}@{at_step}")
+    r.hset(requests, field, value)
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0:
-        taken = r.hget(keys.reshard, source) is None  # logged and deleted in one write, as a handoff
-        reply = r.xread({keys.reshards: after}, block=None if taken else max(1, int(min(left, 1.0) * 1000)), count=1000)
+        # the Planner logs and deletes a request in one write: once it is gone, what the
+        # log holds after `after` is the whole answer
+        taken = r.hget(requests, field) is None
+        reply = r.xread({log: after}, block=None if taken else max(1, int(min(left, 1.0) * 1000)), count=1000)
         for _, entries in reply or []:
             after = entries[-1][0]
             for entry in log_entries(entries):
-                if entry["source"] != source:
-                    continue
-                if entry["to"] == "-1":
-                    return 1, f"reshard of {source} refused: {entry['reason'].removeprefix('refused: ')}"
-                if not entry["streams"]:
-                    return 0, f"source {source}: read by {entry['to']} stream(s) already"
-                return 0, (
-                    f"source {source}: {entry['from']} -> {entry['to']} streams from step {entry['step']} "
-                    f"({entry['streams']})"
-                )
-        if taken:
+                if (said := answer(entry)) is not None:
+                    return said
+        if taken:  # gone without an answer: a job starting afresh clears its keys
             return 2, "the request was removed unanswered (the job started afresh?); request it again"
-    return 2, _unanswered(keys.reshard, timeout_s)
+    return 2, _unanswered(requests, timeout_s)
 
 
 def _unanswered(key: str, timeout_s: float) -> str:

@@ -36,8 +36,9 @@ import redis
 
 from overlord.config import Job
 from overlord.plan.core import PlannerCore
+from overlord.planner.handoff import log_decisions
 from overlord.runtime.layout import Layout
-from overlord.runtime.lease import Lease, WriteUncertain
+from overlord.runtime.lease import Lease
 from overlord.runtime.reshard import RETIRED
 from overlord.store import Keys
 from overlord.store.schema import reshard_entry
@@ -129,21 +130,8 @@ class Reshards:
         """The plans carrying what `make` did are out: log them and delete the requests
         taken (fenced). A Planner deposed before its plans went out logs nothing: the
         requests stay, for the next one to take."""
-        if not (self.unlogged or self.handled):
-            return
-        keys = self.keys
-
-        def write(pipe) -> None:
-            for entry in self.unlogged:
-                pipe.xadd(keys.reshards, entry, maxlen=1000, approximate=True)
-            if self.handled:
-                pipe.hdel(keys.reshard, *self.handled)
-
-        try:
-            self.lease.fenced(write)
-        except WriteUncertain:
-            return  # with the next plan
-        self.unlogged, self.handled = [], set()
+        if log_decisions(self.lease, self.keys.reshards, self.unlogged, self.keys.reshard, self.handled):
+            self.unlogged, self.handled = [], set()
 
 
 def parse_request(value: str) -> tuple[int | None, int]:

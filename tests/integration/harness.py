@@ -3,6 +3,7 @@ processes (one sidecar, its trainer ranks) to run it. conftest.py builds fixture
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -49,6 +50,30 @@ def make_job(corpus, run_dir: Path, **overrides) -> Job:
     )
     args.update(overrides)
     return Job(**args)
+
+
+def partitioned_job(corpus, run_dir: Path, *, seed: int, epochs: int, partitions: int = 2) -> Job:
+    """A 2-DP-group job of two loader processes whose every source has `partitions`
+    partitions (a source read by both processes at once), for live handoffs and reshards."""
+    job = make_job(
+        corpus,
+        run_dir,
+        seed=seed,
+        mesh=Mesh(dp=2),
+        batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
+        epochs=epochs,
+        loader_processes=2,
+        buffer_samples=None,
+    )
+    return dataclasses.replace(job, sources=tuple(dataclasses.replace(s, partitions=partitions) for s in job.sources))
+
+
+def wait_planning(r, keys, timeout_s: float = 60) -> None:
+    """Wait for the job's first plan: a sidecar starting afresh clears the job's keys first."""
+    deadline = time.monotonic() + timeout_s
+    while r.get(keys.plan(0)) is None:
+        assert time.monotonic() < deadline, f"no plan in {timeout_s:g} s"
+        time.sleep(0.05)
 
 
 def assert_delivered(results: dict, corpus_keys: set[str], times: int = 1, log=lambda: "") -> None:

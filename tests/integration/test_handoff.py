@@ -11,9 +11,8 @@ import signal
 import time
 
 import pytest
-from harness import assert_delivered, clean_run, make_job
+from harness import assert_delivered, clean_run, partitioned_job, wait_planning
 
-from overlord import BatchSpec, Mesh
 from overlord.planner.request import request_handoff
 from overlord.runtime.layout import Layout
 from overlord.status import collect, render
@@ -24,18 +23,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # make test-slow: a j
 
 
 def _job(corpus, run_dir):
-    job = make_job(
-        corpus,
-        run_dir,
-        seed=29,
-        mesh=Mesh(dp=2),
-        batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
-        epochs=1,
-        loader_processes=2,
-        buffer_samples=None,
-    )
-    # two partitions a source: a source can be read by both processes at once
-    return dataclasses.replace(job, sources=tuple(dataclasses.replace(s, partitions=2) for s in job.sources))
+    return partitioned_job(corpus, run_dir, seed=29, epochs=1)
 
 
 def _four_handoffs(c) -> tuple[list, list, tuple, str, list]:
@@ -44,7 +32,7 @@ def _four_handoffs(c) -> tuple[list, list, tuple, str, list]:
     moves, the answers, the refused answers, what `overlord status` showed and the
     `handoffs` log."""
     r, keys = c.redis(), Keys(c.job.name)
-    _planning(r, keys)
+    wait_planning(r, keys)
     layout = Layout.plan(c.job)
     on0 = [n for n, k in zip(layout.streams, layout.loader_of) if k == 0]
     on1 = [n for n, k in zip(layout.streams, layout.loader_of) if k == 1]
@@ -74,14 +62,6 @@ def _check_handoffs(c, moves, answers, refused, log, results, corpus_keys) -> No
     assert f"stream {stream}: served by loader process 1 from step" in loader_logs, loader_logs[-3000:]
 
 
-def _planning(r, keys, timeout_s: float = 60) -> None:
-    """Wait for the job's first plan: a sidecar starting afresh clears the job's keys first."""
-    deadline = time.monotonic() + timeout_s
-    while r.get(keys.plan(0)) is None:
-        assert time.monotonic() < deadline, "no plan in 60 s"
-        time.sleep(0.05)
-
-
 # -- faults around a handoff (make test-slow) -------------------------------------------
 
 
@@ -96,7 +76,7 @@ def _hand_over_then_kill(c, role: str, index: int) -> tuple[str, int]:
     """Hand the first stream of process 0 to process 1, then SIGKILL `role` `index` once
     the handoff's step was served. Returns (stream, step)."""
     r, keys = c.redis(), Keys(c.job.name)
-    _planning(r, keys)
+    wait_planning(r, keys)
     layout = Layout.plan(c.job)
     stream = next(n for n, k in zip(layout.streams, layout.loader_of) if k == 0)
     code, message = request_handoff(r, keys, stream, 1, timeout_s=30)

@@ -5,16 +5,14 @@ gives the same bytes, and a role killed right after a reshard changes neither.""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
 import time
 
 import pytest
-from harness import assert_delivered, clean_run, make_job
+from harness import assert_delivered, clean_run, partitioned_job, wait_planning
 
-from overlord import BatchSpec, Mesh
 from overlord.planner.request import request_reshard
 from overlord.status import collect, render
 from overlord.store import Keys
@@ -28,31 +26,13 @@ RESHARDS = (("web", 3, 12), ("code", 1, 20), ("web", 2, 70))
 
 
 def _job(corpus, run_dir):
-    job = make_job(
-        corpus,
-        run_dir,
-        seed=31,
-        mesh=Mesh(dp=2),
-        batch=BatchSpec(global_batch=16, micro_batches=2, context_length=512, ring_bytes=1 << 20),
-        epochs=2,
-        loader_processes=2,
-        buffer_samples=None,
-    )
-    return dataclasses.replace(job, sources=tuple(dataclasses.replace(s, partitions=2) for s in job.sources))
-
-
-def _planning(r, keys, timeout_s: float = 60) -> None:
-    """Wait for the job's first plan: a sidecar starting afresh clears the job's keys first."""
-    deadline = time.monotonic() + timeout_s
-    while r.get(keys.plan(0)) is None:
-        assert time.monotonic() < deadline, "no plan in 60 s"
-        time.sleep(0.05)
+    return partitioned_job(corpus, run_dir, seed=31, epochs=2)
 
 
 def _reshard(c, reshards=RESHARDS) -> list[tuple[int, str]]:
     """Request each reshard at its step, in turn (each answer comes once its step is planned)."""
     r, keys = c.redis(), Keys(c.job.name)
-    _planning(r, keys)
+    wait_planning(r, keys)
     return [request_reshard(r, keys, source, parts, timeout_s=60, at_step=step) for source, parts, step in reshards]
 
 
@@ -144,7 +124,7 @@ def test_a_request_the_planner_cannot_make_is_refused(cluster, corpus, tmp_path)
     c.start_sidecar()
     c.start_trainers(sleep=0.05)
     r, keys = c.redis(), Keys(c.job.name)
-    _planning(r, keys)
+    wait_planning(r, keys)
     answers = [
         request_reshard(r, keys, "nosuch", 2, timeout_s=30),
         request_reshard(r, keys, "web", 0, timeout_s=30),
