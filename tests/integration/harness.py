@@ -19,7 +19,7 @@ from overlord.demo.corpus import IMAGE_TRANSFORM, TEXT_TRANSFORM
 from overlord.errors import StoreError
 from overlord.sidecar.sidecar import sidecar_running
 from overlord.status import redis_url_of
-from overlord.store import connect
+from overlord.store import Keys, connect
 
 HERE = Path(__file__).parent
 TRAINER = HERE / "ledger_trainer.py"
@@ -74,6 +74,18 @@ def wait_planning(r, keys, timeout_s: float = 60) -> None:
     while r.get(keys.plan(0)) is None:
         assert time.monotonic() < deadline, f"no plan in {timeout_s:g} s"
         time.sleep(0.05)
+
+
+def kill_after_step(c, step: int, role: str, index: int) -> None:
+    """SIGKILL `role` `index` of cluster `c` once every Data Constructor built `step`."""
+    r, keys = c.redis(), Keys(c.job.name)
+    deadline = time.monotonic() + 60
+    while any(int(r.hget(keys.progress, f"c{dp}") or -1) < step for dp in range(c.job.mesh.dp)):
+        assert time.monotonic() < deadline, c.log()
+        time.sleep(0.02)
+    raw = r.get(keys.heartbeat(role, str(index)))
+    assert raw is not None, f"no heartbeat of {role}{index}"
+    os.kill(json.loads(raw)["pid"], signal.SIGKILL)
 
 
 def assert_delivered(results: dict, corpus_keys: set[str], times: int = 1, log=lambda: "") -> None:

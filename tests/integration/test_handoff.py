@@ -5,13 +5,10 @@ without a handoff."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import signal
 import time
 
 import pytest
-from harness import assert_delivered, clean_run, partitioned_job, wait_planning
+from harness import assert_delivered, clean_run, kill_after_step, partitioned_job, wait_planning
 
 from overlord.planner.request import request_handoff
 from overlord.runtime.layout import Layout
@@ -82,13 +79,7 @@ def _hand_over_then_kill(c, role: str, index: int) -> tuple[str, int]:
     code, message = request_handoff(r, keys, stream, 1, timeout_s=30)
     assert code == 0, message
     step = int(log_entries(r.xrange(keys.handoffs))[-1]["step"])
-    deadline = time.monotonic() + 60
-    while any(int(r.hget(keys.progress, f"c{dp}") or -1) < step for dp in range(c.job.mesh.dp)):
-        assert time.monotonic() < deadline, c.log()
-        time.sleep(0.02)
-    raw = r.get(keys.heartbeat(role, str(index)))
-    assert raw is not None, f"no heartbeat of {role}{index}"
-    os.kill(json.loads(raw)["pid"], signal.SIGKILL)
+    kill_after_step(c, step, role, index)
     return stream, step
 
 

@@ -5,13 +5,8 @@ gives the same bytes, and a role killed right after a reshard changes neither.""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import time
-
 import pytest
-from harness import assert_delivered, clean_run, partitioned_job, wait_planning
+from harness import assert_delivered, clean_run, kill_after_step, partitioned_job, wait_planning
 
 from overlord.planner.request import request_reshard
 from overlord.status import collect, render
@@ -41,7 +36,7 @@ def _run(c, kill: tuple[str, int] | None = None) -> dict:
     c.start_trainers(sleep=0.1)
     answers = _reshard(c, RESHARDS[:1])
     if kill is not None:
-        _kill_after(c, RESHARDS[0][2], *kill)
+        kill_after_step(c, RESHARDS[0][2], *kill)
     answers += _reshard(c, RESHARDS[1:])
     assert [code for code, _ in answers] == [0, 0, 0], (answers, c.log())
     log = log_entries(c.redis().xrange(Keys(c.job.name).reshards))
@@ -53,18 +48,6 @@ def _run(c, kill: tuple[str, int] | None = None) -> dict:
     for rank, rec in out.items():
         assert rec["end"] == "stop", f"rank {rank}: {rec['end']}\n{c.log()}"
     return out
-
-
-def _kill_after(c, step: int, role: str, index: int) -> None:
-    """SIGKILL `role` `index` once every Data Constructor built `step`."""
-    r, keys = c.redis(), Keys(c.job.name)
-    deadline = time.monotonic() + 60
-    while any(int(r.hget(keys.progress, f"c{dp}") or -1) < step for dp in range(c.job.mesh.dp)):
-        assert time.monotonic() < deadline, c.log()
-        time.sleep(0.02)
-    raw = r.get(keys.heartbeat(role, str(index)))
-    assert raw is not None, f"no heartbeat of {role}{index}"
-    os.kill(json.loads(raw)["pid"], signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
