@@ -43,7 +43,7 @@ from overlord.planner.promotion import CHECK_S as PROMOTE_CHECK_S
 from overlord.planner.promotion import Promoter
 from overlord.planner.publishing import Pace, Publisher
 from overlord.planner.reshard import Reshards
-from overlord.planner.scaling import Scaling
+from overlord.planner.scaling import Scaling, live_partitions
 from overlord.runtime.lease import RUN_ENV, Lease, Superseded
 from overlord.runtime.placement import homes
 from overlord.store.lane import Lane
@@ -162,7 +162,7 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
                 break
             plan = handoffs.stamp(plan, len(core.reshards))  # served where the streams are up to it
             if repartitioner is not None and not plan.last:  # the schedule's partitions, decided at this step
-                repartition = repartitioner.look(core.step, live_partitions(core, job))
+                repartition = repartitioner.look(core.step, live_partitions(job, layout))
                 if repartition is not None:
                     reshards.request(repartition[0], repartition[1], core.step, repartition[2])
             if reshards.pending and not plan.last:  # between this step and the next (overlord.planner.reshard)
@@ -205,11 +205,6 @@ def _plan(ctx, lease: Lease, token: int, lane: Lane) -> None:
                 else "",
             )
             return
-
-
-def live_partitions(core: PlannerCore, job) -> dict[str, int]:
-    """The streams each source is read by now."""
-    return {s.name: len(core.buffer.by_source[i]) for i, s in enumerate(job.sources)}
 
 
 def turn_steps(plan_ahead: int) -> int:

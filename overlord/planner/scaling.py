@@ -55,7 +55,7 @@ class Scaling:
         self.scaler = Scaler(
             costs_ms={},
             current=current,
-            partitions={s.name: s.partitions for s in job.sources},
+            partitions=live_partitions(job, layout),
             cpus=budget_of(job).loader_cpus,
             max_workers=autoscale.max_threads,
             interval=autoscale.scale_interval,
@@ -79,9 +79,8 @@ class Scaling:
         streams that read it now."""
         self.layout = layout
         self.names = [self.job.sources[i].name for i in layout.stream_source]
+        self.scaler.partitions = live_partitions(self.job, layout)
         live = layout.live
-        sources = [layout.stream_source[i] for i in live]
-        self.scaler.partitions = {s.name: sources.count(i) for i, s in enumerate(self.job.sources)}
         # the new streams start with their source's workers per partition, as the others run
         workers = {
             layout.streams[i]: self.scaler.current[self.names[i]]
@@ -203,3 +202,9 @@ class Scaling:
             {n: round(scaler.demand(n), 2) for n in scaler.current},
         )
         return changed
+
+
+def live_partitions(job: Job, layout: Layout) -> dict[str, int]:
+    """The streams each source is read by in `layout` (after its reshards)."""
+    sources = [layout.stream_source[i] for i in layout.live]
+    return {s.name: sources.count(i) for i, s in enumerate(job.sources)}
