@@ -47,6 +47,7 @@ log = logging.getLogger("overlord.planner")
 
 LOOK_S = 0.5  # between two looks at the requests
 MOST_PARTITIONS = 4096  # streams one reshard may give a source
+MOST_RESHARDS = (1 << 16) - 1  # a job's: Plan.generation is a u16 of the plan's header
 
 
 class Reshards:
@@ -110,6 +111,10 @@ class Reshards:
         before = len(core.buffer.by_source[src])
         if partitions == before:
             self.unlogged.append(reshard_entry(core.step, name, before, partitions, "", "read by as many already"))
+            return layout
+        if len(core.reshards) >= MOST_RESHARDS:
+            why = f"refused: the job made {MOST_RESHARDS} reshards, the most a plan's header counts"
+            self.unlogged.append(reshard_entry(core.step, name, -1, -1, "", why))
             return layout
         homes = spread(serving, set(core.buffer.by_source[src]), layout.loaders, partitions)
         record = core.reshard(src, name, homes)

@@ -170,3 +170,22 @@ def test_the_autoscalers_reshard_goes_first_and_is_logged_with_why(r, tmp_path):
     assert entry["reason"].startswith("autoscaler:") and entry["to"] == "1"
     assert r.hget(KEYS.reshard, "web") == b"3"  # not taken yet: still requested
     assert layout.generation == 1
+
+
+def test_past_the_most_a_plan_counts_a_request_is_refused(r, tmp_path, monkeypatch):
+    from overlord.planner import reshard as module
+
+    monkeypatch.setattr(module, "MOST_RESHARDS", 1)
+    reshards = Reshards(r, KEYS, _lease(r), _job(tmp_path))
+    core = _core()
+    core.plan_step()
+    reshards.request("web", 1, 1, "autoscaler: one")
+    layout = reshards.make(core, LAYOUT, list(LAYOUT.loader_of))
+    core.add(3, chunk(range(200)))  # the new stream's first reports
+    assert core.plan_step() is not None
+    reshards.request("web", 2, 2, "autoscaler: two")
+    assert reshards.make(core, layout, list(layout.loader_of)) is layout and len(core.reshards) == 1
+    reshards.published()
+    assert "the most a plan's header counts" in log_entries(r.xrange(KEYS.reshards))[-1]["reason"], log_entries(
+        r.xrange(KEYS.reshards)
+    )
