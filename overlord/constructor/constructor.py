@@ -44,7 +44,7 @@ from overlord.plan.waiting import SharedPlans, resume_point, wait_plan
 from overlord.remote.bridge import Breaks, Bridge
 from overlord.runtime.flow import Beat, Stopped, alive_within, push
 from overlord.runtime.layout import Layout, client_ring, sample_ring
-from overlord.runtime.reshard import reshards_of
+from overlord.runtime.reshard import Reshard, reshards_of
 from overlord.shm import Ring, decode_batch
 from overlord.store.schema import (
     BUILT,
@@ -132,14 +132,18 @@ class DataConstructor:
         }
         self.stash: dict[tuple[int, int, int], tuple[int, dict[str, np.ndarray], str]] = {}  # samples of later steps
         self.dropped = 0  # duplicate records seen (after a restart)
+        self._ahead: list[Reshard] = []  # reshard records read, not yet in effect (`_grow`)
         self._turn = 0
 
-    def _grow(self, state: dict, step: int) -> None:
-        """Know the streams of the reshards `state` (a planner checkpoint) records that
-        take effect by `step`: which loader process serves each one first, and its
-        source's deferred decode. (A plan that made a reshard is still the retired
-        streams': the new ones are known from the next plan on.)"""
-        self.layout = self.layout.grown([r for r in reshards_of(state) if r.step <= step])
+    def _grow(self, plan) -> None:
+        """Know the streams of the reshards that take effect by `plan`'s step (from the
+        planner checkpoint after it): which loader process serves each one first, and
+        its source's deferred decode. A plan that made a reshard is still the retired
+        streams': the record read with it is kept for the next plan, not read again."""
+        if not any(r.generation == plan.generation for r in self._ahead):
+            self._ahead = reshards_of(Checkpoints(self.keys).load(self.r, plan.step + 1))
+        self.layout = self.layout.grown([r for r in self._ahead if r.step <= plan.step])
+        self._ahead = [r for r in self._ahead if r.generation > self.layout.generation]
         for i, src in enumerate(self.layout.stream_source):
             if i not in self.decoders and (decode := self.job.sources[src].decode):
                 self.decoders[i] = (decode, resolve(decode))
@@ -201,7 +205,7 @@ class DataConstructor:
                 if plan.encoder_items is not None:
                     wanted += [item for rank in receivers for item in map(tuple, plan.encoder_rows(rank).tolist())]
                 if plan.generation > self.layout.generation:  # a reshard's streams (overlord.runtime.reshard)
-                    self._grow(Checkpoints(self.keys).load(self.r, plan.step + 1), plan.step)
+                    self._grow(plan)
                 samples = self._collect(plan.step, wanted, plan.loader_of(self.layout.loader_of))
                 self._build(plan, receivers, buckets, batches, samples)
                 del samples  # its leases end: the loaders get this step's ring space back

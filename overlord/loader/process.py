@@ -164,7 +164,7 @@ class LoaderProcess:
         job, layout = self.job, self.layout
         src = layout.stream_source[i]
         source = job.sources[src]
-        parts = sum(layout.stream_source[k] == src for k in layout.live)
+        parts = sum(s == src and k != RETIRED for s, k in zip(layout.stream_source, layout.loader_of))
         return ReadBudget(
             draw=draw_per_step(job.batch.global_batch, [s.weight for s in job.sources], src, parts),
             plan_ahead=job.plan_ahead,
@@ -504,10 +504,9 @@ class LoaderProcess:
     def _serve(self, plan) -> None:
         """Send this process's samples of `plan` to their Data Constructors, in plan order.
         A plan that made a reshard (`Plan.generation`) is the retired streams' last: the
-        new ones start after it, from the state its checkpoint holds."""
-        if plan.generation > self.layout.generation:  # reshards made before this step (a late start)
-            before = Checkpoints(self.keys).load(self.r, plan.step)
-            self._grow(before, plan.step)
+        new ones start after it, from the state its checkpoint holds. (A reshard made
+        before the step this process started at is in the state `start` grew from; every
+        later one is announced by a plan it serves.)"""
         self._handoffs(plan)
         sends = loader_do_plan(plan, self.job.mesh, set(self.buffers))
         samples = []

@@ -86,7 +86,8 @@ class Layout:
         if [r.generation for r in fresh] != list(range(self.generation + 1, self.generation + 1 + len(fresh))):
             raise PlanError(
                 f"the planner checkpoint holds reshards {[r.generation for r in reshards]}, which do not follow "
-                f"the {self.generation} this layout holds one by one; the checkpoint is not this job's"
+                f"the {self.generation} this layout holds one by one; the checkpoint is not this job's: run one "
+                "job configuration on every node, or start the job fresh (without --resume)"
             )
         for r in fresh:
             for name, _, _ in r.parents:
