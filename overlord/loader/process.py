@@ -447,12 +447,7 @@ class LoaderProcess:
             return
         me = self.ctx.index
         for i in [i for i in self.loaders if serving[i] != me]:
-            log.info(
-                "stream %s: served by loader process %d from step %d", self.layout.streams[i], serving[i], plan.step
-            )
-            self.loaders.pop(i).close()
-            del self.buffers[i], self.held_bytes[i], self.budgets[i]
-            self.reports.forget(i)
+            self._drop(i, f"served by loader process {serving[i]} from step {plan.step}")
         gained = [i for i, k in enumerate(serving) if k == me and i not in self.loaders]
         started = time.monotonic()
         for i in gained:
@@ -472,6 +467,14 @@ class LoaderProcess:
             )
         self.serving = serving
 
+    def _drop(self, i: int, why: str) -> None:
+        """Stop hosting stream i: its Source Loader, read buffer and file state (its
+        samples sent for earlier steps stay kept for replays)."""
+        log.info("stream %s: %s", self.layout.streams[i], why)
+        self.loaders.pop(i).close()
+        del self.buffers[i], self.held_bytes[i], self.budgets[i]
+        self.reports.forget(i)
+
     def _grow(self, state: dict, step: int, rebuild: bool = True) -> None:
         """Follow the reshards `state` (the planner state before `step`) records that this
         process does not know yet (overlord.runtime.reshard): drop the retired streams it
@@ -488,10 +491,7 @@ class LoaderProcess:
         serving += grown.loader_of[len(self.serving) :]
         self.layout, self.reports.streams = grown, list(grown.streams)
         for i in [i for i in self.loaders if serving[i] == RETIRED]:
-            log.info("stream %s: retired by a reshard from step %d", grown.streams[i], step)
-            self.loaders.pop(i).close()
-            del self.buffers[i], self.held_bytes[i], self.budgets[i]
-            self.reports.forget(i)
+            self._drop(i, f"retired by a reshard from step {step}")
         gained = [i for i in range(len(self.serving), len(serving)) if serving[i] == me]
         self.serving = serving
         for i in gained:
