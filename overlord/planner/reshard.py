@@ -11,7 +11,10 @@ overlord.runtime.reshard. This controller takes the requests and makes them:
                 new ones (`PlannerCore.reshard`), so the state before m, written with
                 plan m - 1, holds the record and the new streams' cursors
     served      each new stream first by the loader process with the fewest live
-                streams (ties: the lowest index); plan m and later carry the job's
+                streams (ties: the lowest index; for a source with Shadow Loaders,
+                among the processes that have one, whose standby follows the plans
+                as the process does and so starts the same streams at the same step:
+                a promoted standby holds them); plan m and later carry the job's
                 reshard count (`Plan.generation`), and a role that knows fewer reads
                 the records from the state before that plan's step (`Layout.grown`)
     logged      once plan m is out: one entry per reshard or refused request in the
@@ -23,14 +26,15 @@ successor makes it at its own next step boundary.
 The autoscaler's reshards (overlord.autoscale.repartition, with `Autoscale.reshards`)
 are made the same way, at the step it decides them, ahead of the operators' requests.
 
-Not yet: a source with Shadow Loaders (its hot standbys follow the layout's streams):
-refused, and never chosen by the autoscaler.
+Not yet: the autoscaler never chooses a source with Shadow Loaders (an operator's
+request for one is made).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import redis
 
@@ -80,8 +84,6 @@ class Reshards:
                 why = f"no source {name!r} in this job (its sources: {sorted(self.index)})"
             elif not 1 <= partitions <= MOST_PARTITIONS:
                 why = f"{partitions} partitions: give 1 to {MOST_PARTITIONS}"
-            elif self.job.sources[self.index[name]].shadow:
-                why = "not yet for a source with Shadow Loaders (its standbys follow the start's streams)"
             if why:
                 self.unlogged.append(reshard_entry(-1, name, -1, -1, "", f"refused: {why}"))
                 self.handled.add(field)
@@ -116,7 +118,10 @@ class Reshards:
             why = f"refused: the job made {MOST_RESHARDS} reshards, the most a plan's header counts"
             self.unlogged.append(reshard_entry(core.step, name, -1, -1, "", why))
             return layout
-        homes = spread(serving, set(core.buffer.by_source[src]), layout.loaders, partitions)
+        # a source with Shadow Loaders keeps its standbys: its new streams start only on
+        # processes that have one, whose Shadow Loader follows them as the process does
+        among = layout.shadowed if self.job.sources[src].shadow else None
+        homes = spread(serving, set(core.buffer.by_source[src]), layout.loaders, partitions, among)
         record = core.reshard(src, name, homes)
         grown = layout.grown([record])
         log.warning(
@@ -149,16 +154,20 @@ def parse_request(value: str) -> tuple[int | None, int]:
         return None, 0
 
 
-def spread(serving: list[int], leaving: set[int], loaders: int, partitions: int) -> list[int]:
+def spread(
+    serving: list[int], leaving: set[int], loaders: int, partitions: int, among: Sequence[int] | None = None
+) -> list[int]:
     """The loader process of each of `partitions` new streams: each in turn where the
-    fewest live streams are (ties: the lowest index), not counting those `leaving`."""
+    fewest live streams are (ties: the lowest index), not counting those `leaving`;
+    only processes of `among` when given (a source with Shadow Loaders: those with one)."""
     count = [0] * loaders
     for i, k in enumerate(serving):
         if k != RETIRED and i not in leaving:
             count[k] += 1
+    candidates = sorted(among) if among else range(loaders)
     homes = []
     for _ in range(partitions):
-        k = min(range(loaders), key=lambda k: (count[k], k))
+        k = min(candidates, key=lambda k: (count[k], k))
         count[k] += 1
         homes.append(k)
     return homes

@@ -5,6 +5,8 @@ gives the same bytes, and a role killed right after a reshard changes neither.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from harness import assert_delivered, clean_run, kill_after_step, partitioned_job, wait_planning
 
@@ -20,8 +22,9 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # make test-slow: a j
 RESHARDS = (("web", 3, 12), ("code", 1, 20), ("web", 2, 70))
 
 
-def _job(corpus, run_dir):
-    return partitioned_job(corpus, run_dir, seed=31, epochs=2)
+def _job(corpus, run_dir, shadow: bool = False):
+    job = partitioned_job(corpus, run_dir, seed=31, epochs=2)
+    return dataclasses.replace(job, sources=tuple(dataclasses.replace(s, shadow=shadow) for s in job.sources))
 
 
 def _reshard(c, reshards=RESHARDS) -> list[tuple[int, str]]:
@@ -31,7 +34,9 @@ def _reshard(c, reshards=RESHARDS) -> list[tuple[int, str]]:
     return [request_reshard(r, keys, source, parts, timeout_s=60, at_step=step) for source, parts, step in reshards]
 
 
-def _run(c, kill: tuple[str, int] | None = None) -> dict:
+def _run(c, kill: tuple[str, int] | None = None, promotions: list | None = None) -> dict:
+    """Every rank's ledger of a run with RESHARDS (and `kill`); `promotions` gets the
+    job's `promotions` entries (read before the job's embedded Redis ends with it)."""
     c.start_sidecar()
     c.start_trainers(sleep=0.1)
     answers = _reshard(c, RESHARDS[:1])
@@ -40,6 +45,8 @@ def _run(c, kill: tuple[str, int] | None = None) -> dict:
     answers += _reshard(c, RESHARDS[1:])
     assert [code for code, _ in answers] == [0, 0, 0], (answers, c.log())
     log = log_entries(c.redis().xrange(Keys(c.job.name).reshards))
+    if promotions is not None:
+        promotions += log_entries(c.redis().xrange(Keys(c.job.name).promotions))
     shown = render(collect(c.job))  # now: the job's embedded Redis ends with the job
     out = c.results()
     assert c.stop() == 0, c.log()
@@ -100,6 +107,26 @@ def test_a_role_killed_right_after_a_reshard_loses_and_repeats_nothing(
     assert_delivered(out, corpus_keys, times=2, log=c.log)
     for rank, rec in out.items():
         assert rec["digests"] == resharded[0][rank]["digests"], f"rank {rank}: bytes differ\n{c.log()}"
+
+
+def test_a_loader_killed_after_a_reshard_is_replaced_by_its_shadow_that_followed_it(
+    cluster, corpus, corpus_keys, resharded, tmp_path
+):
+    # every source has Shadow Loaders (so every process has one: the new streams start
+    # where they do without them, and the plans are the same): each standby starts the
+    # new streams of its process at the same step, and the one promoted when loader
+    # process 0 dies right after the first reshard delivers them on
+    c = cluster(job=_job(corpus, tmp_path / "run", shadow=True))
+    promoted: list = []
+    out = _run(c, kill=("loader", 0), promotions=promoted)
+    assert_delivered(out, corpus_keys, times=2, log=c.log)
+    for rank, rec in out.items():
+        assert rec["digests"] == resharded[0][rank]["digests"], f"rank {rank}: bytes differ\n{c.log()}"
+    assert [int(e["loader"]) for e in promoted] == [0], promoted
+    shadows = "".join(p.read_text() for p in c.job.run_path.glob("shadow*.log"))
+    assert "made by a reshard" in shadows and "stream web.0: retired by a reshard from step 12" in shadows, shadows[
+        -3000:
+    ]
 
 
 def test_a_request_the_planner_cannot_make_is_refused(cluster, corpus, tmp_path):

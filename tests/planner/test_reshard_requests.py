@@ -72,7 +72,7 @@ def test_requests_are_made_between_two_steps_or_refused_with_why(r, tmp_path):
     lease = _lease(r)
     reshards = Reshards(r, KEYS, lease, _job(tmp_path))
     handoffs = Handoffs(r, KEYS, lease, LAYOUT)
-    r.hset(KEYS.reshard, mapping={"web": "3@4", "img": "2", "nosuch": "2", "web2": "x"})
+    r.hset(KEYS.reshard, mapping={"web": "3@4", "nosuch": "2", "web2": "x"})
     reshards.next_look = 0.0
     reshards.look()
     assert [p[1:] for p in reshards.pending] == [("web", 3, 4, "requested")]  # the others refused
@@ -93,15 +93,39 @@ def test_requests_are_made_between_two_steps_or_refused_with_why(r, tmp_path):
     assert handoffs.serving == [RETIRED, RETIRED, 1, 0, 0, 1]
     assert not handoffs.allowed(0, 1)  # a retired stream is handed to nobody
     assert handoffs.stamp(Plan(step=4), len(core.reshards)).generation == 1
-    assert r.hlen(KEYS.reshard) == 4 and not r.exists(KEYS.reshards)  # logged once the plans are out
+    assert r.hlen(KEYS.reshard) == 3 and not r.exists(KEYS.reshards)  # logged once the plans are out
     reshards.published()
     assert r.hlen(KEYS.reshard) == 0
     log = {e["source"]: e for e in log_entries(r.xrange(KEYS.reshards))}
     assert (log["web"]["step"], log["web"]["from"], log["web"]["to"]) == ("4", "2", "3")
     assert log["web"]["streams"] == "web.r1p0,web.r1p1,web.r1p2"
-    assert "Shadow Loaders" in log["img"]["reason"] and "no source 'nosuch'" in log["nosuch"]["reason"]
+    assert "no source 'nosuch'" in log["nosuch"]["reason"]
     assert "'x' is not PARTITIONS or PARTITIONS@STEP" in log["web2"]["reason"]
-    assert all(log[n]["to"] == "-1" for n in ("img", "nosuch", "web2"))
+    assert all(log[n]["to"] == "-1" for n in ("nosuch", "web2"))
+
+
+def test_a_source_with_shadow_loaders_gets_its_new_streams_where_a_standby_follows_them(r, tmp_path):
+    # img has Shadow Loaders: its streams live on process 1 (the one with a standby), even
+    # though process 0 serves fewer streams; web's go where the fewest are, as before
+    reshards = Reshards(r, KEYS, _lease(r), _job(tmp_path))
+    r.hset(KEYS.reshard, mapping={"img": "3"})
+    reshards.next_look = 0.0
+    reshards.look()
+    core = _core()
+    core.plan_step()
+    grown = reshards.make(core, LAYOUT, list(LAYOUT.loader_of))
+    (record,) = core.reshards
+    assert record.streams == ("img.r1p0", "img.r1p1", "img.r1p2") and record.homes == (1, 1, 1)
+    assert grown.loader_of[3:] == [1, 1, 1] and grown.shadowed == [1]
+    r.hset(KEYS.reshard, mapping={"web": "3"})
+    reshards.next_look = 0.0
+    reshards.look()
+    core.plan_step()
+    grown = reshards.make(core, grown, list(grown.loader_of))
+    assert core.reshards[1].homes == (0, 0, 0)
+    reshards.published()
+    log = {e["source"]: e for e in log_entries(r.xrange(KEYS.reshards))}
+    assert (log["img"]["from"], log["img"]["to"], log["img"]["reason"]) == ("1", "3", "requested")
 
 
 def test_a_request_for_the_streams_it_has_changes_nothing(r, tmp_path):
@@ -138,6 +162,8 @@ def test_parse_and_spread():
     # two live streams on process 0, one on 1 (stream 3 leaves): 1, 1, 0, then 1 and 0 alternate
     assert spread([0, 0, 1, 1, RETIRED], {3}, 2, 4) == [1, 0, 1, 0]
     assert spread([0, 1], set(), 3, 2) == [2, 0]
+    assert spread([0, 1, 1], set(), 3, 3, among=[1]) == [1, 1, 1]
+    assert spread([0, 1, 1, 2], {0}, 3, 3, among=[2, 0]) == [0, 0, 2]
 
 
 def test_intake_reads_the_new_streams_and_not_the_retired(r, tmp_path):
