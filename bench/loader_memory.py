@@ -45,7 +45,8 @@ import peers_data  # noqa: E402
 import pyarrow as pa  # noqa: E402
 
 from overlord.config import Source  # noqa: E402
-from overlord.loader.process import CHUNK, ring_max_record  # noqa: E402
+from overlord.loader.hosting import ring_max_record  # noqa: E402
+from overlord.loader.process import CHUNK  # noqa: E402
 from overlord.loader.source_loader import SourceLoader  # noqa: E402
 from overlord.runtime.readbuffer import ReadBudget  # noqa: E402
 

@@ -50,18 +50,17 @@ import time
 import redis
 
 from overlord.errors import PeerDied, PlanError, RingFullError, SourceReadError
+from overlord.loader.hosting import Hosting
 from overlord.loader.inflight import Deadline, Inflight, inflight_path
 from overlord.loader.refill import SHADOW_BLOCK_MS, Pace, PlanWatch, RefillTurns, idle_ms
 from overlord.loader.reports import Reports
-from overlord.loader.source_loader import Prepared, SourceLoader
+from overlord.loader.source_loader import Prepared
 from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.lowlevel import loader_do_plan
 from overlord.plan.step_plan import Plan
 from overlord.plan.waiting import resume_point
 from overlord.runtime.flow import Stopped, push
-from overlord.runtime.layout import sample_ring
-from overlord.runtime.readbuffer import ReadBudget, draw_per_step
-from overlord.runtime.reshard import RETIRED, Reshard, reshards_of
+from overlord.runtime.layout import Layout, sample_ring
 from overlord.shm import Ring, SampleMeta
 from overlord.store.durable import Durability
 from overlord.store.schema import (
@@ -83,36 +82,30 @@ DEMAND_REFRESH_S = 1.0  # the `demand` hash is read again after this long withou
 Item = tuple[int, int, int]  # (stream, epoch, seq)
 
 
-def ring_max_record(capacity: int) -> int:
-    """The largest record a ring created with `capacity` bytes holds (Ring.max_record:
-    the capacity rounded up to a power of two, at least 4096, less the record header),
-    known to a Shadow Loader too, which maps no ring."""
-    return min((1 << max(12, (capacity - 1).bit_length())) - 8, (1 << 32) - 1)
-
-
 class LoaderProcess:
     """The Source Loaders of loader process `ctx.index`, active or shadow (`ctx.role`)."""
 
     def __init__(self, ctx) -> None:
         self.ctx = ctx
         job, layout = ctx.job, ctx.layout
-        self.job, self.layout, self.r, self.keys = job, layout, ctx.r, ctx.keys
+        self.job, self.r, self.keys = job, ctx.r, ctx.keys
         # reports reach a replica before the loader counts them sent: a failover loses
         # none of them (a report lost with a primary would leave the Planner waiting for
         # samples the loader believes reported)
         self.durable = Durability(self.r, timeout_s=job.redis_outage_s)
-        # the streams this process serves: the layout's, until a plan hands one over (handoff.py)
-        self.serving: list[int] = list(layout.loader_of)  # stream -> the loader process serving it now
-        self.loaders: dict[int, SourceLoader] = {}
-        self.buffers: dict[int, dict[tuple[int, int], Prepared]] = {}  # not yet sent
-        self.held_bytes: dict[int, int] = {}  # bytes of each read buffer
-        self.budgets: dict[int, ReadBudget] = {}
         self._table: Inflight | None = None  # the transforms' in-flight table, once run() made it
         self._deadline: Deadline | None = None
-        self.reshards: list[Reshard] = []  # the job's, as far as this process has followed them
-        for i, owner in enumerate(layout.loader_of):
-            if owner == ctx.index:
-                self._open(i)
+        self.reports = Reports(self.r, self.keys, list(layout.streams), self.durable)
+        # the streams this process serves: the layout's, until a plan hands one over or
+        # a reshard retires or makes some (hosting.py); the per-stream dicts are its own
+        self.hosting = Hosting(job, self.r, self.keys, ctx.index, layout, self.reports, self._opened)
+        hosting = self.hosting
+        self.loaders, self.buffers, self.held_bytes, self.budgets = (
+            hosting.loaders,
+            hosting.buffers,
+            hosting.held_bytes,
+            hosting.budgets,
+        )
         self._pace = Pace(job.plan_ahead)
         self._turns = RefillTurns()
         self._plans = PlanWatch(self.r, self.keys, ctx.stop)  # started with the loop
@@ -133,44 +126,16 @@ class LoaderProcess:
         self.last_step: int | None = None
         self.step = 0
         self.first = 0  # the job's first step (0, or the resume's)
-        self.reports = Reports(self.r, self.keys, list(layout.streams), self.durable)
 
-    def _open(self, i: int) -> SourceLoader:
-        """Start hosting stream i: its Source Loader (at the epoch order's start), an
-        empty read buffer and its budget."""
-        job, layout = self.job, self.layout
-        name, src = layout.streams[i], layout.stream_source[i]
-        made = next((r for r in self.reshards if name in r.streams), None)  # None: one of the start's streams
-        loader = self.loaders[i] = SourceLoader(
-            job.sources[src],
-            int(name.rsplit(".", 1)[1]) if made is None else made.streams.index(name),
-            seed=job.seed,
-            epochs=job.epochs,
-            context_length=job.batch.context_length,
-            vocab_size=job.batch.vocab_size,
-            max_sample_bytes=ring_max_record(job.sample_ring_bytes),
-            stream=name,
-            reshards=[]
-            if made is None
-            else [r for r in self.reshards if r.source_index == src and r.generation <= made.generation],
-        )
-        self.buffers[i], self.held_bytes[i], self.budgets[i] = {}, 0, self._budget(i)
-        if self._table is not None and self._deadline is not None:  # handed over while running
+    @property
+    def layout(self) -> Layout:
+        """The job's layout as this process has followed it (reshards grow it)."""
+        return self.hosting.layout
+
+    def _opened(self, i: int) -> None:
+        """Stream i was started while the process runs: watch its transforms."""
+        if self._table is not None and self._deadline is not None:
             self._watch(i, self._table, self._deadline)
-        return loader
-
-    def _budget(self, i: int) -> ReadBudget:
-        """Stream i's read-buffer budget (runtime/readbuffer.py): its share of a step."""
-        job, layout = self.job, self.layout
-        src = layout.stream_source[i]
-        source = job.sources[src]
-        parts = sum(s == src and k != RETIRED for s, k in zip(layout.stream_source, layout.loader_of))
-        return ReadBudget(
-            draw=draw_per_step(job.batch.global_batch, [s.weight for s in job.sources], src, parts),
-            plan_ahead=job.plan_ahead,
-            cap_bytes=source.buffer_bytes if source.buffer_bytes is not None else job.buffer_bytes,
-            cap_samples=job.buffer_samples,
-        )
 
     # -- start -------------------------------------------------------------------------
 
@@ -185,8 +150,8 @@ class LoaderProcess:
         self.step = min(min(done.values()) + 1, *(unread(progress, dp, first) for dp in done)) if done else first
         if self.step > 0:
             state = point[1] if point and self.step == first else Checkpoints(self.keys).load(self.r, self.step)
-            self._grow(state, self.step, rebuild=False)  # the reshards before this step: their streams
-            self._rebuild(self.step, state)
+            self.hosting.grow(state, self.step, rebuild=False)  # the reshards before this step: their streams
+            self.hosting.rebuild(self.step, state)
         self.skip_upto = done
         self._read_demand()
         self._plans.start(self.step)
@@ -228,29 +193,6 @@ class LoaderProcess:
             self._demand_read = time.monotonic()
         elif not reply and time.monotonic() - self._demand_read > DEMAND_REFRESH_S:
             self._read_demand()
-
-    def _rebuild(self, step: int, state: dict | None, streams: list[int] | None = None) -> None:
-        """Start every stream (or those of `streams`) after its cursor in the planner
-        state before `step` and re-prepare the samples that state deferred (they sit
-        behind the cursors)."""
-        state = state or Checkpoints(self.keys).load(self.r, step)
-        chosen = set(self.loaders if streams is None else streams)
-        for i in chosen:
-            epoch, seq = state["cursors"][self.layout.streams[i]]
-            self.loaders[i].start_at(epoch, seq + 1)
-        deferred: dict[tuple[int, int], list[int]] = {}
-        for stream, epoch, seq, *_ in state["deferred"]:
-            if stream in chosen:
-                deferred.setdefault((stream, epoch), []).append(seq)
-        for (stream, epoch), seqs in deferred.items():
-            for sample in self.loaders[stream].prepare_at(epoch, seqs):
-                self.buffers[stream][(sample.epoch, sample.seq)] = sample
-                self.held_bytes[stream] += sample.nbytes
-        log.info(
-            "rebuilt read buffers at step %d from the planner checkpoint (%d deferred samples re-read)",
-            step,
-            sum(len(v) for v in deferred.values()),
-        )
 
     def _claim_rings(self) -> None:
         for dp in range(self.job.mesh.dp):
@@ -436,78 +378,13 @@ class LoaderProcess:
 
     # -- serving -----------------------------------------------------------------------
 
-    def _handoffs(self, plan: Plan) -> None:
-        """Serve the streams `plan` names this process for (handoff.py): a stream handed
-        to another process is dropped after its last step here (its samples sent for
-        earlier steps stay kept for replays); a stream handed to this one starts from
-        the planner checkpoint before this step, as a restarted loader's does. Its
-        samples are read as this and the next steps take them."""
-        serving = plan.loader_of(self.layout.loader_of)
-        if serving == self.serving:
-            return
-        me = self.ctx.index
-        for i in [i for i in self.loaders if serving[i] != me]:
-            self._drop(i, f"served by loader process {serving[i]} from step {plan.step}")
-        gained = [i for i, k in enumerate(serving) if k == me and i not in self.loaders]
-        started = time.monotonic()
-        for i in gained:
-            self._open(i)
-        if gained:
-            opened = time.monotonic()
-            if plan.step > 0:
-                self._rebuild(plan.step, None, gained)
-            log.info(
-                "serving stream(s) %s from step %d (handed over from loader process(es) %s; opened in %.0f ms, "
-                "started from the planner checkpoint in %.0f ms)",
-                [self.layout.streams[i] for i in gained],
-                plan.step,
-                sorted({self.serving[i] for i in gained}),
-                (opened - started) * 1000,
-                (time.monotonic() - opened) * 1000,
-            )
-        self.serving = serving
-
-    def _drop(self, i: int, why: str) -> None:
-        """Stop hosting stream i: its Source Loader, read buffer and file state (its
-        samples sent for earlier steps stay kept for replays)."""
-        log.info("stream %s: %s", self.layout.streams[i], why)
-        self.loaders.pop(i).close()
-        del self.buffers[i], self.held_bytes[i], self.budgets[i]
-        self.reports.forget(i)
-
-    def _grow(self, state: dict, step: int, rebuild: bool = True) -> None:
-        """Follow the reshards `state` (the planner state before `step`) records that this
-        process does not know yet (overlord.runtime.reshard): drop the retired streams it
-        hosts (their samples sent for earlier steps stay kept for replays) and start the
-        new ones whose first loader process it is, after their cursors in `state` (with
-        `rebuild`; else the caller rebuilds every stream)."""
-        fresh = [r for r in reshards_of(state) if r.generation > self.layout.generation]
-        if not fresh:
-            return
-        self.reshards += fresh
-        grown = self.layout.grown(fresh)
-        me = self.ctx.index
-        serving = [RETIRED if grown.loader_of[i] == RETIRED else k for i, k in enumerate(self.serving)]
-        serving += grown.loader_of[len(self.serving) :]
-        self.layout, self.reports.streams = grown, list(grown.streams)
-        for i in [i for i in self.loaders if serving[i] == RETIRED]:
-            self._drop(i, f"retired by a reshard from step {step}")
-        gained = [i for i in range(len(self.serving), len(serving)) if serving[i] == me]
-        self.serving = serving
-        for i in gained:
-            self._open(i)
-        if gained and rebuild:
-            self._rebuild(step, state, gained)
-        if gained:
-            log.info("serving stream(s) %s from step %d (made by a reshard)", [grown.streams[i] for i in gained], step)
-
     def _serve(self, plan) -> None:
         """Send this process's samples of `plan` to their Data Constructors, in plan order.
         A plan that made a reshard (`Plan.generation`) is the retired streams' last: the
         new ones start after it, from the state its checkpoint holds. (A reshard made
         before the step this process started at is in the state `start` grew from; every
         later one is announced by a plan it serves.)"""
-        self._handoffs(plan)
+        self.hosting.handoffs(plan)
         sends = loader_do_plan(plan, self.job.mesh, set(self.buffers))
         samples = []
         took = dict.fromkeys(self.budgets, 0)
@@ -522,7 +399,7 @@ class LoaderProcess:
         if self.active:
             self._deliver(plan.step, sends, samples)
         if plan.generation > self.layout.generation:  # made after this step: the new streams start now
-            self._grow(Checkpoints(self.keys).load(self.r, plan.step + 1), plan.step + 1)
+            self.hosting.grow(Checkpoints(self.keys).load(self.r, plan.step + 1), plan.step + 1)
 
     def _deliver(self, step: int, sends: list, samples: list[Prepared]) -> None:
         """Write a step's samples to the rings of their Data Constructors."""

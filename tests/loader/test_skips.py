@@ -13,7 +13,7 @@ import pytest
 
 from overlord.config import Source
 from overlord.errors import SchemaError, SourceReadError
-from overlord.loader.process import ring_max_record
+from overlord.loader.hosting import ring_max_record
 from overlord.loader.skips import per_file
 from overlord.loader.source_loader import SourceLoader
 from overlord.shm import Ring, segment_name, unlink_segment
