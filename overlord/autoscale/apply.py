@@ -147,7 +147,6 @@ def repartitioner(job: Job, stored: bytes | None, schedule) -> Repartitioner | N
         {n: int(p) for n, p in data["partitions"].items()},
         interval=job.autoscale.scale_interval,
         horizon=2 * job.autoscale.scale_interval + job.plan_ahead,
-        eligible={s.name for s in job.sources if not s.shadow},
         global_batch=job.batch.global_batch,
         plan_ahead=job.plan_ahead,
         buffer_caps={s.name: s.buffer_bytes for s in job.sources if s.buffer_bytes is not None},

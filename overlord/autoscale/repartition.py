@@ -49,7 +49,6 @@ class Repartitioner:
         interval: steps between two looks.
         horizon: steps ahead whose mixtures a look sizes for.
         patience: looks a new target must hold before it is made.
-        eligible: the sources a reshard may change (not those with Shadow Loaders).
         sizing: `partition`'s keyword arguments (global_batch, plan_ahead, buffer_caps).
     """
 
@@ -63,12 +62,10 @@ class Repartitioner:
         interval: int,
         horizon: int,
         patience: int = 2,
-        eligible: set[str] | None = None,
         **sizing,
     ) -> None:
         self.costs, self.budget, self.weights, self.start = list(costs), budget, weights, dict(start)
         self.interval, self.horizon, self.patience = max(1, interval), max(0, horizon), max(1, patience)
-        self.eligible = set(start) if eligible is None else set(eligible)
         self.sizing = sizing
         # look step -> target (None: the budget cannot hold it), in the order they were made
         self._targets: collections.OrderedDict[int, Target | None] = collections.OrderedDict()
@@ -107,8 +104,7 @@ class Repartitioner:
         moves = [
             (name, parts)
             for name, parts in now.items()
-            if name in self.eligible
-            and all(t is not None and t[name] == parts for t in held)
+            if all(t is not None and t[name] == parts for t in held)
             and before[name] != parts
             and live.get(name, parts) != parts
         ]

@@ -25,9 +25,6 @@ successor makes it at its own next step boundary.
 
 The autoscaler's reshards (overlord.autoscale.repartition, with `Autoscale.reshards`)
 are made the same way, at the step it decides them, ahead of the operators' requests.
-
-Not yet: the autoscaler never chooses a source with Shadow Loaders (an operator's
-request for one is made).
 """
 
 from __future__ import annotations

@@ -88,10 +88,7 @@ def test_an_operators_reshard_is_kept_until_the_target_changes_again():
     assert live["text"] == 5
 
 
-def test_sources_not_eligible_are_never_chosen_and_patience_delays():
-    live = start()
-    moves = run(make(eligible={"text", "images"}), 120, live)
-    assert all(name != "video" for _, name, _ in moves)
+def test_patience_delays():
     eager = run(make(patience=1), 120, start())
     patient = run(make(patience=3), 120, start())
     assert eager[0][0] < patient[0][0]

@@ -123,9 +123,17 @@ def test_a_source_with_shadow_loaders_gets_its_new_streams_where_a_standby_follo
     core.plan_step()
     grown = reshards.make(core, grown, list(grown.loader_of))
     assert core.reshards[1].homes == (0, 0, 0)
+    reshards.request("img", 2, core.step, "autoscaler: the schedule")  # the autoscaler's: the same homes
+    core.plan_step()
+    grown = reshards.make(core, grown, list(grown.loader_of))
+    assert core.reshards[2].streams == ("img.r3p0", "img.r3p1") and core.reshards[2].homes == (1, 1)
     reshards.published()
-    log = {e["source"]: e for e in log_entries(r.xrange(KEYS.reshards))}
-    assert (log["img"]["from"], log["img"]["to"], log["img"]["reason"]) == ("1", "3", "requested")
+    log = [(e["source"], e["from"], e["to"], e["reason"]) for e in log_entries(r.xrange(KEYS.reshards))]
+    assert log == [
+        ("img", "1", "3", "requested"),
+        ("web", "2", "3", "requested"),
+        ("img", "3", "2", "autoscaler: the schedule"),
+    ], log
 
 
 def test_a_request_for_the_streams_it_has_changes_nothing(r, tmp_path):
