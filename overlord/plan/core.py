@@ -29,7 +29,7 @@ from overlord.plan.schedule import Constant, Schedule
 from overlord.plan.step_plan import Plan
 from overlord.plan.strategies import vanilla
 from overlord.plan.tree import ClientPlaceTree
-from overlord.runtime.reshard import Reshard, reshard_stream_name, reshards_of
+from overlord.runtime.reshard import Reshard, check_record, reshard_stream_name, reshards_of
 
 Strategy = Callable[[StepData, ClientPlaceTree], Planned]
 _DEFERRED_FIELDS = ("stream", "epoch", "seq", "tokens", "patches", "nbytes")
@@ -209,6 +209,10 @@ class PlannerCore:
         deferred ones come from the state. Plans from here equal the original run's.
         """
         for record in reshards_of(state)[len(self.reshards) :]:
+            streams = self.streams
+            check_record(
+                record, [s.name for s in streams], [s.source for s in streams], [not s.retired for s in streams]
+            )
             self._grow(record)
         self._reshards_written = len(self.reshards)
         names = [s.name for s in self.streams]

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 from overlord.config import Job
 from overlord.errors import PlanError
-from overlord.runtime.reshard import RETIRED, Reshard
+from overlord.runtime.reshard import RETIRED, Reshard, check_record
 from overlord.shm.names import segment_name
 
 
@@ -90,6 +90,7 @@ class Layout:
                 "job configuration on every node, or start the job fresh (without --resume)"
             )
         for r in fresh:
+            check_record(r, streams, sources, [k != RETIRED for k in loader_of], self.loaders)
             for name, _, _ in r.parents:
                 loader_of[index[name]] = RETIRED
             for name, home in zip(r.streams, r.homes):

@@ -31,8 +31,11 @@ the records from the checkpoint before that plan's step and grows its layout
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from overlord.errors import PlanError
 
 RETIRED = -1  # the loader process of a stream a reshard retired: served by none
 
@@ -106,5 +109,78 @@ class Reshard:
 
 
 def reshards_of(state: dict[str, Any]) -> list[Reshard]:
-    """The reshards a planner checkpoint state records, oldest first."""
-    return [Reshard.from_json(obj) for obj in state.get("reshards") or []]
+    """The reshards a planner checkpoint state records, oldest first.
+
+    Raises:
+        PlanError: an entry is not a record (a damaged checkpoint).
+    """
+    out = []
+    for k, obj in enumerate(state.get("reshards") or []):
+        try:
+            out.append(Reshard.from_json(obj))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(
+                f"the planner checkpoint's reshards entry {k} is not a reshard record ({type(exc).__name__}: "
+                f"{exc}): {str(obj)[:200]}; the checkpoint is damaged: resume from an earlier checkpoint, or "
+                "start the job fresh (without --resume)"
+            ) from None
+    return out
+
+
+def check_record(
+    record: Reshard,
+    streams: Sequence[str],
+    stream_source: Sequence[int],
+    live: Sequence[bool],
+    loaders: int | None = None,
+) -> None:
+    """Raise PlanError unless `record` can follow the streams it is applied to: `streams`
+    (names), the source of each and whether each is live, as they stand before it (a
+    layout, or the Planner core's buffer); `loaders`, when known, bounds its homes.
+
+    Only the Planner writes records, in the checkpoint of the job it plans; a record
+    that fails here comes from a damaged checkpoint, or one of another job or of
+    another configuration of this one, and applying it would plan samples twice or
+    never, or fail later without naming why."""
+    what = _record_fault(record, streams, stream_source, live, loaders)
+    if what:
+        raise PlanError(
+            f"the planner checkpoint's reshard {record.generation} (source {record.source!r}, step {record.step}) "
+            f"{what}; the checkpoint is damaged or not this job's: run one job configuration on every node, "
+            "or resume from an earlier checkpoint, or start the job fresh (without --resume)"
+        )
+
+
+def _record_fault(
+    record: Reshard, streams: Sequence[str], stream_source: Sequence[int], live: Sequence[bool], loaders: int | None
+) -> str:
+    """What is wrong with `record` on top of those streams ("" when nothing is)."""
+    g, source = record.generation, record.source
+    if not record.streams or len(record.homes) != len(record.streams):
+        return f"makes {len(record.streams)} stream(s) with {len(record.homes)} home(s): one home each, at least one"
+    named = tuple(reshard_stream_name(source, g, q) for q in range(len(record.streams)))
+    if record.streams != named:
+        return f"names its streams {list(record.streams)}, not {list(named)}"
+    if any(k < 0 or (loaders is not None and k >= loaders) for k in record.homes):
+        return f"homes its streams on loader processes {list(record.homes)}, and the job has {loaders}"
+    index = {name: i for i, name in enumerate(streams)}
+    if any(name in index for name in record.streams):
+        return f"makes streams {list(record.streams)}, and some of them exist already"
+    if not 0 <= record.source_index or record.source_index not in set(stream_source):
+        return f"names source index {record.source_index}, which has no streams"
+    if record.step < 0 or record.epoch < 0:
+        return f"takes effect at step {record.step} in epoch {record.epoch}"
+    mine = [name for i, name in enumerate(streams) if stream_source[i] == record.source_index and live[i]]
+    parents = [name for name, _, _ in record.parents]
+    if parents != mine:
+        return f"retires streams {parents}, and the source's live streams are {mine}"
+    if any(not name.startswith(f"{source}.") for name in parents):
+        return f"retires streams {parents}, which are not source {source!r}'s"
+    if max(e for _, e, _ in record.parents) != record.epoch or any(s < -1 for _, _, s in record.parents):
+        return f"counts its remainder as epoch {record.epoch} from cursors {list(record.parents)}"
+    if len(set(record.deferred)) != len(record.deferred):
+        return "holds a deferred sample twice"
+    strays = [d for d in record.deferred if d[0] not in parents or not 0 <= d[1] <= record.epoch or d[2] < 0]
+    if strays:
+        return f"holds deferred samples {strays[:3]} that are not its retired streams' up to epoch {record.epoch}"
+    return ""

@@ -277,3 +277,61 @@ def test_the_record_and_the_grown_layout():
     assert grown.grown([record]) is grown
     with pytest.raises(PlanError, match="do not follow"):
         base.grown([dataclasses.replace(record, generation=2)])
+
+
+def _resharded() -> tuple[PlannerCore, Reshard, Model]:
+    """A core that planned three steps, then resharded source 0 into three streams."""
+    model = Model({0: 2, 1: 1})
+    core = make(model)
+    for i in range(3):
+        model.report(core, i)
+    for _ in range(3):
+        core.plan_step()
+    return core, core.reshard(0, "s0", homes=[1, 0, 1]), model
+
+
+# a record as a damaged checkpoint, or another job's, could hold it: each is named, not applied
+DAMAGED = {
+    "no home for a stream": lambda r: dataclasses.replace(r, homes=r.homes[:2]),
+    "a home past the processes": lambda r: dataclasses.replace(r, homes=(1, 0, 7)),
+    "streams named otherwise": lambda r: dataclasses.replace(r, streams=("s0.r1p0", "s0.r1p1", "s0.x")),
+    "another generation's names": lambda r: dataclasses.replace(r, generation=1, streams=("s0.r2p0",), homes=(0,)),
+    "a parent left out": lambda r: dataclasses.replace(r, parents=r.parents[:1]),
+    "a parent of another source": lambda r: dataclasses.replace(r, parents=(r.parents[0], ("s1.0", 0, 3))),
+    "an epoch that is not the cursors' highest": lambda r: dataclasses.replace(r, epoch=r.epoch + 1),
+    "a deferred sample twice": lambda r: dataclasses.replace(r, deferred=(("s0.0", 0, 9), ("s0.0", 0, 9))),
+    "a deferred sample of another stream": lambda r: dataclasses.replace(r, deferred=(("s1.0", 0, 1),)),
+    "a source index with no streams": lambda r: dataclasses.replace(r, source_index=5),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED))
+def test_a_damaged_reshard_record_is_refused_with_what_is_wrong(damage):
+    core, record, model = _resharded()
+    bad = DAMAGED[damage](record)
+    base = Layout(["s0.0", "s0.1", "s1.0"], [0, 0, 1], [0, 1, 0], 2, 1, [0, 0], [])
+    with pytest.raises(PlanError, match=r"reshard 1 \(source 's0', step 3\) .*not this job's"):
+        base.grown([bad])
+    state = core.state()
+    state["reshards"] = [bad.to_json()]
+    fresh = make(model)
+    if damage != "a home past the processes":  # the core does not know the processes (the layout does)
+        with pytest.raises(PlanError, match=r"reshard 1 \(source 's0', step 3\)"):
+            fresh.restore(state)
+    fresh = make(model)
+    fresh.restore(core.state())  # the record as the Planner wrote it is taken
+    assert fresh.reshards == [record]
+
+
+@pytest.mark.parametrize("damage", ["fields missing", "not a mapping", "a value not a number"])
+def test_a_reshards_entry_that_is_not_a_record_is_named(damage):
+    core, record, _ = _resharded()
+    entry = {
+        "fields missing": {"generation": 2},
+        "not a mapping": ["s0", 2],
+        "a value not a number": {**record.to_json(), "generation": 2, "homes": ["one"]},
+    }[damage]
+    state = core.state()
+    state["reshards"] = [record.to_json(), entry]
+    with pytest.raises(PlanError, match="reshards entry 1 is not a reshard record"):
+        reshards_of(state)
