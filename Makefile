@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test test-slow lint install clean bench bench-peers
 
-$(STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringmodule.c native/balance.c native/balance_assign.c native/plan_check.c native/balance.h native/balance_sort.h native/balancemodule.c
+$(STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringhandle.h native/ringhandle.c native/ringmodule.c native/balance.c native/balance_assign.c native/plan_check.c native/balance.h native/balance_sort.h native/balancemodule.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=23" setuptools wheel
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; fi
@@ -53,7 +53,7 @@ bench: $(STAMP)
 # The torch pin keeps pip from choosing a newer torch (and its CUDA wheels) for torchvision.
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.overlord-peers-installed
-$(PEERS_STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringmodule.c
+$(PEERS_STAMP): pyproject.toml setup.py native/ring.c native/ring.h native/ringhandle.h native/ringhandle.c native/ringmodule.c
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/python -m pip install -q --upgrade "pip>=23" setuptools wheel
 	$(PEERS_VENV)/bin/python -m pip install -q -e '.[peers]' $(or $(TORCH_SPEC),torch)

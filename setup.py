@@ -7,7 +7,7 @@ setup(
     ext_modules=[
         Extension(
             "overlord.shm._ring",
-            sources=["native/ring.c", "native/ringmodule.c"],
+            sources=["native/ring.c", "native/ringhandle.c", "native/ringmodule.c"],
             include_dirs=["native"],
             extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra"],
         ),

@@ -1,4 +1,4 @@
-"""Type stub for the C extension `overlord.shm._ring` (native/ringmodule.c).
+"""Type stub for the C extension `overlord.shm._ring` (native/ringmodule.c, native/ringhandle.c).
 
 Status codes are returned, not raised; `overlord.shm._pyring.Ring` turns them into errors.
 """
