@@ -13,7 +13,7 @@ from collections.abc import Callable
 import redis
 
 from overlord.store import Keys
-from overlord.store.schema import log_entries
+from overlord.store.schema import log_entries, planner_done
 
 
 def request_handoff(r: redis.Redis, keys: Keys, stream: str, loader: int, timeout_s: float) -> tuple[int, str]:
@@ -21,8 +21,9 @@ def request_handoff(r: redis.Redis, keys: Keys, stream: str, loader: int, timeou
 
     Returns:
         (exit code, message): 0 taken (the step it takes effect at, or served there
-        already), 1 refused (why), 2 no answer within `timeout_s` (the request stays:
-        the Planner takes it when it next plans) or the request vanished unanswered.
+        already), 1 refused (why, or the job planned its last step: nothing is asked),
+        2 no answer within `timeout_s` (the request stays: the Planner takes it when it
+        next plans) or the request vanished unanswered.
     """
 
     def answer(entry: dict[str, str]) -> tuple[int, str] | None:
@@ -32,7 +33,7 @@ def request_handoff(r: redis.Redis, keys: Keys, stream: str, loader: int, timeou
             return 1, f"handoff of {stream} refused: {entry['reason'].removeprefix('refused: ')}"
         return 0, f"stream {stream}: loader process {entry['from']} -> {entry['to']} from step {entry['step']}"
 
-    return _request(r, keys.handoff, stream, str(loader), keys.handoffs, timeout_s, answer)
+    return _request(r, keys, keys.handoff, stream, str(loader), keys.handoffs, timeout_s, answer)
 
 
 def request_reshard(
@@ -59,11 +60,12 @@ def request_reshard(
         )
 
     value = str(partitions) if at_step is None else f"{partitions}@{at_step}"
-    return _request(r, keys.reshard, source, value, keys.reshards, timeout_s, answer)
+    return _request(r, keys, keys.reshard, source, value, keys.reshards, timeout_s, answer)
 
 
 def _request(
     r: redis.Redis,
+    keys: Keys,
     requests: str,
     field: str,
     value: str,
@@ -72,7 +74,13 @@ def _request(
     answer: Callable[[dict[str, str]], tuple[int, str] | None],
 ) -> tuple[int, str]:
     """HSET `field` of the `requests` hash and wait for the entry of the `log` stream that
-    `answer` takes for its answer (see `request_handoff` for what it returns)."""
+    `answer` takes for its answer (see `request_handoff` for what it returns); nothing
+    once the job planned its last step (no Planner would take it)."""
+    if planner_done(r, keys):
+        return 1, (
+            f"job {keys.job!r} planned its last step: nothing is left to serve another way "
+            "(`overlord status`); ask while a job runs"
+        )
     last = r.xrevrange(log, count=1)
     after = last[0][0] if last else b"0-0"
     r.hset(requests, field, value)

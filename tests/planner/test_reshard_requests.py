@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 from planner_helpers import chunk
@@ -15,6 +16,7 @@ from overlord.plan.core import PlannerCore
 from overlord.plan.step_plan import Plan
 from overlord.plan.tree import ClientPlaceTree
 from overlord.planner.handoff import Handoffs
+from overlord.planner.request import request_handoff, request_reshard
 from overlord.planner.reshard import Reshards, parse_request, spread
 from overlord.runtime.layout import Layout
 from overlord.runtime.lease import Lease, Superseded
@@ -223,3 +225,15 @@ def test_past_the_most_a_plan_counts_a_request_is_refused(r, tmp_path, monkeypat
     assert "the most a plan's header counts" in log_entries(r.xrange(KEYS.reshards))[-1]["reason"], log_entries(
         r.xrange(KEYS.reshards)
     )
+
+
+def test_a_request_after_the_last_step_is_answered_at_once_and_not_left_behind(r):
+    r.delete(KEYS.reshard, KEYS.handoff, KEYS.planner)
+    r.hset(KEYS.planner, mapping={"step": 41, "done": 1})
+    started = time.monotonic()
+    code, message = request_reshard(r, KEYS, "web", 3, timeout_s=30)
+    assert code == 1 and "planned its last step" in message, message
+    code, message = request_handoff(r, KEYS, "web.0", 1, timeout_s=30)
+    assert code == 1 and "planned its last step" in message, message
+    assert time.monotonic() - started < 5  # not the 30 s a request waits for a Planner
+    assert not r.exists(KEYS.reshard) and not r.exists(KEYS.handoff)  # nothing stays for a later run
