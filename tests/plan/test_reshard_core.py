@@ -252,14 +252,19 @@ def test_deltas_carry_the_reshards():
     assert sum("reshards" in d for d in states[1:]) == 2  # only the deltas of the steps that made one
 
 
-def test_the_record_and_the_grown_layout():
+def _resharded() -> tuple[PlannerCore, Reshard, Model]:
+    """A core that planned three steps, then resharded source 0 into three streams."""
     model = Model({0: 2, 1: 1})
     core = make(model)
     for i in range(3):
         model.report(core, i)
     for _ in range(3):
         core.plan_step()
-    record = core.reshard(0, "s0", homes=[1, 0, 1])
+    return core, core.reshard(0, "s0", homes=[1, 0, 1]), model
+
+
+def test_the_record_and_the_grown_layout():
+    core, record, _ = _resharded()
     assert record.generation == 1 and record.step == 3 and record.epoch == 0
     assert record.streams == ("s0.r1p0", "s0.r1p1", "s0.r1p2")
     assert [p[0] for p in record.parents] == ["s0.0", "s0.1"]
@@ -277,17 +282,6 @@ def test_the_record_and_the_grown_layout():
     assert grown.grown([record]) is grown
     with pytest.raises(PlanError, match="do not follow"):
         base.grown([dataclasses.replace(record, generation=2)])
-
-
-def _resharded() -> tuple[PlannerCore, Reshard, Model]:
-    """A core that planned three steps, then resharded source 0 into three streams."""
-    model = Model({0: 2, 1: 1})
-    core = make(model)
-    for i in range(3):
-        model.report(core, i)
-    for _ in range(3):
-        core.plan_step()
-    return core, core.reshard(0, "s0", homes=[1, 0, 1]), model
 
 
 # a record as a damaged checkpoint, or another job's, could hold it: each is named, not applied
