@@ -54,13 +54,14 @@ from overlord.loader.hosting import Hosting
 from overlord.loader.inflight import Deadline, Inflight, inflight_path
 from overlord.loader.refill import SHADOW_BLOCK_MS, Pace, PlanWatch, RefillTurns, idle_ms
 from overlord.loader.reports import Reports
-from overlord.loader.source_loader import Prepared
+from overlord.loader.source_loader import Prepared, SourceLoader
 from overlord.plan.checkpoint import Checkpoints
 from overlord.plan.lowlevel import loader_do_plan
 from overlord.plan.step_plan import Plan
 from overlord.plan.waiting import resume_point
 from overlord.runtime.flow import Stopped, push
 from overlord.runtime.layout import Layout, sample_ring
+from overlord.runtime.readbuffer import ReadBudget
 from overlord.shm import Ring, SampleMeta
 from overlord.store.durable import Durability
 from overlord.store.schema import (
@@ -99,13 +100,6 @@ class LoaderProcess:
         # the streams this process serves: the layout's, until a plan hands one over or
         # a reshard retires or makes some (hosting.py); the per-stream dicts are its own
         self.hosting = Hosting(job, self.r, self.keys, ctx.index, layout, self.reports, self._opened)
-        hosting = self.hosting
-        self.loaders, self.buffers, self.held_bytes, self.budgets = (
-            hosting.loaders,
-            hosting.buffers,
-            hosting.held_bytes,
-            hosting.budgets,
-        )
         self._pace = Pace(job.plan_ahead)
         self._turns = RefillTurns()
         self._plans = PlanWatch(self.r, self.keys, ctx.stop)  # started with the loop
@@ -131,6 +125,26 @@ class LoaderProcess:
     def layout(self) -> Layout:
         """The job's layout as this process has followed it (reshards grow it)."""
         return self.hosting.layout
+
+    @property
+    def loaders(self) -> dict[int, SourceLoader]:
+        """The Source Loader of each stream this process hosts (hosting.py)."""
+        return self.hosting.loaders
+
+    @property
+    def buffers(self) -> dict[int, dict[tuple[int, int], Prepared]]:
+        """Each hosted stream's read buffer: prepared samples not yet sent."""
+        return self.hosting.buffers
+
+    @property
+    def held_bytes(self) -> dict[int, int]:
+        """Bytes of each hosted stream's read buffer."""
+        return self.hosting.held_bytes
+
+    @property
+    def budgets(self) -> dict[int, ReadBudget]:
+        """Each hosted stream's read-buffer budget."""
+        return self.hosting.budgets
 
     def _opened(self, i: int) -> None:
         """Stream i was started while the process runs: watch its transforms."""

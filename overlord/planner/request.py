@@ -78,8 +78,8 @@ def _request(
     once the job planned its last step (no Planner would take it)."""
     if planner_done(r, keys):
         return 1, (
-            f"job {keys.job!r} planned its last step: nothing is left to serve another way "
-            "(`overlord status`); ask while a job runs"
+            f"job {keys.job!r} planned its last step: no Planner takes requests any more (`overlord status` "
+            "says so); make it while the job runs"
         )
     last = r.xrevrange(log, count=1)
     after = last[0][0] if last else b"0-0"

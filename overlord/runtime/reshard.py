@@ -163,10 +163,9 @@ def _record_fault(
         return f"names its streams {list(record.streams)}, not {list(named)}"
     if any(k < 0 or (loaders is not None and k >= loaders) for k in record.homes):
         return f"homes its streams on loader processes {list(record.homes)}, and the job has {loaders}"
-    index = {name: i for i, name in enumerate(streams)}
-    if any(name in index for name in record.streams):
+    if not set(record.streams).isdisjoint(streams):
         return f"makes streams {list(record.streams)}, and some of them exist already"
-    if not 0 <= record.source_index or record.source_index not in set(stream_source):
+    if record.source_index not in set(stream_source):
         return f"names source index {record.source_index}, which has no streams"
     if record.step < 0 or record.epoch < 0:
         return f"takes effect at step {record.step} in epoch {record.epoch}"
@@ -176,7 +175,7 @@ def _record_fault(
         return f"retires streams {parents}, and the source's live streams are {mine}"
     if any(not name.startswith(f"{source}.") for name in parents):
         return f"retires streams {parents}, which are not source {source!r}'s"
-    if max(e for _, e, _ in record.parents) != record.epoch or any(s < -1 for _, _, s in record.parents):
+    if max((e for _, e, _ in record.parents), default=-1) != record.epoch or any(s < -1 for _, _, s in record.parents):
         return f"counts its remainder as epoch {record.epoch} from cursors {list(record.parents)}"
     if len(set(record.deferred)) != len(record.deferred):
         return "holds a deferred sample twice"
